@@ -1,0 +1,77 @@
+"""Every vLLM 0.32 internal the plugin touches, in one place, so a version bump is one file.
+
+Public vLLM API used elsewhere: ``vllm.logger.init_logger`` and the OpenAI server / ``vllm.LLM``.
+Private internals (names and the behaviour relied on):
+
+* ``Scheduler`` / ``AsyncScheduler`` (v1/core/sched): subclassed. Overridden hooks:
+  ``schedule``, ``update_from_output``, ``_get_local_prefix_cache_hit`` (lookup),
+  ``_mamba_block_aligned_split`` (chunk stop at the prompt boundary), ``_free_request`` (response
+  capture), ``_preempt_request``, ``finish_requests`` via ``_free_request``,
+  ``reset_prefix_cache``. Attributes read: ``kv_cache_manager``, ``requests``, ``hash_block_size``,
+  ``need_mamba_block_aligned_split``, ``vllm_config``.
+* ``KVCacheManager`` (v1/core/kv_cache_manager.py): its ``allocate_slots`` returns None without
+  side effects when the pool is short, which the plugin's subclass answers by evicting retained
+  checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
+  instance to the subclass (``__class__`` assignment; no vLLM function is replaced).
+* ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``), ``BlockPool``
+  (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
+  ``num_gpu_blocks``), the coordinator's ``single_type_managers`` (``req_to_blocks``,
+  ``block_size``), ``MambaManager`` and ``FullAttentionManager``.
+* ``KVCacheBlockCopy`` + ``SchedulerOutput.kv_cache_block_copies``: both model runners (V1 on CPU,
+  V2 on GPU) apply these whole-block copies in ``copy_kv_cache_blocks_inplace`` at the start of a
+  step, after zeroing new blocks and before the forward pass. Capture copies ride this channel,
+  and restores use vLLM's own partial-hit copy-on-write, which rides it too.
+* ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
+  ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
+  ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).
+* ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
+  config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
+  the plugin's only wrapper around a vLLM function.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from vllm.v1.request import Request, RequestStatus
+
+__all__ = [
+    "AsyncScheduler",
+    "FullAttentionManager",
+    "KVCacheBlock",
+    "KVCacheBlockCopy",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "MambaManager",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "VllmConfig",
+    "install_vllm_config_hook",
+]
+
+_HOOK_MARK = "_boundary_checkpoints_hook"
+
+
+def install_vllm_config_hook(apply: Callable[[VllmConfig], None]) -> None:
+    """Run ``apply(config)`` after every ``VllmConfig.__post_init__`` (idempotent per process)."""
+    original = VllmConfig.__post_init__
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self: VllmConfig) -> None:
+        original(self)
+        apply(self)
+
+    setattr(post_init, _HOOK_MARK, True)
+    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]

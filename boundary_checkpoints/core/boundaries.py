@@ -1,0 +1,121 @@
+"""Which boundaries a request has, and which blocks make up a bundle at a boundary.
+
+Contract
+--------
+Boundaries (all exact token counts, no alignment):
+
+* prompt boundary ``P - 1``: the scheduler ends a prefill chunk there, so the state after ``P - 1``
+  prompt tokens exists for one step; an exact resend then reports ``P - 1`` cached tokens and
+  recomputes only the last prompt token to get its logits (vLLM never reports ``P`` of ``P``);
+* response boundary: the committed length when a request finishes STOPPED or LENGTH_CAPPED, i.e.
+  every token whose KV and recurrent state were computed (``num_tokens - 1``, or ``num_tokens``
+  when async scheduling already had the last sampled token in flight).
+
+A bundle at ``N`` is planned from a request's live block table (:func:`plan_bundle`):
+
+* attention group with page size ``B``: the ``N // B`` full pages are shared by reference (nothing
+  writes a full page again); when ``N % B != 0`` the page holding rows ``[N // B * B, N)`` is the
+  *tail*: it is copied to a private page (:attr:`BundlePlan.copies`) or adopted when its producer
+  has finished (no writer is left). Rows ``>= N`` of that page are never read by a consumer, which
+  writes its own rows into a copy-on-write page (vLLM's partial-hit path).
+* recurrent group with block size ``B``: the producer's running state sits in block
+  ``(N - 1) // B`` right after the step that computed token ``N - 1``; it is copied to a private
+  block, or adopted at finish. The bundle lists null blocks before it, as vLLM's hits do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from boundary_checkpoints.core.store import BlockLike
+
+PROMPT = "prompt"
+RESPONSE = "response"
+
+
+class GroupKind(Enum):
+    ATTENTION = "attention"
+    RECURRENT = "recurrent"
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    kind: GroupKind
+    block_size: int
+    page_bytes: int
+
+
+def prompt_boundary(num_prompt_tokens: int) -> int:
+    """Token count of the prompt checkpoint (0: the prompt is too short to have one)."""
+    return max(num_prompt_tokens - 1, 0)
+
+
+def response_boundary(num_computed_tokens: int, num_tokens: int) -> int:
+    """Token count of the response checkpoint of a finished request (0: none is exact).
+
+    The scheduler's computed count includes any step still in flight, which is exactly the
+    state the request's blocks hold once that step has run; it can never exceed the tokens
+    whose ids are known.
+    """
+    if num_computed_tokens <= 0 or num_computed_tokens > num_tokens:
+        return 0
+    return num_computed_tokens
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    """Blocks of one bundle at ``num_tokens``.
+
+    ``shared[g]``: blocks referenced as they are (full attention pages; null padding).
+    ``sources[g]``: the block whose content must be preserved (tail page or running state),
+    or None when the group needs nothing beyond ``shared[g]``.
+    """
+
+    num_tokens: int
+    shared: tuple[tuple[BlockLike, ...], ...]
+    sources: tuple[BlockLike | None, ...]
+
+    def group_blocks(self, replacements: Sequence[BlockLike | None]) -> tuple[tuple[BlockLike, ...], ...]:
+        """The bundle's block lists, with each group's source replaced by ``replacements[g]``."""
+        out = []
+        for shared, source, replacement in zip(self.shared, self.sources, replacements, strict=True):
+            if source is None:
+                out.append(tuple(shared))
+            else:
+                assert replacement is not None
+                out.append((*shared, replacement))
+        return tuple(out)
+
+    def copy_sources(self) -> list[BlockLike]:
+        return [source for source in self.sources if source is not None]
+
+
+def plan_bundle(
+    geometries: Sequence[GroupGeometry],
+    request_blocks: Sequence[Sequence[BlockLike]],
+    num_tokens: int,
+    null_block: BlockLike,
+) -> BundlePlan | None:
+    """Plan a bundle at ``num_tokens`` from a request's block table, or None if it lacks a page."""
+    if num_tokens <= 0:
+        return None
+    shared: list[tuple[BlockLike, ...]] = []
+    sources: list[BlockLike | None] = []
+    for geometry, blocks in zip(geometries, request_blocks, strict=True):
+        size = geometry.block_size
+        if geometry.kind is GroupKind.ATTENTION:
+            num_full = num_tokens // size
+            needed = num_full + (1 if num_tokens % size else 0)
+            if len(blocks) < needed or any(block.is_null for block in blocks[:needed]):
+                return None
+            shared.append(tuple(blocks[:num_full]))
+            sources.append(blocks[num_full] if num_tokens % size else None)
+        else:
+            state_index = (num_tokens - 1) // size
+            if len(blocks) <= state_index or blocks[state_index].is_null:
+                return None
+            shared.append((null_block,) * state_index)
+            sources.append(blocks[state_index])
+    return BundlePlan(num_tokens, tuple(shared), tuple(sources))

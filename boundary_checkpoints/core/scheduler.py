@@ -1,0 +1,393 @@
+"""vLLM scheduler subclasses that capture, publish and restore exact boundary checkpoints.
+
+Contract (one engine step at a time; data flows scheduler -> worker -> scheduler):
+
+1. Chunk stop: a prompt of ``P`` tokens is prefilled so that a chunk ends at ``P - 1``
+   (``_mamba_block_aligned_split``); the last prompt token runs in the next step.
+2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
+   bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
+   the *next* ``SchedulerOutput.kv_cache_block_copies`` and therefore run on every worker after
+   the forward that produced the state and before any later forward touches it (workers execute
+   steps in order; zeroing of newly allocated blocks precedes the copies inside a step, and the
+   pinned sources are never newly allocated). The pins on the sources are dropped when that
+   ``schedule()`` returns: any reuse of those blocks is scheduled later and so runs later.
+3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
+   after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
+   bundle by reference (no copy: nothing writes a finished request's blocks again).
+4. Publication: a captured bundle enters the store only in ``update_from_output`` of the step that
+   ran its copies (or, for adoption, of the last step scheduled before the finish): the step's
+   output exists only after every worker returned it. A producer that is preempted or aborted
+   before publication publishes nothing.
+5. Restore: ``_get_local_prefix_cache_hit`` returns the longest stock hit or the longest
+   checkpoint, whichever is longer; a checkpoint hit gives every group the same ``N``. vLLM's own
+   partial-hit copy-on-write then copies the checkpoint's tail page and recurrent state into the
+   new request's private blocks (a restore never writes a retained block). The plugin pins a
+   hit's blocks for the rest of the ``schedule()`` that looked it up.
+6. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool and are
+   evicted (LRU) before vLLM would have to preempt or refuse a request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints.compat import (
+    AsyncScheduler,
+    FullAttentionManager,
+    KVCacheBlockCopy,
+    KVCacheBlocks,
+    KVCacheManager,
+    MambaManager,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
+from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError
+from boundary_checkpoints.core.boundaries import (
+    PROMPT,
+    RESPONSE,
+    BundlePlan,
+    GroupGeometry,
+    GroupKind,
+    plan_bundle,
+    prompt_boundary,
+    response_boundary,
+)
+from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
+from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+
+logger = init_logger(__name__)
+
+_FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PressureRelievingKVCacheManager(KVCacheManager):
+    """KVCacheManager that evicts retained checkpoints before refusing an allocation."""
+
+    relieve_pressure: Any = None  # () -> bool, set by the scheduler
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
+        while True:
+            blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+            if blocks is not None or self.relieve_pressure is None or not self.relieve_pressure():
+                return blocks
+
+
+@dataclass
+class PendingCapture:
+    """A bundle whose content is not final yet: published once step ``ready_seq`` returned."""
+
+    request_id: str
+    key: CheckpointKey
+    kind: str
+    plan: BundlePlan
+    destinations: tuple[Any, ...]  # per group: private block or None
+    ready_seq: int | None = None  # None: copies not emitted yet
+
+
+def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], list[str]]:
+    """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
+    geometries: list[GroupGeometry] = []
+    reasons: list[str] = []
+    for group, manager in zip(kv_cache_config.kv_cache_groups, managers, strict=True):
+        spec = group.kv_cache_spec
+        page_bytes = spec.page_size_bytes * len(group.layer_names)
+        if isinstance(manager, MambaManager):
+            if manager.mamba_cache_mode != "align":
+                reasons.append(f"recurrent group uses mamba_cache_mode={manager.mamba_cache_mode!r}, not 'align'")
+            if manager.num_speculative_blocks:
+                reasons.append("recurrent group keeps speculative state blocks")
+            geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
+        elif type(manager) is FullAttentionManager:
+            geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
+        else:
+            reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
+    if not any(g.kind is GroupKind.RECURRENT for g in geometries):
+        reasons.append("no recurrent KV cache group")
+    return geometries, reasons
+
+
+def request_is_eligible(request: Request) -> bool:
+    """Requests whose prefix is fully described by token ids, salt and LoRA identity."""
+    return (
+        request.sampling_params is not None
+        and request.prompt_embeds is None
+        and not request.mm_features
+        and request.num_prompt_tokens > 0
+    )
+
+
+class BoundaryCheckpointMixin:
+    """Boundary capture/restore on top of vLLM's Scheduler (see module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.boundary_config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        geometries, reasons = describe_layout(self.kv_cache_config, managers)
+        if not self.need_mamba_block_aligned_split:
+            reasons.append("recurrent state is not kept block-aligned by this scheduler")
+        self.boundaries_active = not reasons
+        if reasons:
+            message = "boundary_checkpoints: KV cache layout not supported: " + "; ".join(reasons)
+            if self.boundary_config.policy == "request_boundaries":
+                raise BoundaryConfigError(message)
+            logger.warning("%s -> falling back to aligned retention", message)
+            return
+        self._geometries = geometries
+        block_pool = self.kv_cache_manager.block_pool
+        self._block_pool = block_pool
+        max_blocks = int(block_pool.num_gpu_blocks * self.boundary_config.max_retained_fraction)
+        self._page_bytes = tuple(g.page_bytes for g in geometries)
+        self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks)
+        self._pending: list[PendingCapture] = []
+        self._lookup_pins: list[Any] = []
+        self._counted_requests: set[str] = set()
+        self._tainted: set[str] = set()
+        self._sched_seq = 0
+        self._processed_seq = 0
+        self._last_stats_log = time.monotonic()
+        self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
+        self.kv_cache_manager.relieve_pressure = self.checkpoint_store.evict_lru
+        logger.info(
+            "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
+            "retaining at most %d of %d blocks",
+            len(geometries),
+            ", ".join(f"{g.kind.value}/{g.block_size}" for g in geometries),
+            self.hash_block_size,
+            max_blocks,
+            block_pool.num_gpu_blocks,
+        )
+
+    # ---- keys -----------------------------------------------------------------------------
+    def _root(self, request: Request):
+        lora = request.lora_request.lora_int_id if request.lora_request is not None else None
+        return root_discriminator(request.cache_salt, lora)
+
+    def _key(self, request: Request, num_tokens: int) -> CheckpointKey | None:
+        return make_key(
+            request.all_token_ids, num_tokens, request.block_hashes, self.hash_block_size, self._root(request)
+        )
+
+    def _request_blocks(self, request_id: str):
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        return [manager.req_to_blocks.get(request_id, []) for manager in managers]
+
+    # ---- restore --------------------------------------------------------------------------
+    def _get_local_prefix_cache_hit(self, request: Request):
+        blocks, num_hit, shared_boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        if not self.boundaries_active or not request_is_eligible(request):
+            return blocks, num_hit, shared_boundary, diverged
+        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            return blocks, num_hit, shared_boundary, diverged
+        root = self._root(request)
+        hit = self.checkpoint_store.lookup(
+            request.all_token_ids,
+            request.num_tokens - 1,
+            lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root),
+            self.hash_block_size,
+        )
+        if request.request_id not in self._counted_requests:
+            self._counted_requests.add(request.request_id)
+            self.checkpoint_store.record_lookup(hit if hit is not None and hit.num_tokens > num_hit else None)
+        if hit is None or hit.num_tokens <= num_hit:
+            return blocks, num_hit, shared_boundary, diverged
+        pins = hit.distinct_blocks()
+        self._block_pool.touch(pins)
+        self._lookup_pins.extend(pins)
+        logger.debug(
+            "boundary_checkpoints: request %s restores %s checkpoint at %d tokens (stock hit %d)",
+            request.request_id, hit.kind, hit.num_tokens, num_hit,
+        )
+        return KVCacheBlocks(tuple(list(group) for group in hit.group_blocks)), hit.num_tokens, 0, False
+
+    # ---- chunk stop -----------------------------------------------------------------------
+    def _mamba_block_aligned_split(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        num_new_tokens = super()._mamba_block_aligned_split(
+            request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+        if not self.boundaries_active or not request_is_eligible(request):
+            return num_new_tokens
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        stop = prompt_boundary(request.num_prompt_tokens)
+        if start < stop < start + num_new_tokens:
+            return stop - start
+        return num_new_tokens
+
+    # ---- step boundaries ------------------------------------------------------------------
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        output = super().schedule(*args, **kwargs)
+        if not self.boundaries_active:
+            return output
+        if output.total_num_scheduled_tokens > 0:
+            self._sched_seq += 1
+        copies = self._emit_pending_copies(output)
+        if copies:
+            output.kv_cache_block_copies = list(output.kv_cache_block_copies or []) + copies
+        self._plan_prompt_captures(output)
+        if self._lookup_pins:
+            self._block_pool.free_blocks(self._lookup_pins)
+            self._lookup_pins = []
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
+        if self.boundaries_active and scheduler_output.total_num_scheduled_tokens > 0:
+            self._processed_seq += 1
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.boundaries_active:
+            self._publish_ready()
+            self._maybe_log_stats()
+        return outputs
+
+    # ---- capture --------------------------------------------------------------------------
+    def _plan_prompt_captures(self, output: SchedulerOutput) -> None:
+        for request_id, num_scheduled in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            end = request.num_computed_tokens
+            target = prompt_boundary(request.num_prompt_tokens)
+            if target == 0 or end != target or end - num_scheduled >= target:
+                continue
+            if request_is_eligible(request):
+                self._plan_capture(request, target, PROMPT, adopt=False)
+
+    def _plan_capture(self, request: Request, num_tokens: int, kind: str, adopt: bool) -> None:
+        key = self._key(request, num_tokens)
+        if key is None or key in self.checkpoint_store:
+            return
+        if any(p.key == key for p in self._pending):
+            return
+        plan = plan_bundle(
+            self._geometries, self._request_blocks(request.request_id), num_tokens, self._block_pool.null_block
+        )
+        if plan is None:
+            self.checkpoint_store.counters.captures_dropped += 1
+            return
+        sources = plan.copy_sources()
+        if adopt:
+            destinations = tuple(plan.sources)
+            self._block_pool.touch(sources)
+        else:
+            if self._block_pool.get_num_free_blocks() < len(sources):
+                self.checkpoint_store.counters.captures_dropped += 1
+                return
+            fresh = iter(self._block_pool.get_new_blocks(len(sources)))
+            destinations = tuple(None if s is None else next(fresh) for s in plan.sources)
+            self._block_pool.touch(sources)  # source pins, dropped once the copies are emitted
+        self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
+        pending = PendingCapture(request.request_id, key, kind, plan, destinations)
+        if adopt:
+            pending.ready_seq = self._sched_seq
+        self._pending.append(pending)
+
+    def _emit_pending_copies(self, output: SchedulerOutput) -> list:
+        """Attach planned capture copies to this step and drop their source pins."""
+        copies: list = []
+        # A 0-token step is not counted; the next counted step runs after it.
+        ready_seq = self._sched_seq if output.total_num_scheduled_tokens > 0 else self._sched_seq + 1
+        kept: list[PendingCapture] = []
+        for pending in self._pending:
+            if pending.ready_seq is not None:
+                kept.append(pending)
+                continue
+            if pending.request_id in self._tainted:
+                self._discard(pending)
+            else:
+                for source, destination in zip(pending.plan.sources, pending.destinations, strict=True):
+                    if source is not None:
+                        copies.append(KVCacheBlockCopy(source.block_id, destination.block_id))
+                pending.ready_seq = ready_seq
+                kept.append(pending)
+            self._block_pool.free_blocks(pending.plan.copy_sources())
+        self._pending = kept
+        return copies
+
+    def _publish_ready(self) -> None:
+        still_pending: list[PendingCapture] = []
+        for pending in self._pending:
+            if pending.ready_seq is None or pending.ready_seq > self._processed_seq:
+                still_pending.append(pending)
+            elif pending.request_id in self._tainted:
+                self._discard(pending)
+            else:
+                checkpoint = Checkpoint(
+                    pending.key, pending.kind, pending.plan.group_blocks(pending.destinations), self._page_bytes
+                )
+                if self.checkpoint_store.publish(checkpoint):
+                    logger.debug(
+                        "boundary_checkpoints: published %s checkpoint of %s at %d tokens",
+                        pending.kind, pending.request_id, pending.key.num_tokens,
+                    )
+        self._pending = still_pending
+        live = {p.request_id for p in self._pending}
+        self._tainted &= live
+
+    def _discard(self, pending: PendingCapture) -> None:
+        blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
+        blocks += [d for d in pending.destinations if d is not None]
+        self._block_pool.free_blocks(blocks)
+        self.checkpoint_store.counters.captures_dropped += 1
+
+    # ---- request lifecycle ----------------------------------------------------------------
+    def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        if self.boundaries_active:
+            self._counted_requests.discard(request.request_id)
+            if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
+                num_tokens = response_boundary(request.num_computed_tokens, request.num_tokens)
+                if num_tokens:
+                    self._plan_capture(request, num_tokens, RESPONSE, adopt=True)
+            elif any(p.request_id == request.request_id for p in self._pending):
+                self._tainted.add(request.request_id)
+        result = super()._free_request(request, delay_free_blocks)
+        if self.boundaries_active:
+            self._publish_ready()
+        return result
+
+    def _preempt_request(self, request: Request, *args, **kwargs) -> None:
+        if self.boundaries_active and any(p.request_id == request.request_id for p in self._pending):
+            self._tainted.add(request.request_id)
+        super()._preempt_request(request, *args, **kwargs)
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        if self.boundaries_active:
+            dropped = self.checkpoint_store.clear()
+            logger.info("boundary_checkpoints: prefix cache reset dropped %d checkpoints", dropped)
+        return super().reset_prefix_cache(*args, **kwargs)
+
+    # ---- metrics --------------------------------------------------------------------------
+    def boundary_stats(self) -> dict[str, int]:
+        stats = self.checkpoint_store.counters.as_dict()
+        stats["checkpoints_retained"] = len(self.checkpoint_store)
+        stats["blocks_retained"] = self.checkpoint_store.retained_blocks
+        stats["bytes_retained"] = self.checkpoint_store.retained_bytes
+        stats["captures_pending"] = len(self._pending)
+        return stats
+
+    def _maybe_log_stats(self) -> None:
+        interval = self.boundary_config.stats_log_interval_s
+        now = time.monotonic()
+        if interval <= 0 or now - self._last_stats_log < interval:
+            return
+        self._last_stats_log = now
+        logger.info(
+            "boundary_checkpoints: %s",
+            ", ".join(f"{name}={value}" for name, value in self.boundary_stats().items()),
+        )
+
+
+class BoundaryScheduler(BoundaryCheckpointMixin, Scheduler):
+    """Synchronous vLLM scheduler with request-boundary checkpoints."""
+
+
+class BoundaryAsyncScheduler(BoundaryCheckpointMixin, AsyncScheduler):
+    """Async-scheduling vLLM scheduler with request-boundary checkpoints."""

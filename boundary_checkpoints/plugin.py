@@ -1,0 +1,38 @@
+"""vLLM general-plugin entry point (``vllm.general_plugins`` -> ``boundary_checkpoints``).
+
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers). It
+installs one config hook; whenever vLLM finalizes a ``VllmConfig``, :func:`apply_policy` reads
+``additional_config["boundary_checkpoints"]`` (and ``VLLM_BOUNDARY_CHECKPOINTS_POLICY``), runs the
+policy gate, logs the decision once, and, when boundary retention is on, selects the plugin's
+scheduler class (sync or async, matching vLLM's own choice). ``aligned`` and every fallback leave
+the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints.config import BoundaryConfig, decide_policy, log_decision_once
+
+logger = init_logger(__name__)
+
+SCHEDULER_CLASSES = {
+    False: "boundary_checkpoints.core.scheduler.BoundaryScheduler",
+    True: "boundary_checkpoints.core.scheduler.BoundaryAsyncScheduler",
+}
+
+
+def apply_policy(vllm_config) -> None:
+    """Gate the policy for ``vllm_config`` and install the scheduler class it needs."""
+    config = BoundaryConfig.from_additional_config(vllm_config.additional_config)
+    decision = decide_policy(config, vllm_config)
+    log_decision_once(decision, logger)
+    if decision.boundaries_enabled:
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.scheduler_cls = SCHEDULER_CLASSES[bool(scheduler_config.async_scheduling)]
+
+
+def register() -> None:
+    from boundary_checkpoints.compat import install_vllm_config_hook
+
+    install_vllm_config_hook(apply_policy)
