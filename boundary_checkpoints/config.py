@@ -1,0 +1,268 @@
+"""Plugin configuration and the policy gate.
+
+Contract
+--------
+* ``BoundaryConfig.from_additional_config(additional_config, env)`` reads the ``"boundary_checkpoints"``
+  section of vLLM's ``additional_config`` (``--additional-config '{"boundary_checkpoints": {...}}'``).
+  A missing section (or ``None``) gives the defaults. Anything else that is not exactly right (a section
+  that is not a dict, an unknown key, a value of the wrong type, a number out of range, an unknown
+  policy) raises ``BoundaryConfigError`` whose message names the offending key (for example
+  ``boundary_checkpoints.policy``) and what is allowed. ``bool`` is never accepted as a number. A
+  non-empty ``VLLM_BOUNDARY_CHECKPOINTS_POLICY`` environment variable overrides the policy and is
+  validated the same way; a bad value is reported under the variable's name.
+* ``unsupported_reasons(vllm_config)`` is a pure function of a ``VllmConfig``-like object (attribute
+  access only, missing or ``None`` attributes are tolerated): it lists, in a fixed order, one short
+  human clause per feature that boundary retention does not support.
+* ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
+  ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
+  applies and otherwise falls back to ``aligned`` with the reasons, ``request_boundaries`` enables it
+  or raises ``BoundaryConfigError`` listing every reason.
+* ``log_decision_once(decision, logger)`` logs the one-line summary at INFO once per process per
+  distinct summary.
+
+Nothing here imports vLLM, so the module is cheap to import in every process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+POLICIES = ("auto", "aligned", "request_boundaries")
+CONFIG_KEY = "boundary_checkpoints"
+ENV_POLICY = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
+
+_ENABLED_POLICY = "request_boundaries"
+_FALLBACK_POLICY = "aligned"
+
+
+class BoundaryConfigError(ValueError):
+    """Invalid plugin configuration, or ``request_boundaries`` asked for on an unsupported layout."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Field validation (shared by the dataclass and the parser)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _qualified(key: str) -> str:
+    return f"{CONFIG_KEY}.{key}"
+
+
+def _check_policy(value: Any, name: str) -> str:
+    allowed = ", ".join(POLICIES)
+    if not isinstance(value, str):
+        raise BoundaryConfigError(
+            f"{name} must be a string, one of: {allowed} (got {type(value).__name__} {value!r})"
+        )
+    if value not in POLICIES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {value!r})")
+    return value
+
+
+def _check_number(value: Any, name: str, range_text: str) -> float:
+    # bool is an int subclass; True/False as a fraction or interval is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BoundaryConfigError(
+            f"{name} must be a number {range_text} (got {type(value).__name__} {value!r})"
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise BoundaryConfigError(f"{name} must be a finite number {range_text} (got {value!r})")
+    return number
+
+
+def _check_fraction(value: Any, name: str) -> float:
+    range_text = "in (0, 1]"
+    number = _check_number(value, name, range_text)
+    if not 0.0 < number <= 1.0:
+        raise BoundaryConfigError(f"{name} must be a number {range_text} (got {value!r})")
+    return number
+
+
+def _check_interval(value: Any, name: str) -> float:
+    range_text = ">= 0 (0 disables the stats log line)"
+    number = _check_number(value, name, range_text)
+    if number < 0.0:
+        raise BoundaryConfigError(f"{name} must be a number {range_text} (got {value!r})")
+    return number
+
+
+_FIELD_CHECKS = {
+    "policy": _check_policy,
+    "max_retained_fraction": _check_fraction,
+    "stats_log_interval_s": _check_interval,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# BoundaryConfig
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BoundaryConfig:
+    """Validated plugin settings. Construction validates every field (numbers are stored as float)."""
+
+    policy: str = "auto"
+    max_retained_fraction: float = 0.25
+    """Share of the KV block pool that retained checkpoints may hold, in (0, 1]."""
+    stats_log_interval_s: float = 30.0
+    """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
+
+    def __post_init__(self) -> None:
+        for key, check in _FIELD_CHECKS.items():
+            object.__setattr__(self, key, check(getattr(self, key), _qualified(key)))
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> BoundaryConfig:
+        """Parse ``additional_config[CONFIG_KEY]``; a non-empty ``ENV_POLICY`` in ``env`` (default
+        ``os.environ``) overrides the policy. Raises ``BoundaryConfigError`` naming the bad key."""
+        section = _read_section(additional_config)
+        allowed_keys = tuple(f.name for f in fields(cls))
+        for key in section:
+            if key not in allowed_keys:
+                raise BoundaryConfigError(
+                    f"{_qualified(str(key))} is not a known key; allowed keys: "
+                    f"{', '.join(allowed_keys)}"
+                )
+        values = dict(section)
+        env_policy = (os.environ if env is None else env).get(ENV_POLICY)
+        if env_policy:
+            values["policy"] = _check_policy(env_policy, f"environment variable {ENV_POLICY}")
+        return cls(**values)
+
+
+def _read_section(additional_config: Any) -> Mapping[str, Any]:
+    if additional_config is None:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        raise BoundaryConfigError(
+            f"additional_config must be a dict to hold the {CONFIG_KEY!r} section "
+            f"(got {type(additional_config).__name__})"
+        )
+    section = additional_config.get(CONFIG_KEY)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise BoundaryConfigError(
+            f"{CONFIG_KEY} must be a dict with keys "
+            f"{', '.join(_FIELD_CHECKS)} (got {type(section).__name__} {section!r})"
+        )
+    return section
+
+
+# ---------------------------------------------------------------------------------------------------
+# The policy gate
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What the gate chose: ``boundaries_enabled`` and, when it is off, why."""
+
+    requested: str
+    boundaries_enabled: bool
+    reasons: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """One log line: the requested policy, the effective one, and every fallback reason."""
+        effective = _ENABLED_POLICY if self.boundaries_enabled else _FALLBACK_POLICY
+        line = f"{CONFIG_KEY}: policy={self.requested} -> {effective}"
+        if self.reasons:
+            line += f" (fallback: {'; '.join(self.reasons)})"
+        return " ".join(line.split())  # one line whatever the reasons contain
+
+
+def _size(section: Any, name: str) -> int:
+    value = getattr(section, name, None)
+    return 1 if value is None else int(value)
+
+
+def _is_multimodal(model_config: Any) -> bool:
+    if not getattr(model_config, "is_multimodal_model", False):
+        return False
+    # A multimodal architecture run with --language-model-only accepts no multimodal inputs.
+    mm_config = getattr(model_config, "multimodal_config", None)
+    return not getattr(mm_config, "language_model_only", False)
+
+
+def unsupported_reasons(vllm_config: Any) -> list[str]:
+    """One short reason per feature of ``vllm_config`` that boundary retention does not support,
+    in a fixed order; empty when boundary retention is safe. Attribute access only."""
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    reasons: list[str] = []
+
+    hybrid = bool(getattr(model, "is_hybrid", False))
+    if not hybrid:
+        reasons.append("model has no recurrent layers: nothing to checkpoint")
+    prefix_caching = bool(getattr(cache, "enable_prefix_caching", False))
+    if not prefix_caching:
+        reasons.append("prefix caching is disabled")
+    mamba_mode = getattr(cache, "mamba_cache_mode", None)
+    if hybrid and prefix_caching and mamba_mode != "align":
+        reasons.append(f"mamba_cache_mode is {mamba_mode!r}, not 'align'")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        reasons.append("external KV connector or KV offloading is not supported yet")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        reasons.append(
+            "speculative decoding (MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported "
+            "by boundary capture yet"
+        )
+    for attr, label in (
+        ("pipeline_parallel_size", "pipeline parallel"),
+        ("data_parallel_size", "data parallel"),
+        ("prefill_context_parallel_size", "prefill context parallel"),
+        ("decode_context_parallel_size", "decode context parallel"),
+    ):
+        size = _size(parallel, attr)
+        if size > 1:
+            reasons.append(f"{label} size {size} is not supported yet")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        reasons.append("LoRA adapters are part of the key but not supported yet")
+    if getattr(model, "enable_prompt_embeds", False):
+        reasons.append("prompt embeddings are not supported yet")
+    if _is_multimodal(model):
+        reasons.append("multimodal inputs are not keyed yet")
+    if getattr(model, "is_encoder_decoder", False):
+        reasons.append("encoder-decoder models are not supported")
+    return reasons
+
+
+def decide_policy(config: BoundaryConfig, vllm_config: Any) -> GateDecision:
+    """Apply the requested policy to ``vllm_config`` (see the module docstring)."""
+    requested = config.policy
+    if requested == "aligned":
+        return GateDecision(requested, False, ())
+    reasons = tuple(unsupported_reasons(vllm_config))
+    if not reasons:
+        return GateDecision(requested, True, ())
+    if requested == "request_boundaries":
+        raise BoundaryConfigError(
+            f"{_qualified('policy')}=request_boundaries is not supported with this configuration: "
+            f"{'; '.join(reasons)}. Use policy 'auto' to fall back to 'aligned' automatically "
+            f"(allowed policies: {', '.join(POLICIES)})."
+        )
+    return GateDecision(requested, False, reasons)
+
+
+_logged_summaries: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_decision_once(decision: GateDecision, logger: Any) -> None:
+    """Log ``decision.summary()`` at INFO once per process per distinct summary."""
+    line = decision.summary()
+    with _logged_lock:
+        if line in _logged_summaries:
+            return
+        _logged_summaries.add(line)
+    logger.info("%s", line)

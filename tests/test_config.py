@@ -1,0 +1,412 @@
+"""BoundaryConfig parsing and the policy gate, on SimpleNamespace fakes of VllmConfig."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from boundary_checkpoints import config as bc_config
+from boundary_checkpoints.config import (
+    CONFIG_KEY,
+    ENV_POLICY,
+    POLICIES,
+    BoundaryConfig,
+    BoundaryConfigError,
+    GateDecision,
+    decide_policy,
+    log_decision_once,
+    unsupported_reasons,
+)
+
+NO_ENV: dict[str, str] = {}
+
+
+def parse(section, env=NO_ENV) -> BoundaryConfig:
+    return BoundaryConfig.from_additional_config({CONFIG_KEY: section}, env=env)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("additional_config", [None, {}, {"other_plugin": {"x": 1}}, {CONFIG_KEY: {}}])
+def test_defaults(additional_config):
+    cfg = BoundaryConfig.from_additional_config(additional_config, env=NO_ENV)
+    assert cfg == BoundaryConfig()
+    assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
+
+
+def test_public_constants():
+    assert POLICIES == ("auto", "aligned", "request_boundaries")
+    assert CONFIG_KEY == "boundary_checkpoints"
+    assert ENV_POLICY == "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
+    assert issubclass(BoundaryConfigError, ValueError)
+
+
+def test_all_fields_parsed():
+    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0})
+    assert cfg.policy == "request_boundaries"
+    assert cfg.max_retained_fraction == 1.0 and isinstance(cfg.max_retained_fraction, float)
+    assert cfg.stats_log_interval_s == 0.0 and isinstance(cfg.stats_log_interval_s, float)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_accepted(policy):
+    assert parse({"policy": policy}).policy == policy
+
+
+BAD_VALUES = [
+    ("policy", "fast", "auto, aligned, request_boundaries"),
+    ("policy", "AUTO", "auto, aligned, request_boundaries"),
+    ("policy", 1, "auto, aligned, request_boundaries"),
+    ("policy", None, "auto, aligned, request_boundaries"),
+    ("max_retained_fraction", 0, "(0, 1]"),
+    ("max_retained_fraction", 0.0, "(0, 1]"),
+    ("max_retained_fraction", -0.1, "(0, 1]"),
+    ("max_retained_fraction", 1.5, "(0, 1]"),
+    ("max_retained_fraction", float("nan"), "(0, 1]"),
+    ("max_retained_fraction", True, "(0, 1]"),
+    ("max_retained_fraction", "0.5", "(0, 1]"),
+    ("max_retained_fraction", None, "(0, 1]"),
+    ("stats_log_interval_s", -1, ">= 0"),
+    ("stats_log_interval_s", float("inf"), ">= 0"),
+    ("stats_log_interval_s", False, ">= 0"),
+    ("stats_log_interval_s", "30", ">= 0"),
+    ("stats_log_interval_s", [30], ">= 0"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES)
+def test_bad_value_names_key_and_allowed(key, value, allowed):
+    with pytest.raises(BoundaryConfigError) as info:
+        parse({key: value})
+    message = str(info.value)
+    assert f"boundary_checkpoints.{key}" in message
+    assert allowed in message
+
+
+@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES)
+def test_direct_construction_validates_too(key, value, allowed):
+    with pytest.raises(BoundaryConfigError, match=rf"boundary_checkpoints\.{key}"):
+        BoundaryConfig(**{key: value})
+
+
+def test_unknown_key_names_key_and_lists_allowed():
+    with pytest.raises(BoundaryConfigError) as info:
+        parse({"policy": "auto", "max_retained_fractoin": 0.5})
+    message = str(info.value)
+    assert "boundary_checkpoints.max_retained_fractoin" in message
+    for key in ("policy", "max_retained_fraction", "stats_log_interval_s"):
+        assert key in message
+
+
+@pytest.mark.parametrize("section", ["auto", ["policy"], 3, True])
+def test_non_dict_section_rejected(section):
+    with pytest.raises(BoundaryConfigError, match="boundary_checkpoints must be a dict"):
+        parse(section)
+
+
+def test_non_dict_additional_config_rejected():
+    with pytest.raises(BoundaryConfigError, match="additional_config must be a dict"):
+        BoundaryConfig.from_additional_config("boundary_checkpoints", env=NO_ENV)
+
+
+def test_config_is_frozen():
+    cfg = BoundaryConfig()
+    with pytest.raises(AttributeError):
+        cfg.policy = "aligned"  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------------
+# Environment override
+# --------------------------------------------------------------------------------------------------
+
+
+def test_env_overrides_section_policy():
+    env = {ENV_POLICY: "aligned"}
+    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 0.5}, env=env)
+    assert cfg.policy == "aligned"
+    assert cfg.max_retained_fraction == 0.5
+
+
+def test_env_applies_without_section():
+    assert BoundaryConfig.from_additional_config(None, env={ENV_POLICY: "request_boundaries"}).policy == (
+        "request_boundaries"
+    )
+
+
+def test_empty_env_is_ignored():
+    assert parse({"policy": "aligned"}, env={ENV_POLICY: ""}).policy == "aligned"
+
+
+@pytest.mark.parametrize("value", ["bogus", "Aligned", " auto"])
+def test_bad_env_value_names_env_var(value):
+    with pytest.raises(BoundaryConfigError) as info:
+        parse({"policy": "auto"}, env={ENV_POLICY: value})
+    message = str(info.value)
+    assert ENV_POLICY in message
+    assert "auto, aligned, request_boundaries" in message
+
+
+def test_env_defaults_to_os_environ(monkeypatch):
+    monkeypatch.setenv(ENV_POLICY, "aligned")
+    assert BoundaryConfig.from_additional_config(None).policy == "aligned"
+    monkeypatch.setenv(ENV_POLICY, "nope")
+    with pytest.raises(BoundaryConfigError, match=ENV_POLICY):
+        BoundaryConfig.from_additional_config(None)
+    monkeypatch.delenv(ENV_POLICY)
+    assert BoundaryConfig.from_additional_config(None).policy == "auto"
+
+
+# --------------------------------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------------------------------
+
+
+def supported_fake(**overrides) -> SimpleNamespace:
+    """A VllmConfig look-alike on which boundary retention is supported; ``section__attr=value``
+    keyword arguments override one attribute of one section."""
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(
+            is_hybrid=True,
+            enable_prompt_embeds=False,
+            is_multimodal_model=False,
+            multimodal_config=None,
+            is_encoder_decoder=False,
+        ),
+        cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="align"),
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            prefill_context_parallel_size=1,
+            decode_context_parallel_size=1,
+        ),
+        kv_transfer_config=None,
+        speculative_config=None,
+        lora_config=None,
+    )
+    for name, value in overrides.items():
+        section, _, attr = name.partition("__")
+        if attr:
+            setattr(getattr(cfg, section), attr, value)
+        else:
+            setattr(cfg, section, value)
+    return cfg
+
+
+# (id, overrides, text the single reason must contain), in the gate's fixed order.
+UNSUPPORTED = [
+    ("not_hybrid", {"model_config__is_hybrid": False}, "no recurrent layers"),
+    ("no_prefix_caching", {"cache_config__enable_prefix_caching": False}, "prefix caching is disabled"),
+    ("mamba_mode_none", {"cache_config__mamba_cache_mode": "none"}, "mamba_cache_mode is 'none'"),
+    ("kv_connector", {"kv_transfer_config": SimpleNamespace(kv_connector="X")}, "KV connector"),
+    ("spec_decode", {"speculative_config": SimpleNamespace(method="mtp")}, "speculative decoding"),
+    ("pp", {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallel size 2"),
+    ("dp", {"parallel_config__data_parallel_size": 4}, "data parallel size 4"),
+    ("pcp", {"parallel_config__prefill_context_parallel_size": 2}, "prefill context parallel size 2"),
+    ("dcp", {"parallel_config__decode_context_parallel_size": 2}, "decode context parallel size 2"),
+    ("lora", {"lora_config": SimpleNamespace(max_loras=1)}, "LoRA"),
+    ("prompt_embeds", {"model_config__enable_prompt_embeds": True}, "prompt embeddings"),
+    ("multimodal", {"model_config__is_multimodal_model": True}, "multimodal inputs are not keyed"),
+    ("encoder_decoder", {"model_config__is_encoder_decoder": True}, "encoder-decoder"),
+]
+UNSUPPORTED_IDS = [case[0] for case in UNSUPPORTED]
+
+
+def test_supported_fake_has_no_reasons():
+    assert unsupported_reasons(supported_fake()) == []
+
+
+def test_auto_on_supported_enables():
+    decision = decide_policy(BoundaryConfig(policy="auto"), supported_fake())
+    assert decision == GateDecision("auto", True, ())
+    assert decision.summary() == "boundary_checkpoints: policy=auto -> request_boundaries"
+
+
+def test_request_boundaries_on_supported_enables():
+    decision = decide_policy(BoundaryConfig(policy="request_boundaries"), supported_fake())
+    assert decision.boundaries_enabled and decision.reasons == ()
+    assert decision.summary() == "boundary_checkpoints: policy=request_boundaries -> request_boundaries"
+
+
+@pytest.mark.parametrize(("case_id", "overrides", "text"), UNSUPPORTED, ids=UNSUPPORTED_IDS)
+def test_each_reason_alone(case_id, overrides, text):
+    reasons = unsupported_reasons(supported_fake(**overrides))
+    assert len(reasons) == 1, reasons
+    assert text in reasons[0]
+    assert "\n" not in reasons[0] and len(reasons[0]) <= 120
+
+
+@pytest.mark.parametrize(("case_id", "overrides", "text"), UNSUPPORTED, ids=UNSUPPORTED_IDS)
+def test_each_reason_makes_auto_fall_back(case_id, overrides, text):
+    decision = decide_policy(BoundaryConfig(policy="auto"), supported_fake(**overrides))
+    assert decision.requested == "auto"
+    assert not decision.boundaries_enabled
+    assert len(decision.reasons) == 1 and text in decision.reasons[0]
+    assert decision.summary().startswith("boundary_checkpoints: policy=auto -> aligned (fallback: ")
+    assert decision.reasons[0] in decision.summary()
+
+
+@pytest.mark.parametrize(("case_id", "overrides", "text"), UNSUPPORTED, ids=UNSUPPORTED_IDS)
+def test_each_reason_makes_request_boundaries_raise(case_id, overrides, text):
+    with pytest.raises(BoundaryConfigError) as info:
+        decide_policy(BoundaryConfig(policy="request_boundaries"), supported_fake(**overrides))
+    message = str(info.value)
+    assert text in message
+    assert "boundary_checkpoints.policy" in message
+
+
+def all_unsupported_fake() -> SimpleNamespace:
+    overrides: dict = {}
+    for _, case_overrides, _ in UNSUPPORTED:
+        overrides.update(case_overrides)
+    # The mamba mode is only checked on a hybrid model with prefix caching on; every other reason
+    # is independent, so this fake triggers all of them but that one.
+    return supported_fake(**overrides)
+
+
+def test_reasons_come_in_fixed_order():
+    reasons = unsupported_reasons(all_unsupported_fake())
+    expected = [text for case_id, _, text in UNSUPPORTED if case_id != "mamba_mode_none"]
+    assert len(reasons) == len(expected)
+    for reason, text in zip(reasons, expected):
+        assert text in reason
+
+
+def test_request_boundaries_error_lists_every_reason():
+    fake = all_unsupported_fake()
+    with pytest.raises(BoundaryConfigError) as info:
+        decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    for reason in unsupported_reasons(fake):
+        assert reason in str(info.value)
+
+
+def test_mamba_mode_only_checked_for_hybrid_with_prefix_caching():
+    assert unsupported_reasons(
+        supported_fake(model_config__is_hybrid=False, cache_config__mamba_cache_mode="none")
+    ) == ["model has no recurrent layers: nothing to checkpoint"]
+    assert unsupported_reasons(
+        supported_fake(cache_config__enable_prefix_caching=False, cache_config__mamba_cache_mode="none")
+    ) == ["prefix caching is disabled"]
+
+
+def test_language_model_only_multimodal_is_supported():
+    fake = supported_fake(
+        model_config__is_multimodal_model=True,
+        model_config__multimodal_config=SimpleNamespace(language_model_only=True),
+    )
+    assert unsupported_reasons(fake) == []
+    fake.model_config.multimodal_config.language_model_only = False
+    assert unsupported_reasons(fake) == ["multimodal inputs are not keyed yet"]
+
+
+def test_missing_and_none_attributes_are_tolerated():
+    fake = supported_fake(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=None),
+        cache_config__mamba_cache_mode=None,
+    )
+    del fake.kv_transfer_config, fake.speculative_config, fake.lora_config
+    assert unsupported_reasons(fake) == ["mamba_cache_mode is None, not 'align'"]
+    bare = SimpleNamespace(model_config=None, cache_config=None, parallel_config=None)
+    assert unsupported_reasons(bare) == [
+        "model has no recurrent layers: nothing to checkpoint",
+        "prefix caching is disabled",
+    ]
+
+
+@pytest.mark.parametrize("fake", [supported_fake(), all_unsupported_fake()], ids=["supported", "unsupported"])
+def test_aligned_never_raises_and_is_disabled(fake):
+    decision = decide_policy(BoundaryConfig(policy="aligned"), fake)
+    assert decision == GateDecision("aligned", False, ())
+    assert decision.summary() == "boundary_checkpoints: policy=aligned -> aligned"
+
+
+def test_summary_is_one_line_with_every_reason():
+    fake = all_unsupported_fake()
+    decision = decide_policy(BoundaryConfig(), fake)
+    line = decision.summary()
+    assert "\n" not in line
+    assert line.startswith("boundary_checkpoints: policy=auto -> aligned (fallback: ")
+    assert line.endswith(")")
+    assert len(decision.reasons) == len(UNSUPPORTED) - 1
+    for reason in decision.reasons:
+        assert reason in line
+
+
+def test_summary_example_from_the_brief():
+    decision = decide_policy(
+        BoundaryConfig(),
+        supported_fake(speculative_config=SimpleNamespace(), lora_config=SimpleNamespace()),
+    )
+    assert decision.summary() == (
+        "boundary_checkpoints: policy=auto -> aligned (fallback: speculative decoding "
+        "(MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported by boundary capture yet; "
+        "LoRA adapters are part of the key but not supported yet)"
+    )
+
+
+def test_summary_stays_one_line_for_multiline_reasons():
+    assert "\n" not in GateDecision("auto", False, ("a\nb", "c")).summary()
+
+
+# --------------------------------------------------------------------------------------------------
+# Logging once
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_log_memory(monkeypatch):
+    monkeypatch.setattr(bc_config, "_logged_summaries", set())
+
+
+class RecordingLogger:
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def info(self, msg, *args):
+        self.calls.append(("info", msg % args))
+
+    def warning(self, msg, *args):  # pragma: no cover - must not be used
+        self.calls.append(("warning", msg % args))
+
+
+def test_log_decision_once_per_distinct_summary(fresh_log_memory):
+    logger = RecordingLogger()
+    fallback = decide_policy(BoundaryConfig(), supported_fake(lora_config=SimpleNamespace()))
+    enabled = decide_policy(BoundaryConfig(), supported_fake())
+    for _ in range(3):
+        log_decision_once(fallback, logger)
+        log_decision_once(enabled, logger)
+    # an equal decision built separately is the same summary: still logged once
+    log_decision_once(GateDecision(fallback.requested, False, fallback.reasons), RecordingLogger())
+    assert logger.calls == [("info", fallback.summary()), ("info", enabled.summary())]
+    assert "LoRA adapters" in logger.calls[0][1]
+
+
+def test_log_decision_once_is_process_wide(fresh_log_memory):
+    first, second = RecordingLogger(), RecordingLogger()
+    decision = decide_policy(BoundaryConfig(), supported_fake())
+    log_decision_once(decision, first)
+    log_decision_once(decision, second)
+    assert len(first.calls) == 1 and second.calls == []
+
+
+def test_log_decision_once_with_std_logging(fresh_log_memory, caplog):
+    logger = logging.getLogger("boundary_checkpoints.test_config")
+    decision = decide_policy(
+        BoundaryConfig(),
+        supported_fake(speculative_config=SimpleNamespace(), parallel_config__pipeline_parallel_size=2),
+    )
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        log_decision_once(decision, logger)
+        log_decision_once(decision, logger)
+    records = [r for r in caplog.records if r.name == logger.name]
+    assert len(records) == 1
+    assert records[0].levelno == logging.INFO
+    message = records[0].getMessage()
+    assert "\n" not in message
+    for reason in decision.reasons:
+        assert reason in message

