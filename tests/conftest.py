@@ -1,0 +1,28 @@
+"""Shared pytest set-up: offline, CPU-engine environment and the tiny hybrid model.
+
+The environment is set at import time, before any test module imports vLLM, so that in-process
+engines and the servers the tests start (they inherit ``os.environ``) never reach the Hugging Face
+hub and take 1 GiB of CPU KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny Qwen3-Next (seed 0), built once into the user cache and reused across runs.
+
+    ``BC_TINY_MODEL_DIR`` points the tests at another directory (built there if missing).
+    """
+    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+
+    target = os.environ.get("BC_TINY_MODEL_DIR") or default_model_dir("qwen3_next", 0)
+    return make_tiny_model(target, family="qwen3_next", seed=0)
