@@ -1,0 +1,159 @@
+"""Minimal ``/v1/completions`` client for token-ID prompts (standard library only).
+
+Every call sends a token-ID prompt with greedy sampling, ``ignore_eos`` and ``return_token_ids``,
+so the caller gets the exact answer ids back and can build the next turn of a conversation from
+ids alone. ``cached_tokens`` is read from ``usage.prompt_tokens_details.cached_tokens`` (the server
+must run with ``--enable-prompt-tokens-details``).
+
+``complete`` makes one non-streaming request. ``stream_complete`` streams (with
+``stream_options.include_usage`` so usage still arrives in the last chunk) and also measures
+TTFT: the time from sending the request to the first chunk that carries a choice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+
+class CompletionError(RuntimeError):
+    """The server answered with an HTTP error or a body we could not use."""
+
+
+@dataclass
+class Completion:
+    """One finished completion."""
+
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None
+    finish_reason: str | None
+    latency_s: float
+    ttft_s: float | None = None
+    usage: dict = field(default_factory=dict)
+
+
+def build_request(
+    prompt_ids: list[int],
+    *,
+    model: str = "tiny",
+    max_tokens: int = 32,
+    cache_salt: str | None = None,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    stream: bool = False,
+    **extra,
+) -> dict:
+    """The JSON body of a token-ID completion request."""
+    body = {
+        "model": model,
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+    }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra)
+    return body
+
+
+def _post(base_url: str, body: dict, timeout: float):
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        return urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode("utf-8", errors="replace")[:2000]
+        raise CompletionError(f"HTTP {err.code} from {base_url}/v1/completions: {detail}") from err
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    details = usage.get("prompt_tokens_details") or {}
+    return details.get("cached_tokens")
+
+
+def complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **kwargs) -> Completion:
+    """One non-streaming completion; ``kwargs`` go to ``build_request``."""
+    body = build_request(prompt_ids, **kwargs)
+    start = time.perf_counter()
+    with _post(base_url, body, timeout) as resp:
+        payload = json.load(resp)
+    latency = time.perf_counter() - start
+    try:
+        choice = payload["choices"][0]
+        usage = payload.get("usage") or {}
+        return Completion(
+            token_ids=list(choice.get("token_ids") or []),
+            text=choice.get("text", ""),
+            prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
+            completion_tokens=usage.get("completion_tokens", 0),
+            cached_tokens=_cached_tokens(usage),
+            finish_reason=choice.get("finish_reason"),
+            latency_s=latency,
+            usage=usage,
+        )
+    except (KeyError, IndexError, TypeError) as err:
+        raise CompletionError(f"unexpected completion body: {str(payload)[:2000]}") from err
+
+
+def iter_sse_events(resp):
+    """Yield the decoded JSON of each ``data:`` line of a server-sent-events stream."""
+    for raw in resp:
+        line = raw.decode("utf-8", errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def stream_complete(
+    base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **kwargs
+) -> Completion:
+    """One streaming completion: answer ids, usage (last chunk) and TTFT."""
+    body = build_request(prompt_ids, stream=True, **kwargs)
+    start = time.perf_counter()
+    ttft = None
+    token_ids: list[int] = []
+    text_parts: list[str] = []
+    usage: dict = {}
+    finish_reason = None
+    with _post(base_url, body, timeout) as resp:
+        for event in iter_sse_events(resp):
+            if "error" in event and "choices" not in event:
+                raise CompletionError(f"stream error: {event['error']}")
+            for choice in event.get("choices") or []:
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                token_ids.extend(choice.get("token_ids") or [])
+                text_parts.append(choice.get("text") or "")
+                finish_reason = choice.get("finish_reason") or finish_reason
+            if event.get("usage"):
+                usage = event["usage"]
+    latency = time.perf_counter() - start
+    return Completion(
+        token_ids=token_ids,
+        text="".join(text_parts),
+        prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
+        completion_tokens=usage.get("completion_tokens", len(token_ids)),
+        cached_tokens=_cached_tokens(usage),
+        finish_reason=finish_reason,
+        latency_s=latency,
+        ttft_s=ttft,
+        usage=usage,
+    )
