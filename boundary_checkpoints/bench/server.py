@@ -234,6 +234,15 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def stop_server(server: ServerProcess, grace: float = 20.0) -> int | None:
     """SIGTERM the server's process group, wait up to ``grace`` s, then SIGKILL what is left.
 
@@ -247,15 +256,14 @@ def stop_server(server: ServerProcess, grace: float = 20.0) -> int | None:
         except subprocess.TimeoutExpired:
             pass
     # Children (EngineCore, workers) may outlive the API server for a moment.
-    deadline = time.monotonic() + min(grace, 5.0)
-    while _group_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_group_gone(pid, timeout=min(grace, 5.0))
     if _group_alive(pid):
         _signal_group(pid, signal.SIGKILL)
     try:
         code = server.process.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         code = None
+    _wait_group_gone(pid, timeout=5.0)  # killed orphans are reaped by init shortly after
     _LIVE.pop(pid, None)
     return code
 

@@ -1,0 +1,321 @@
+"""A real vLLM scheduler driven step by step against a shadow model runner.
+
+The scheduler, KV cache manager, block pool and coordinator are vLLM's own (with or without the
+plugin's subclass). Only the model runner is replaced by :class:`ShadowWorker`, which mirrors what
+vLLM's V1 runner does with a ``SchedulerOutput`` in "align" mode -- zero new attention blocks,
+apply ``kv_cache_block_copies``, then per request read the recurrent state from the block of the
+previous step (``(num_computed - 1) // B`` for a new or resumed request), advance it through the
+scheduled tokens, write it into block ``ceil(end / B) - 1`` and write attention rows -- except
+that the "state" is a hash of the token prefix. Every read is checked against the hash recomputed
+from the request's tokens, so any wrong restore, missing copy, or block reused too early shows up
+as a :class:`ShadowMismatch`. Greedy "sampling" is a function of the state, so a wrong state also
+changes the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+MOD = (1 << 61) - 1
+EMPTY_STATE = 7
+ZERO = -1  # content of a freshly zeroed attention row
+
+
+def advance(state: int, token: int) -> int:
+    return (state * 1_000_003 + token + 11) % MOD
+
+
+def sample(state: int, vocab: int = 1000) -> int:
+    return 4 + state % vocab
+
+
+class ShadowMismatch(AssertionError):
+    pass
+
+
+@dataclass
+class ShadowRequest:
+    tokens: list[int]
+    block_ids: list[list[int]]
+    num_computed: int
+    state_idx: int | None = None
+    _prefix: list[int] = field(default_factory=lambda: [EMPTY_STATE])
+
+    def prefix_state(self, length: int) -> int:
+        """Hash state after ``tokens[:length]`` (cached; tokens only ever grow)."""
+        while len(self._prefix) <= length:
+            self._prefix.append(advance(self._prefix[-1], self.tokens[len(self._prefix) - 1]))
+        return self._prefix[length]
+
+
+@dataclass
+class ShadowWorker:
+    """Block contents keyed by block id: attention rows and recurrent states."""
+
+    group_kinds: list[str]  # "attention" | "recurrent" per KV cache group
+    block_sizes: list[int]
+    rows: dict[int, list[int]] = field(default_factory=dict)
+    states: dict[int, int] = field(default_factory=dict)
+    requests: dict[str, ShadowRequest] = field(default_factory=dict)
+    copies_applied: int = 0
+    restored_reads: int = 0
+
+    def execute(self, so):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in so.preempted_req_ids or ():
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = ShadowRequest(
+                list(new.prompt_token_ids), [list(ids) for ids in new.block_ids], new.num_computed_tokens
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.requests[req_id] = ShadowRequest(
+                    list(cached.all_token_ids[req_id]), [list(ids) for ids in new_ids], cached.num_computed_tokens[i]
+                )
+                continue
+            req = self.requests[req_id]
+            known = cached.all_token_ids.get(req_id)
+            if known is not None and list(known) != req.tokens[: len(known)]:
+                raise ShadowMismatch(f"{req_id}: scheduler and worker disagree on the tokens")
+            if new_ids is not None:
+                for group, ids in enumerate(new_ids):
+                    req.block_ids[group].extend(ids)
+            if req.num_computed != cached.num_computed_tokens[i]:
+                raise ShadowMismatch(
+                    f"{req_id}: worker computed {req.num_computed}, scheduler says {cached.num_computed_tokens[i]}"
+                )
+        for block_id in so.new_block_ids_to_zero or ():
+            self.rows[block_id] = [ZERO] * max(self.block_sizes)
+        for copy in so.kv_cache_block_copies or ():
+            self._copy(copy.src_block_id, copy.dst_block_id)
+
+        req_ids, sampled = [], []
+        for req_id, num in so.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            sampled.append(self._forward(req_id, req, num))
+            req_ids.append(req_id)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _copy(self, src: int, dst: int) -> None:
+        self.copies_applied += 1
+        if src in self.rows:
+            self.rows[dst] = list(self.rows[src])
+        else:
+            self.rows.pop(dst, None)
+        if src in self.states:
+            self.states[dst] = self.states[src]
+        else:
+            self.states.pop(dst, None)
+
+    def _forward(self, req_id: str, req: ShadowRequest, num: int) -> list[int]:
+        start, end = req.num_computed, req.num_computed + num
+        if end > len(req.tokens):
+            raise ShadowMismatch(f"{req_id}: scheduled past its known tokens ({end} > {len(req.tokens)})")
+        final_state = None
+        previous_state_idx = req.state_idx
+        for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
+            blocks = req.block_ids[group]
+            if kind == "attention":
+                for row in range(start):
+                    got = self.rows.get(blocks[row // size], [])
+                    value = got[row % size] if row % size < len(got) else None
+                    if value != req.prefix_state(row + 1):
+                        raise ShadowMismatch(f"{req_id}: attention group {group} row {row} is wrong")
+                for row in range(start, end):
+                    page = self.rows.setdefault(blocks[row // size], [ZERO] * size)
+                    page[row % size] = req.prefix_state(row + 1)
+            else:
+                prev = previous_state_idx if previous_state_idx is not None else (start - 1) // size
+                state = EMPTY_STATE if start == 0 else self.states.get(blocks[prev])
+                if start and previous_state_idx is None:
+                    self.restored_reads += 1
+                if state != req.prefix_state(start):
+                    raise ShadowMismatch(f"{req_id}: recurrent group {group} state at {start} is wrong")
+                for token in req.tokens[start:end]:
+                    state = advance(state, token)
+                current = -(-end // size) - 1
+                self.states[blocks[current]] = state
+                req.state_idx = current
+                final_state = state
+        req.num_computed = end
+        if end < len(req.tokens):
+            return []  # a prefill chunk samples nothing
+        token = sample(final_state)
+        req.tokens.append(token)
+        return [token]
+
+
+def write_model_dir(path: Path) -> Path:
+    """A config-only hybrid model directory (no weights, no tokenizer) for VllmConfig."""
+    from transformers import Qwen3NextConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "config.json").exists():
+        cfg = Qwen3NextConfig(
+            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+            mlp_only_layers=[], max_position_embeddings=8192, dtype="bfloat16",
+        )
+        cfg.architectures = ["Qwen3NextForCausalLM"]
+        cfg.save_pretrained(path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def build_scheduler(
+    model_dir: Path,
+    *,
+    policy: str = "request_boundaries",
+    block_size: int = 16,
+    num_blocks: int = 256,
+    num_recurrent_groups: int = 2,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 1024,
+    async_scheduling: bool = False,
+    max_retained_fraction: float = 0.5,
+):
+    """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
+
+    vllm_config = EngineArgs(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        additional_config={"boundary_checkpoints": {"policy": policy, "max_retained_fraction": max_retained_fraction}},
+    ).create_engine_config()
+    cache = vllm_config.cache_config
+    cache.block_size = block_size
+    cache.mamba_block_size = block_size
+    cache.num_gpu_blocks = num_blocks
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
+    dtype = torch.float32
+    groups = [
+        KVCacheGroupSpec(
+            [f"attn.{0}"],
+            FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=dtype),
+        )
+    ]
+    for g in range(num_recurrent_groups):
+        groups.append(
+            KVCacheGroupSpec(
+                [f"ssm.{g}"],
+                MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align"),
+            )
+        )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, prefix_cache_retention_interval=0
+    )
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if policy == "aligned":
+        cls = AsyncScheduler if async_scheduling else Scheduler
+    else:
+        cls = BoundaryAsyncScheduler if async_scheduling else BoundaryScheduler
+    scheduler = cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=scheduler_block_size,
+        hash_block_size=hash_block_size,
+        log_stats=True,
+    )
+    worker = ShadowWorker(
+        ["attention"] + ["recurrent"] * num_recurrent_groups, [block_size] * (1 + num_recurrent_groups)
+    )
+    return scheduler, worker
+
+
+_REQUEST_COUNTER = iter(range(10**9))
+
+
+def make_request(prompt: list[int], *, max_tokens: int = 8, salt: str | None = None, stop_token_ids=None, hash_block_size: int = 16):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=stop_token_ids is None, stop_token_ids=stop_token_ids)
+    return Request(
+        request_id=f"r{next(_REQUEST_COUNTER)}",
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        cache_salt=salt,
+        block_hasher=get_request_block_hasher(hash_block_size, sha256),
+    )
+
+
+@dataclass
+class Driver:
+    """Runs scheduler steps against the shadow worker; ``lag=1`` keeps one step in flight."""
+
+    scheduler: object
+    worker: ShadowWorker
+    lag: int = 0
+    in_flight: list = field(default_factory=list)
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # as vLLM reports it to clients
+
+    def step(self) -> None:
+        output = self.scheduler.schedule()
+        self.in_flight.append((output, self.worker.execute(output)))
+        while len(self.in_flight) > self.lag:
+            self._process(*self.in_flight.pop(0))
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._process(*self.in_flight.pop(0))
+
+    def _process(self, output, runner_output) -> None:
+        for client_outputs in self.scheduler.update_from_output(output, runner_output).values():
+            for out in client_outputs.outputs:
+                if out.prefill_stats is not None:
+                    self.cached_tokens[out.request_id] = out.prefill_stats.num_cached_tokens
+
+    def run(self, requests, max_steps: int = 10_000) -> list[list[int]]:
+        """Add ``requests``, step until every one finished, and return their output tokens."""
+        for request in requests:
+            self.scheduler.add_request(request)
+        return self.finish(requests, max_steps)
+
+    def finish(self, requests, max_steps: int = 10_000) -> list[list[int]]:
+        """Step until every request (already added) finished; returns their output tokens."""
+        for _ in range(max_steps):
+            if all(r.is_finished() for r in requests):
+                break
+            self.step()
+        else:
+            raise AssertionError("requests did not finish")
+        self.drain()
+        return [list(r.output_token_ids) for r in requests]

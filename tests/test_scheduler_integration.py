@@ -1,0 +1,198 @@
+"""vLLM's real Scheduler + KV cache manager with the plugin, driven step by step (CPU).
+
+Every step runs against the shadow runner of ``shadow_engine``: it raises if a restored request
+ever reads a recurrent state or attention row that differs from the recomputed one.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, write_model_dir
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+def free_blocks(scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
+@pytest.mark.parametrize("prompt_len", [2, 15, 16, 17, 31, 33, 40])
+def test_resend_and_continuation_hit_exact_boundaries(model_dir, lag, prompt_len):
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag))
+    driver = Driver(scheduler, worker, lag=lag)
+    rng = random.Random(prompt_len)
+    prompt = tokens(rng, prompt_len)
+
+    first = make_request(prompt, salt="s")
+    [out_first] = driver.run([first])
+    resend = make_request(prompt, salt="s")
+    [out_resend] = driver.run([resend])
+    assert driver.cached_tokens[first.request_id] == 0
+    assert driver.cached_tokens[resend.request_id] == prompt_len - 1
+    assert out_resend == out_first
+
+    continuation = prompt + out_first + tokens(rng, 5)
+    cont = make_request(continuation, salt="s")
+    cold = make_request(continuation, salt="fresh")
+    [out_cont] = driver.run([cont])
+    [out_cold] = driver.run([cold])
+    committed = prompt_len + len(out_first) - 1
+    assert driver.cached_tokens[cont.request_id] >= committed
+    assert driver.cached_tokens[cold.request_id] == 0
+    assert out_cont == out_cold
+    assert worker.restored_reads >= 2  # both hits really read restored state
+
+
+@pytest.mark.parametrize("prompt_len", [17, 40])
+def test_stock_aligned_policy_floors_to_the_block_grid(model_dir, prompt_len):
+    scheduler, worker = build_scheduler(model_dir, policy="aligned")
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(1), prompt_len)
+    first, resend = make_request(prompt), make_request(prompt)
+    driver.run([first])
+    driver.run([resend])
+    assert driver.cached_tokens[resend.request_id] == (prompt_len - 1) // BLOCK * BLOCK
+    assert not hasattr(scheduler, "checkpoint_store")
+
+
+def test_different_salt_never_hits(model_dir):
+    scheduler, worker = build_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(2), 40)
+    driver.run([make_request(prompt, salt="alice")])
+    for salt in ("bob", None):
+        other = make_request(prompt, salt=salt)
+        driver.run([other])
+        assert driver.cached_tokens[other.request_id] == 0
+    again = make_request(prompt, salt="alice")
+    driver.run([again])
+    assert driver.cached_tokens[again.request_id] == 39
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+def test_prompt_checkpoint_is_published_only_after_its_copy_step_returned(model_dir, lag):
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), max_num_batched_tokens=64)
+    driver = Driver(scheduler, worker, lag=lag)
+    prompt = tokens(random.Random(3), 40)
+    request = make_request(prompt, max_tokens=4)
+    scheduler.add_request(request)
+
+    def schedule_and_run():
+        output = scheduler.schedule()
+        return output, worker.execute(output)
+
+    step1 = schedule_and_run()  # prefill chunk [0, 32): aligned stop
+    assert step1[0].num_scheduled_tokens[request.request_id] == 32
+    if lag:
+        step2 = schedule_and_run()
+        scheduler.update_from_output(*step1)
+    else:
+        scheduler.update_from_output(*step1)
+        step2 = schedule_and_run()
+    assert step2[0].num_scheduled_tokens[request.request_id] == 7  # chunk ends at P - 1 = 39
+    assert not step2[0].kv_cache_block_copies
+    assert len(scheduler.checkpoint_store) == 0
+    if not lag:
+        scheduler.update_from_output(*step2)
+    step3 = schedule_and_run()  # last prompt token; carries the capture copies
+    copies = step3[0].kv_cache_block_copies
+    assert copies and len(copies) == 3  # tail page + two recurrent states
+    if lag:
+        scheduler.update_from_output(*step2)
+    assert len(scheduler.checkpoint_store) == 0  # copies have not returned yet
+    scheduler.update_from_output(*step3)
+    [checkpoint] = scheduler.checkpoint_store.checkpoints()
+    assert checkpoint.kind == "prompt" and checkpoint.num_tokens == 39
+    driver.finish([request])
+
+
+def test_aborted_producer_publishes_nothing(model_dir):
+    scheduler, worker = build_scheduler(model_dir)
+    prompt = tokens(random.Random(4), 40)
+    request = make_request(prompt, max_tokens=4)
+    scheduler.add_request(request)
+    baseline = free_blocks(scheduler) + 0
+    for _ in range(2):  # [0, 32) then [32, 39): the prompt capture is planned
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, worker.execute(output))
+    from vllm.v1.request import RequestStatus
+
+    scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, worker.execute(output))
+    assert len(scheduler.checkpoint_store) == 0
+    assert scheduler.boundary_stats()["captures_dropped"] == 1
+    assert free_blocks(scheduler) == baseline  # nothing leaked
+
+
+def test_eviction_under_pressure_never_starves_requests_and_leaks_nothing(model_dir):
+    # 48 usable blocks; every 40-token request needs 3 attention + 2x(1-3) recurrent blocks.
+    scheduler, worker = build_scheduler(model_dir, num_blocks=48, max_retained_fraction=1.0, max_num_seqs=4)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(5)
+    total = free_blocks(scheduler)
+    for wave in range(6):
+        batch = [make_request(tokens(rng, 40), max_tokens=6, salt=f"w{wave}") for _ in range(3)]
+        driver.run(batch)
+    stats = scheduler.boundary_stats()
+    assert stats["evictions"] > 0
+    assert stats["blocks_retained"] <= 48
+    scheduler.checkpoint_store.clear()
+    assert free_blocks(scheduler) == total
+
+
+def test_retention_budget_is_respected(model_dir):
+    scheduler, worker = build_scheduler(model_dir, num_blocks=200, max_retained_fraction=0.1)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(6)
+    for i in range(10):
+        driver.run([make_request(tokens(rng, 40), max_tokens=3, salt=str(i))])
+        assert scheduler.boundary_stats()["blocks_retained"] <= 20
+    assert scheduler.boundary_stats()["evictions"] > 0
+
+
+def test_shadow_runner_detects_a_corrupted_checkpoint(model_dir):
+    """The harness can fail: corrupt a retained recurrent state and the restore is caught."""
+    scheduler, worker = build_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(7), 40)
+    driver.run([make_request(prompt)])
+    checkpoint = next(c for c in scheduler.checkpoint_store.checkpoints() if c.kind == "prompt")
+    worker.states[checkpoint.group_blocks[1][-1].block_id] ^= 1
+    with pytest.raises(ShadowMismatch):
+        driver.run([make_request(prompt)])
+
+
+def test_plugin_picks_its_scheduler_class_through_vllm_config(model_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    def scheduler_cls(policy):
+        config = EngineArgs(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            max_model_len=1024,
+            additional_config={"boundary_checkpoints": {"policy": policy}},
+        ).create_engine_config()
+        return config.scheduler_config.get_scheduler_cls()
+
+    from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert issubclass(scheduler_cls("request_boundaries"), BoundaryCheckpointMixin)
+    assert issubclass(scheduler_cls("auto"), BoundaryCheckpointMixin)
+    assert scheduler_cls("aligned") in (Scheduler, AsyncScheduler)
