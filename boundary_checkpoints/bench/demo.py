@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import signal
 import sys
@@ -41,6 +42,8 @@ from boundary_checkpoints.bench.server import (
 )
 
 POLICY_LABELS = {"request_boundaries": "plugin", "aligned": "stock"}
+# The plugin lets this variable override --additional-config; the demo sets the policy per server.
+POLICY_ENV = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
 FIRST_WORD_ID, VOCAB_SIZE = 4, 1024
 
 
@@ -152,7 +155,9 @@ def run_policy(
     log_path = log_dir / f"server_{policy}.log"
     server: ServerProcess | None = None
     try:
-        server = start_server(model_dir, log_path, additional_config=policy_config(policy))
+        server = start_server(
+            model_dir, log_path, additional_config=policy_config(policy), unset_env=(POLICY_ENV,)
+        )
         progress = Progress(f"starting vLLM ({policy}, port {server.port})")
         ready_s = wait_until_healthy(server, timeout=startup_timeout, on_tick=progress.tick)
         progress.done(f"{policy}: server ready in {ready_s:.1f} s (pid {server.pid})")
@@ -249,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bc-demo-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         print(f"server logs: {log_dir}")
+        if os.environ.get(POLICY_ENV):
+            print(f"note: ignoring {POLICY_ENV}={os.environ[POLICY_ENV]} for the demo's servers")
         plan = make_plan(args.turns, args.system_tokens, args.user_tokens, args.followup_tokens,
                          args.seed)  # fmt: skip
         results: dict[str, list[TurnResult]] = {}

