@@ -54,6 +54,10 @@ def test_resend_and_continuation_hit_exact_boundaries(model_dir, lag, prompt_len
     assert driver.cached_tokens[cold.request_id] == 0
     assert out_cont == out_cold
     assert worker.restored_reads >= 2  # both hits really read restored state
+    stats = scheduler.boundary_stats()
+    assert stats["captures_dropped"] == 0
+    kinds = sorted(c.kind for c in scheduler.checkpoint_store.checkpoints())
+    assert kinds.count("prompt") == 3 and kinds.count("response") == 3  # first, continuation, cold
 
 
 @pytest.mark.parametrize("prompt_len", [17, 40])
