@@ -42,6 +42,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
 __all__ = [
     "AsyncScheduler",
@@ -56,6 +57,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "VllmConfig",
+    "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
 ]
 

@@ -193,6 +193,17 @@ def _is_multimodal(model_config: Any) -> bool:
     return not getattr(mm_config, "language_model_only", False)
 
 
+# The classes the plugin installs, and the stock worker each worker class extends.
+SCHEDULER_CLASSES = {
+    False: "boundary_checkpoints.core.scheduler.BoundaryScheduler",
+    True: "boundary_checkpoints.core.scheduler.BoundaryAsyncScheduler",
+}
+WORKER_CLASSES = {
+    "vllm.v1.worker.gpu_worker.Worker": "boundary_checkpoints.worker.gpu.BoundaryGPUWorker",
+    "vllm.v1.worker.cpu_worker.CPUWorker": "boundary_checkpoints.worker.cpu.BoundaryCPUWorker",
+}
+
+
 def unsupported_reasons(vllm_config: Any) -> list[str]:
     """One short reason per feature of ``vllm_config`` that boundary retention does not support,
     in a fixed order; empty when boundary retention is safe. Attribute access only."""
@@ -234,6 +245,12 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
         reasons.append("multimodal inputs are not keyed yet")
     if getattr(model, "is_encoder_decoder", False):
         reasons.append("encoder-decoder models are not supported")
+    scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    if scheduler_cls is not None and scheduler_cls not in SCHEDULER_CLASSES.values():
+        reasons.append(f"a custom scheduler class ({scheduler_cls}) is configured")
+    worker_cls = getattr(parallel, "worker_cls", None)
+    if worker_cls is not None and worker_cls not in WORKER_CLASSES and worker_cls not in WORKER_CLASSES.values():
+        reasons.append(f"worker class {worker_cls} has no boundary-checkpoint variant")
     return reasons
 
 

@@ -4,7 +4,7 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 installs one config hook; whenever vLLM finalizes a ``VllmConfig``, :func:`apply_policy` reads
 ``additional_config["boundary_checkpoints"]`` (and ``VLLM_BOUNDARY_CHECKPOINTS_POLICY``), runs the
 policy gate, logs the decision once, and, when boundary retention is on, selects the plugin's
-scheduler class (sync or async, matching vLLM's own choice). ``aligned`` and every fallback leave
+scheduler class (sync or async, matching vLLM's own choice) and the matching worker class. ``aligned`` and every fallback leave
 the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
 """
 
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from vllm.logger import init_logger
 
-from boundary_checkpoints.config import BoundaryConfig, decide_policy, log_decision_once
+from boundary_checkpoints.config import (
+    SCHEDULER_CLASSES,
+    WORKER_CLASSES,
+    BoundaryConfig,
+    decide_policy,
+    log_decision_once,
+)
 
 logger = init_logger(__name__)
-
-SCHEDULER_CLASSES = {
-    False: "boundary_checkpoints.core.scheduler.BoundaryScheduler",
-    True: "boundary_checkpoints.core.scheduler.BoundaryAsyncScheduler",
-}
 
 
 def apply_policy(vllm_config) -> None:
@@ -30,6 +31,8 @@ def apply_policy(vllm_config) -> None:
     if decision.boundaries_enabled:
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = SCHEDULER_CLASSES[bool(scheduler_config.async_scheduling)]
+        parallel_config = vllm_config.parallel_config
+        parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
 
 
 def register() -> None:

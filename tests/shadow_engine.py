@@ -2,8 +2,8 @@
 
 The scheduler, KV cache manager, block pool and coordinator are vLLM's own (with or without the
 plugin's subclass). Only the model runner is replaced by :class:`ShadowWorker`, which mirrors what
-vLLM's V1 runner does with a ``SchedulerOutput`` in "align" mode -- zero new attention blocks,
-apply ``kv_cache_block_copies``, then per request read the recurrent state from the block of the
+vLLM's V1 runner (behind the plugin's worker) does with a ``SchedulerOutput`` in "align" mode --
+apply the plugin's capture copies, zero new attention blocks, apply ``kv_cache_block_copies``, then per request read the recurrent state from the block of the
 previous step (``(num_computed - 1) // B`` for a new or resumed request), advance it through the
 scheduled tokens, write it into block ``ceil(end / B) - 1`` and write attention rows -- except
 that the "state" is a hash of the token prefix. Every read is checked against the hash recomputed
@@ -95,6 +95,9 @@ class ShadowWorker:
                 raise ShadowMismatch(
                     f"{req_id}: worker computed {req.num_computed}, scheduler says {cached.num_computed_tokens[i]}"
                 )
+        # The plugin's worker applies capture copies before the runner zeroes and copies.
+        for src, dst in getattr(so, "boundary_capture_copies", None) or ():
+            self._copy(src, dst)
         for block_id in so.new_block_ids_to_zero or ():
             self.rows[block_id] = [ZERO] * max(self.block_sizes)
         for copy in so.kv_cache_block_copies or ():

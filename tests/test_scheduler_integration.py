@@ -107,12 +107,12 @@ def test_prompt_checkpoint_is_published_only_after_its_copy_step_returned(model_
         scheduler.update_from_output(*step1)
         step2 = schedule_and_run()
     assert step2[0].num_scheduled_tokens[request.request_id] == 7  # chunk ends at P - 1 = 39
-    assert not step2[0].kv_cache_block_copies
+    assert not getattr(step2[0], "boundary_capture_copies", None)
     assert len(scheduler.checkpoint_store) == 0
     if not lag:
         scheduler.update_from_output(*step2)
     step3 = schedule_and_run()  # last prompt token; carries the capture copies
-    copies = step3[0].kv_cache_block_copies
+    copies = step3[0].boundary_capture_copies
     assert copies and len(copies) == 3  # tail page + two recurrent states
     if lag:
         scheduler.update_from_output(*step2)

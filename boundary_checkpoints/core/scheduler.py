@@ -6,10 +6,10 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    (``_mamba_block_aligned_split``); the last prompt token runs in the next step.
 2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
    bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
-   the *next* ``SchedulerOutput.kv_cache_block_copies`` and therefore run on every worker after
-   the forward that produced the state and before any later forward touches it (workers execute
-   steps in order; zeroing of newly allocated blocks precedes the copies inside a step, and the
-   pinned sources are never newly allocated). The pins on the sources are dropped when that
+   the *next* ``SchedulerOutput`` (attribute ``boundary_capture_copies``, applied by the plugin's
+   worker class before the model runner sees the step, see ``worker/capture.py``) and therefore
+   run on every worker after the forward that produced the state and before any later forward
+   touches it (workers execute steps in order). The pins on the sources are dropped when that
    ``schedule()`` returns: any reuse of those blocks is scheduled later and so runs later.
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
@@ -38,7 +38,6 @@ from vllm.logger import init_logger
 from boundary_checkpoints.compat import (
     AsyncScheduler,
     FullAttentionManager,
-    KVCacheBlockCopy,
     KVCacheBlocks,
     KVCacheManager,
     MambaManager,
@@ -47,7 +46,7 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
 )
-from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError
+from boundary_checkpoints.config import WORKER_CLASSES, BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.boundaries import (
     PROMPT,
     RESPONSE,
@@ -60,6 +59,7 @@ from boundary_checkpoints.core.boundaries import (
 )
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
 
 logger = init_logger(__name__)
 
@@ -132,6 +132,9 @@ class BoundaryCheckpointMixin:
         geometries, reasons = describe_layout(self.kv_cache_config, managers)
         if not self.need_mamba_block_aligned_split:
             reasons.append("recurrent state is not kept block-aligned by this scheduler")
+        worker_cls = self.vllm_config.parallel_config.worker_cls
+        if worker_cls not in WORKER_CLASSES.values():
+            reasons.append(f"worker class {worker_cls} does not apply capture copies")
         self.boundaries_active = not reasons
         if reasons:
             message = "boundary_checkpoints: KV cache layout not supported: " + "; ".join(reasons)
@@ -234,7 +237,7 @@ class BoundaryCheckpointMixin:
             self._sched_seq += 1
         copies = self._emit_pending_copies(output)
         if copies:
-            output.kv_cache_block_copies = list(output.kv_cache_block_copies or []) + copies
+            setattr(output, CAPTURE_COPIES_ATTR, copies)
         self._plan_prompt_captures(output)
         if self._lookup_pins:
             self._block_pool.free_blocks(self._lookup_pins)
@@ -305,7 +308,7 @@ class BoundaryCheckpointMixin:
             else:
                 for source, destination in zip(pending.plan.sources, pending.destinations, strict=True):
                     if source is not None:
-                        copies.append(KVCacheBlockCopy(source.block_id, destination.block_id))
+                        copies.append((source.block_id, destination.block_id))
                 pending.ready_seq = ready_seq
                 kept.append(pending)
             self._block_pool.free_blocks(pending.plan.copy_sources())
