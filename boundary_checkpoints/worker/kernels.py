@@ -25,6 +25,7 @@ torch copy of the same spans is used.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -87,14 +88,13 @@ if _HAS_TRITON:
         tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
 
 
-def _use_triton(device: torch.device) -> bool:
-    if not _HAS_TRITON:
-        return False
-    if device.type == "cuda":
-        return True
-    import os
+# Triton decides at decoration time whether kernels are interpreted, so read the flag once.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether :func:`copy_pages` launches the Triton kernel for tensors on ``device``."""
+    return _HAS_TRITON and (device.type == "cuda" or _INTERPRETED)
 
 
 def copy_page_regions(regions: Sequence[PageRegion], pairs: Sequence[tuple[int, int]]) -> None:
@@ -105,7 +105,7 @@ def copy_page_regions(regions: Sequence[PageRegion], pairs: Sequence[tuple[int, 
     for region in regions:
         by_device.setdefault(region.tensor.device, []).append(region)
     for device, device_regions in by_device.items():
-        if _use_triton(device) and all(r.page_bytes % 8 == 0 and r.tensor.data_ptr() % 8 == 0 for r in device_regions):
+        if uses_triton(device) and all(r.page_bytes % 8 == 0 and r.tensor.data_ptr() % 8 == 0 for r in device_regions):
             _launch(device, device_regions, pairs)
         else:
             for region in device_regions:

@@ -1,0 +1,106 @@
+"""The batched page-copy kernel (worker/kernels.py): CPU under TRITON_INTERPRET=1 and on the GPU host.
+
+Every run draws fresh random pages (the seed is printed), poisons the destination pages, checks
+every byte of every region, and checks that every page other than the destinations is untouched.
+One call covers several regions with different page sizes and dtypes (one launch for all).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from boundary_checkpoints.worker.kernels import copy_pages, split_regions, uses_triton
+
+NUM_BLOCKS = 7
+# (page shape after the block dim, dtype): attention-like, recurrent-state-like, odd sizes.
+LAYOUTS = [
+    ((2, 16, 4, 32), torch.bfloat16),  # K|V rows, 8 KiB page
+    ((3, 96), torch.float16),  # conv-state-like page
+    ((4, 32, 32), torch.float32),  # fp32 SSM-state-like page, 16 KiB
+    ((40,), torch.int8),  # 40-byte page
+    ((1, 5, 3), torch.float64),
+]
+PAIRS = [[(0, 1)], [(1, 0)], [(0, 1), (3, 5), (6, 2)], [(5, 0), (1, 6)]]  # sources and destinations distinct
+
+
+def random_caches(device: str, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    caches = []
+    for shape, dtype in LAYOUTS:
+        raw = torch.randint(0, 256, (NUM_BLOCKS, *shape, torch.empty(0, dtype=dtype).element_size()),
+                            generator=generator, dtype=torch.uint8)
+        caches.append(raw.view(dtype).view(NUM_BLOCKS, *shape).to(device))
+    return caches
+
+
+def check_copy(device: str, pairs) -> None:
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    caches = random_caches(device, seed)
+    expected = [c.clone() for c in caches]
+    for cache, want in zip(caches, expected):
+        raw = cache.view(torch.uint8).view(NUM_BLOCKS, -1)
+        for src, dst in pairs:
+            want.view(torch.uint8).view(NUM_BLOCKS, -1)[dst] = raw[src]
+            raw[dst] = 0xFF  # poison the destination before the copy
+    copy_pages(caches, NUM_BLOCKS, pairs)
+    for cache, want in zip(caches, expected):
+        assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), f"seed {seed}"
+
+
+@pytest.mark.parametrize("pairs", PAIRS)
+def test_copy_pages_cpu(pairs):
+    """Torch fallback in a normal run; the Triton kernel when run under TRITON_INTERPRET=1."""
+    if os.environ.get("BC_EXPECT_TRITON") == "1":
+        assert uses_triton(torch.device("cpu"))
+    check_copy("cpu", pairs)
+
+
+def test_copy_pages_cpu_under_triton_interpreter():
+    """Re-runs the CPU cases in a fresh process with TRITON_INTERPRET=1 (set before Triton loads)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", BC_EXPECT_TRITON="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_copy_pages_cpu and not interpreter"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{len(PAIRS)} passed" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pairs", PAIRS)
+def test_copy_pages_gpu(pairs):
+    assert uses_triton(torch.device("cuda"))
+    check_copy("cuda", pairs)
+    torch.cuda.synchronize()
+
+
+def test_storage_shared_by_layers_is_copied_once():
+    """Hybrid layouts share one storage between a layer of each group: copy it once."""
+    storage = torch.arange(NUM_BLOCKS * 64, dtype=torch.int32).view(NUM_BLOCKS, 64)
+    as_attention = storage.view(NUM_BLOCKS, 2, 32)
+    as_state = storage.view(torch.float32).view(NUM_BLOCKS, 4, 16)
+    regions, strided = split_regions([as_attention, as_state], NUM_BLOCKS)
+    assert len(regions) == 1 and not strided
+    expected = storage.clone()
+    expected[4] = expected[2]
+    copy_pages([as_attention, as_state], NUM_BLOCKS, [(2, 4)])
+    assert torch.equal(storage, expected)
+
+
+def test_strided_views_fall_back_to_vllm_copy():
+    """A K/V-outermost view ([2, blocks, ...]) is not one span per block: vLLM's copy handles it."""
+    base = torch.randn(2, NUM_BLOCKS, 8)
+    view = base.transpose(0, 1)  # [blocks, 2, 8], block stride 8 elements, not 16
+    regions, strided = split_regions([view], NUM_BLOCKS)
+    assert not regions and len(strided) == 1
+    expected = base.clone()
+    expected[:, 3] = expected[:, 1]
+    copy_pages([view], NUM_BLOCKS, [(1, 3)])
+    assert torch.equal(base, expected)
