@@ -1,0 +1,155 @@
+"""Kernel benchmark: bytes and time of one boundary snapshot (and restore) on real model geometries.
+
+For each model (TP1, shapes from the public configs) the benchmark lays out the KV cache the way
+vLLM 0.32 does for hybrids: one storage per layer slot, shared by one layer of every KV cache
+group, each block one page of the unified page size (the attention page grown until it holds a
+recurrent state). A snapshot copies one page per KV cache group (the recurrent state of every
+recurrent group and the partial tail page of the attention group) in every storage; a restore
+moves the same bytes (vLLM's copy-on-write). Timed with CUDA events, median of ``--iters`` runs
+after warm-up, for three ways of moving the same bytes:
+
+* ``plugin``: ``worker.kernels.copy_pages`` (one Triton launch);
+* ``vllm_cow``: vLLM's ``copy_kv_cache_blocks_inplace`` (what restores use);
+* ``d2d``: one contiguous device-to-device ``copy_`` of the same number of bytes (the reference).
+
+Run on the GPU host: ``python benchmarks/copy_kernel.py --out docs/results/gpu-copy-kernel.json``.
+Target: plugin bandwidth >= 0.8 x d2d.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    recurrent_layers: int
+    attention_layers: int
+    state_bytes: int  # one recurrent layer's state (conv + SSM) at TP1
+    kv_bytes_per_token: int  # one attention layer
+    note: str = ""
+
+    @property
+    def group_size(self) -> int:
+        return self.attention_layers  # vLLM groups layers in runs of the smallest type count
+
+    @property
+    def recurrent_groups(self) -> int:
+        return -(-self.recurrent_layers // self.group_size)
+
+    @property
+    def block_size(self) -> int:
+        tokens = -(-self.state_bytes // self.kv_bytes_per_token)
+        return -(-tokens // 16) * 16
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+
+def gdn_state_bytes(v_heads: int, k_heads: int, head_dim: int, conv_kernel: int) -> int:
+    ssm = v_heads * head_dim * head_dim * 4  # fp32 SSM state
+    conv = (2 * k_heads * head_dim + v_heads * head_dim) * (conv_kernel - 1) * 2  # bf16
+    return ssm + conv
+
+
+GEOMETRIES = [
+    Geometry("Qwen3-Next-80B-A3B", 36, 12, gdn_state_bytes(32, 16, 128, 4), 2 * 2 * 256 * 2),
+    Geometry("Qwen3.5-35B-A3B", 30, 10, gdn_state_bytes(32, 16, 128, 4), 2 * 2 * 256 * 2),
+    Geometry(
+        "GLM-5.3-Flash",
+        34,
+        11,
+        gdn_state_bytes(32, 32, 128, 4),
+        512 * 2,
+        note="KDA heads assumed 32 x 128 (Kimi-Linear-like; the public corpus lacks linear_attn_config); "
+        "MLA NoPE latent 512 bf16 per token",
+    ),
+]
+
+
+def median_ms(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench(geometry: Geometry, num_blocks: int, iters: int) -> dict:
+    from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
+    from boundary_checkpoints.worker.kernels import copy_pages
+
+    storages = [
+        torch.empty(num_blocks, geometry.page_bytes, dtype=torch.uint8, device="cuda")
+        for _ in range(geometry.group_size)
+    ]
+    for s in storages:
+        s.random_(0, 256)
+    groups = geometry.recurrent_groups + 1
+    pairs = [(2 * g, 2 * g + 1) for g in range(groups)]  # one page per group
+    nbytes = len(pairs) * len(storages) * geometry.page_bytes
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat_dst = torch.empty_like(flat_src)
+    runs = {
+        "plugin": lambda: copy_pages(storages, num_blocks, pairs),
+        "vllm_cow": lambda: copy_kv_cache_blocks_inplace(
+            storages, num_blocks, [KVCacheBlockCopy(s, d) for s, d in pairs]
+        ),
+        "d2d": lambda: flat_dst.copy_(flat_src),
+    }
+    result = {
+        **asdict(geometry),
+        "block_size": geometry.block_size,
+        "page_bytes": geometry.page_bytes,
+        "storages": len(storages),
+        "pages_per_snapshot": len(pairs),
+        "bytes_per_snapshot": nbytes,
+    }
+    for name, fn in runs.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        ms = median_ms(fn, iters)
+        result[f"{name}_ms"] = ms
+        result[f"{name}_GBps"] = nbytes / ms / 1e6
+    for s in storages:  # the plugin copy must be exact
+        torch.testing.assert_close(s[1], s[0], rtol=0, atol=0)
+    result["plugin_vs_d2d"] = result["plugin_GBps"] / result["d2d_GBps"]
+    result["vllm_cow_vs_d2d"] = result["vllm_cow_GBps"] / result["d2d_GBps"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-blocks", type=int, default=12)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    rows = [bench(g, args.num_blocks, args.iters) for g in GEOMETRIES]
+    header = f"{'model':22} {'block':>6} {'MiB/snap':>9} {'plugin GB/s':>12} {'vLLM CoW GB/s':>14} {'d2d GB/s':>9} {'plugin/d2d':>10}"
+    print(header)
+    for r in rows:
+        print(
+            f"{r['name']:22} {r['block_size']:6d} {r['bytes_per_snapshot'] / 2**20:9.1f} "
+            f"{r['plugin_GBps']:12.0f} {r['vllm_cow_GBps']:14.0f} {r['d2d_GBps']:9.0f} {r['plugin_vs_d2d']:10.2f}"
+        )
+    if args.out:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)}
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""End-to-end boundary probes on an in-process vLLM engine (CPU or GPU).
+
+Scenario per conversation (all conversations of a phase are sent together, so they share
+batches): a cold producer sends prompt ``P``; the exact resend of ``P``; the continuation
+``P + answer + new tokens``; and a cold control of that continuation under a fresh ``cache_salt``.
+Each request is greedy with ``ignore_eos`` and top-2 logprobs so that a divergence between a
+restored output and its cold control can be told apart from a kernel near-tie (see
+:func:`same_greedy_output`).
+
+:func:`run_probes` returns one :class:`ProbeRow` per conversation; the GPU test asserts on them and
+the results file is written from them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+
+NEW_TOKENS = 50
+TIE_TOLERANCE = 0.1  # logprob gap under which two greedy candidates count as tied (bf16 logits)
+
+
+@dataclass
+class ProbeRow:
+    prompt_len: int
+    resend_cached: int
+    resend_same: bool
+    continuation_len: int
+    committed: int
+    continuation_cached: int
+    continuation_same: str  # "identical" | "tie" | "different"
+    cold_cached: int
+    divergence: str = ""  # where and how the continuation left its cold control, if it did
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def same_greedy_output(tokens, cold_tokens, logprobs, cold_logprobs, tolerance=TIE_TOLERANCE) -> tuple[str, str]:
+    """(verdict, detail): ``identical``; ``tie`` when the first difference is a near-tie in BOTH
+    runs' top-2 logprobs (kernels that are not batch- or chunk-invariant may break ties either
+    way); ``different`` otherwise. ``detail`` names the position and both runs' top-2."""
+    if list(tokens) == list(cold_tokens):
+        return "identical", ""
+    i = next(i for i, (a, b) in enumerate(zip(tokens, cold_tokens)) if a != b)
+    a, b = tokens[i], cold_tokens[i]
+
+    def top2(lp):
+        return {token: round(entry.logprob, 4) for token, entry in lp.items()}
+
+    detail = f"token {i}: restored top2 {top2(logprobs[i])}, cold top2 {top2(cold_logprobs[i])}"
+    for lp in (logprobs[i], cold_logprobs[i]):
+        if a not in lp or b not in lp or abs(lp[a].logprob - lp[b].logprob) > tolerance:
+            return "different", detail
+    return "tie", detail
+
+
+def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, seed: int = 0) -> list[ProbeRow]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    salt = f"probe-{seed}-{rng.random()}"
+
+    def send(prompts, salt_of):
+        batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return [(o.num_cached_tokens, list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    def draw(n):
+        return [rng.randrange(4, vocab) for _ in range(n)]
+
+    prompts = [draw(lengths[i % len(lengths)]) for i in range(conversations)]
+    producers = send(prompts, lambda i: salt)
+    resends = send(prompts, lambda i: salt)
+    continuations = [p + out[1] + draw(NEW_TOKENS) for p, out in zip(prompts, producers)]
+    restored = send(continuations, lambda i: salt)
+    cold = send(continuations, lambda i: f"{salt}-cold-{i}")
+    rows = []
+    for p, prod, res, cont, rest, cl in zip(prompts, producers, resends, continuations, restored, cold):
+        verdict, detail = same_greedy_output(rest[1], cl[1], rest[2], cl[2])
+        rows.append(
+            ProbeRow(
+                prompt_len=len(p),
+                resend_cached=res[0],
+                resend_same=res[1] == prod[1],
+                continuation_len=len(cont),
+                committed=len(p) + len(prod[1]) - 1,
+                continuation_cached=rest[0],
+                continuation_same=verdict,
+                cold_cached=cl[0],
+                divergence=detail,
+            )
+        )
+    return rows
+
+
+def summarize(rows: list[ProbeRow]) -> str:
+    """A markdown table, one line per distinct prompt length."""
+    lines = [
+        "| P | resend cached | resend same | continuation | committed | continuation cached | vs cold control | cold cached |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    seen = set()
+    for r in rows:
+        if r.prompt_len in seen:
+            continue
+        seen.add(r.prompt_len)
+        group = [x for x in rows if x.prompt_len == r.prompt_len]
+        verdicts = {v: sum(x.continuation_same == v for x in group) for v in ("identical", "tie", "different")}
+        lines.append(
+            f"| {r.prompt_len} | {min(x.resend_cached for x in group)}-{max(x.resend_cached for x in group)} "
+            f"| {all(x.resend_same for x in group)} | {r.continuation_len} | {r.committed} "
+            f"| {min(x.continuation_cached for x in group)}-{max(x.continuation_cached for x in group)} "
+            f"| {verdicts} | {max(x.cold_cached for x in group)} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""GPU host: boundary probes under Model Runner V2, CUDA graphs and async scheduling (vLLM defaults).
+
+32 conversations at once, prompt lengths 1, B-1, B, B+1, 3000, 8193 and 32768 (B = the engine's
+block size), each with a cold producer, an exact resend, a continuation and a cold control under a
+fresh salt; stock ``aligned`` measured in the same run. ``BC_RESULTS_DIR`` (if set) receives
+``gpu-probes.json`` and ``gpu-probes.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+CONVERSATIONS = 32
+MAX_TOKENS = 64
+
+
+def run_policy(model_dir: Path, policy: str):
+    from vllm import LLM
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from boundary_checkpoints.bench.probes import run_probes
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        mamba_ssm_cache_dtype="float32",
+        max_model_len=33_280,
+        max_num_seqs=CONVERSATIONS,
+        gpu_memory_utilization=0.35,
+        enable_prefix_caching=True,
+        seed=0,
+        additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": policy}},
+    )
+    config = llm.llm_engine.vllm_config
+    block = config.cache_config.block_size
+    setup = {
+        "block_size": block,
+        "async_scheduling": config.scheduler_config.async_scheduling,
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "scheduler_cls": str(config.scheduler_config.scheduler_cls),
+        "worker_cls": config.parallel_config.worker_cls,
+    }
+    rows = run_probes(llm, [1, block - 1, block, block + 1, 3000, 8193, 32768], CONVERSATIONS, MAX_TOKENS)
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    return setup, rows
+
+
+@pytest.fixture(scope="module")
+def probe_results(tiny_model_dir):
+    results = {policy: run_policy(tiny_model_dir, policy) for policy in ("request_boundaries", "aligned")}
+    out = os.environ.get("BC_RESULTS_DIR")
+    if out:
+        from boundary_checkpoints.bench.probes import summarize
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        payload = {p: {"setup": s, "rows": [r.as_dict() for r in rows]} for p, (s, rows) in results.items()}
+        (Path(out) / "gpu-probes.json").write_text(json.dumps(payload, indent=2))
+        text = "\n\n".join(f"## {p}\n{json.dumps(s)}\n\n{summarize(rows)}" for p, (s, rows) in results.items())
+        (Path(out) / "gpu-probes.md").write_text(text + "\n")
+    return results
+
+
+def test_gpu_defaults_are_in_force(probe_results):
+    setup, _ = probe_results["request_boundaries"]
+    assert setup["async_scheduling"] is True
+    assert "NONE" not in setup["cudagraph_mode"]
+    assert setup["scheduler_cls"].endswith("BoundaryAsyncScheduler")
+    assert setup["worker_cls"].endswith("BoundaryGPUWorker")
+
+
+def test_every_probe_hits_exactly_and_matches_its_cold_control(probe_results):
+    _, rows = probe_results["request_boundaries"]
+    for row in rows:
+        assert row.resend_cached >= row.prompt_len - 1, row
+        assert row.resend_same, row
+        assert row.continuation_cached >= row.committed, row
+        assert row.continuation_same in ("identical", "tie"), row
+        assert row.cold_cached == 0, row
+    assert sum(r.continuation_same == "identical" for r in rows) >= len(rows) * 0.9
+
+
+def test_stock_aligned_never_beats_the_plugin(probe_results):
+    _, plugin_rows = probe_results["request_boundaries"]
+    _, stock_rows = probe_results["aligned"]
+    for plugin, stock in zip(plugin_rows, stock_rows, strict=True):
+        assert stock.prompt_len == plugin.prompt_len
+        assert stock.resend_cached <= plugin.resend_cached, (stock, plugin)
+        assert stock.continuation_cached <= plugin.continuation_cached, (stock, plugin)
