@@ -15,7 +15,7 @@ from boundary_checkpoints.bench.server import RunningServer, policy_config
 
 pytestmark = pytest.mark.slow
 
-POLICY = "aligned"  # stock retention; parametrize over policies once capture/restore lands
+POLICY = "request_boundaries"  # the plugin's server; test_server_boundaries.py compares with stock
 MAX_TOKENS = 16
 
 

@@ -36,6 +36,7 @@ class Completion:
     latency_s: float
     ttft_s: float | None = None
     usage: dict = field(default_factory=dict)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with logprobs=k requested
 
 
 def build_request(
@@ -81,6 +82,15 @@ def _post(base_url: str, body: dict, timeout: float):
         raise CompletionError(f"HTTP {err.code} from {base_url}/v1/completions: {detail}") from err
 
 
+def _top_logprobs(choice: dict) -> list[dict[int, float]]:
+    """Per-position top logprobs keyed by token id (needs ``return_tokens_as_token_ids``)."""
+    logprobs = choice.get("logprobs") or {}
+    return [
+        {int(key.removeprefix("token_id:")): value for key, value in (position or {}).items()}
+        for position in logprobs.get("top_logprobs") or []
+    ]
+
+
 def _cached_tokens(usage: dict) -> int | None:
     details = usage.get("prompt_tokens_details") or {}
     return details.get("cached_tokens")
@@ -105,8 +115,9 @@ def complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **
             finish_reason=choice.get("finish_reason"),
             latency_s=latency,
             usage=usage,
+            top_logprobs=_top_logprobs(choice),
         )
-    except (KeyError, IndexError, TypeError) as err:
+    except (KeyError, IndexError, TypeError, ValueError) as err:
         raise CompletionError(f"unexpected completion body: {str(payload)[:2000]}") from err
 
 

@@ -36,7 +36,13 @@ class ProbeRow:
         return asdict(self)
 
 
-def same_greedy_output(tokens, cold_tokens, logprobs, cold_logprobs, tolerance=TIE_TOLERANCE) -> tuple[str, str]:
+def same_greedy_output(
+    tokens: list[int],
+    cold_tokens: list[int],
+    logprobs: list[dict[int, float]],
+    cold_logprobs: list[dict[int, float]],
+    tolerance: float = TIE_TOLERANCE,
+) -> tuple[str, str]:
     """(verdict, detail): ``identical``; ``tie`` when the first difference is a near-tie in BOTH
     runs' top-2 logprobs (kernels that are not batch- or chunk-invariant may break ties either
     way); ``different`` otherwise. ``detail`` names the position and both runs' top-2."""
@@ -44,15 +50,16 @@ def same_greedy_output(tokens, cold_tokens, logprobs, cold_logprobs, tolerance=T
         return "identical", ""
     i = next(i for i, (a, b) in enumerate(zip(tokens, cold_tokens)) if a != b)
     a, b = tokens[i], cold_tokens[i]
-
-    def top2(lp):
-        return {token: round(entry.logprob, 4) for token, entry in lp.items()}
-
-    detail = f"token {i}: restored top2 {top2(logprobs[i])}, cold top2 {top2(cold_logprobs[i])}"
+    detail = f"token {i}: restored top2 {logprobs[i]}, cold top2 {cold_logprobs[i]}"
     for lp in (logprobs[i], cold_logprobs[i]):
-        if a not in lp or b not in lp or abs(lp[a].logprob - lp[b].logprob) > tolerance:
+        if a not in lp or b not in lp or abs(lp[a] - lp[b]) > tolerance:
             return "different", detail
     return "tie", detail
+
+
+def top_logprobs(vllm_logprobs) -> list[dict[int, float]]:
+    """vLLM's per-position ``{token: Logprob}`` as ``{token: logprob}`` rounded for reports."""
+    return [{token: round(entry.logprob, 4) for token, entry in position.items()} for position in vllm_logprobs]
 
 
 def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, seed: int = 0) -> list[ProbeRow]:
@@ -67,7 +74,7 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
     def send(prompts, salt_of):
         batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
         outs = llm.generate(batch, params, use_tqdm=False)
-        return [(o.num_cached_tokens, list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        return [(o.num_cached_tokens, list(o.outputs[0].token_ids), top_logprobs(o.outputs[0].logprobs)) for o in outs]
 
     def draw(n):
         return [rng.randrange(4, vocab) for _ in range(n)]
