@@ -250,11 +250,15 @@ def _wait_group_gone(pgid: int, timeout: float) -> bool:
     return True
 
 
-def stop_server(server: ServerProcess, grace: float = 20.0) -> int | None:
+def stop_server(server: ServerProcess, grace: float | None = None) -> int | None:
     """SIGTERM the server's process group, wait up to ``grace`` s, then SIGKILL what is left.
 
-    Returns the API-server's exit code (None if it could not be reaped). Safe to call twice.
+    ``grace`` defaults to 20 s for a server that became healthy and 5 s for one still starting
+    (vLLM does not act on SIGTERM while its engine is still being set up). Returns the
+    API-server's exit code (None if it could not be reaped). Safe to call twice.
     """
+    if grace is None:
+        grace = 20.0 if server.ready_after_s is not None else 5.0
     pid = server.pid
     if server.running():
         _signal_group(pid, signal.SIGTERM)
@@ -275,7 +279,7 @@ def stop_server(server: ServerProcess, grace: float = 20.0) -> int | None:
     return code
 
 
-def stop_all(grace: float = 10.0) -> None:
+def stop_all(grace: float | None = None) -> None:
     """Stop every server started by this process that is still registered."""
     for server in list(_LIVE.values()):
         stop_server(server, grace=grace)
