@@ -20,7 +20,7 @@ from boundary_checkpoints.config import (
     log_decision_once,
 )
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
 def apply_policy(vllm_config) -> None:

@@ -61,7 +61,7 @@ from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, r
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 _FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 

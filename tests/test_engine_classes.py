@@ -1,0 +1,58 @@
+"""A real engine start picks the plugin's scheduler and worker classes, or stock ones for aligned.
+
+Each engine runs in a fresh process (in-process engine core and worker, as ``vllm.LLM`` does with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the classes checked are the instances vLLM built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r"""
+import json, sys
+from vllm import LLM
+llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
+          enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True,
+          additional_config={"boundary_checkpoints": {"policy": sys.argv[2]}})
+core = llm.llm_engine.engine_core.engine_core
+worker = llm.collective_rpc(lambda self: type(self.worker).__module__ + "." + type(self.worker).__qualname__)[0]
+out = llm.generate([{"prompt_token_ids": list(range(4, 304))}] * 2, use_tqdm=False)
+print("RESULT " + json.dumps({
+    "scheduler": type(core.scheduler).__module__ + "." + type(core.scheduler).__qualname__,
+    "worker": worker,
+    "cached": [o.num_cached_tokens for o in out],
+}))
+"""
+
+
+def start_engine(model_dir, policy: str) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(model_dir), policy], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
+    return {**json.loads(lines[-1][len("RESULT "):]), "log": result.stdout + result.stderr}
+
+
+def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):
+    info = start_engine(tiny_model_dir, "request_boundaries")
+    assert info["scheduler"] == "boundary_checkpoints.core.scheduler.BoundaryScheduler"
+    assert info["worker"] == "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
+    assert "boundary_checkpoints: policy=request_boundaries -> request_boundaries" in info["log"]
+    assert "boundary_checkpoints: request_boundaries active" in info["log"]
+
+
+def test_aligned_engine_uses_stock_classes(tiny_model_dir):
+    info = start_engine(tiny_model_dir, "aligned")
+    assert info["scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler"
+    assert info["worker"] == "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert "boundary_checkpoints: policy=aligned -> aligned" in info["log"]
