@@ -134,24 +134,28 @@ def test_conversation_boundaries_follow_previous_turn(stub_url):
     assert [r.prompt_tokens for r in results] == [40, 50, 60, 70]
     assert [r.boundary for r in results] == [0, 43, 53, 63]
     # Each prompt extends the previous prompt by its answer ids.
-    sent = [r["prompt"] for r in _StubHandler.requests]
+    sent = [r["prompt"] for r in _StubHandler.requests if r.get("cache_salt") == "conv"]
     for prev, nxt, res in zip(sent, sent[1:], results):
         assert nxt[: len(prev) + 4] == prev + res.answer_ids
     # The stub caches whole earlier prompts, so each turn hits the previous prompt.
     assert [r.cached_tokens for r in results] == [0, 40, 50, 60]
     assert all(r.ttft_s is not None for r in results)
+    # Every turn is checked against a cold control under its own fresh salt.
+    colds = [r for r in _StubHandler.requests if r.get("cache_salt", "").startswith("conv-cold-")]
+    assert [r["prompt"] for r in colds] == sent
+    assert all(r.vs_cold == "identical" for r in results)
 
 
-def test_table_marks_answer_mismatch():
-    row = dict(prompt_tokens=10, boundary=0, cached_tokens=0, ttft_s=0.1, latency_s=0.2)
+def test_table_marks_answers_that_differ_from_their_cold_control():
+    row = dict(prompt_tokens=10, boundary=0, cached_tokens=0, ttft_s=0.1, latency_s=0.2, answer_ids=[1, 2])
     results = {
-        "request_boundaries": [demo.TurnResult(turn=1, answer_ids=[1, 2], **row)],
-        "aligned": [demo.TurnResult(turn=1, answer_ids=[1, 3], **row)],
+        "request_boundaries": [demo.TurnResult(turn=1, vs_cold="different", **row)],
+        "aligned": [demo.TurnResult(turn=1, vs_cold="identical", **row)],
     }
     table = demo.format_table(["request_boundaries", "aligned"], results)
     header, _, line = table.splitlines()
-    assert "cached plugin" in header and "TTFT ms stock" in header
-    assert line.split()[-1] == "NO"
+    assert "cached plugin" in header and "TTFT ms stock" in header and "vs cold plugin" in header
+    assert line.split()[-2:] == ["DIFF", "same"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ def stream_complete(
     token_ids: list[int] = []
     text_parts: list[str] = []
     usage: dict = {}
+    top_logprobs: list[dict[int, float]] = []
     finish_reason = None
     with _post(base_url, body, timeout) as resp:
         for event in iter_sse_events(resp):
@@ -152,6 +153,7 @@ def stream_complete(
                 if ttft is None:
                     ttft = time.perf_counter() - start
                 token_ids.extend(choice.get("token_ids") or [])
+                top_logprobs.extend(_top_logprobs(choice))
                 text_parts.append(choice.get("text") or "")
                 finish_reason = choice.get("finish_reason") or finish_reason
             if event.get("usage"):
@@ -167,4 +169,5 @@ def stream_complete(
         latency_s=latency,
         ttft_s=ttft,
         usage=usage,
+        top_logprobs=top_logprobs,
     )

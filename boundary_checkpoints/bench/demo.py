@@ -14,7 +14,11 @@ Greedy, ``max_tokens=--max-tokens``, ``ignore_eos``, a per-run ``cache_salt``.
 The table has one row per turn: the prompt length, the exact boundary the turn could resume from
 (0 on turn 1; otherwise the previous turn's committed length = previous prompt + previous answer
 - 1, since the last sampled token has no KV yet), ``cached_tokens`` and streaming TTFT per policy,
-and whether every policy produced the same answer ids.
+and, per policy, whether the answer equals a cold control: the same prompt sent to the same server
+under a fresh ``cache_salt`` (``same``; ``tie`` when they part only at a bf16 near-tie of the top
+two candidates, which chunking alone can flip on a random-weight model; ``DIFF`` otherwise).
+Plugin and stock answers are not compared with each other: the plugin ends a prefill chunk one
+token before the prompt end, and on a random-weight model that alone can flip a near-tie.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boundary_checkpoints.bench.client import complete, stream_complete
+from boundary_checkpoints.bench.probes import same_greedy_output
 from boundary_checkpoints.bench.server import (
     ServerProcess,
     ServerStartError,
@@ -56,6 +61,7 @@ class TurnResult:
     ttft_s: float | None
     latency_s: float
     answer_ids: list[int]
+    vs_cold: str = ""  # "identical" | "tie" | "different" (see module docstring)
 
 
 @dataclass
@@ -86,9 +92,10 @@ def run_conversation(
     boundary = 0
     for index, new_tokens in enumerate(plan.turn_inputs, start=1):
         prompt = prompt + new_tokens
-        out = stream_complete(
-            base_url, prompt, model=model, max_tokens=max_tokens, cache_salt=cache_salt
-        )
+        logprob_args = dict(model=model, max_tokens=max_tokens, logprobs=2, return_tokens_as_token_ids=True)
+        out = stream_complete(base_url, prompt, cache_salt=cache_salt, **logprob_args)
+        cold = complete(base_url, prompt, cache_salt=f"{cache_salt}-cold-{index}", **logprob_args)
+        vs_cold, _ = same_greedy_output(out.token_ids, cold.token_ids, out.top_logprobs, cold.top_logprobs)
         results.append(
             TurnResult(
                 turn=index,
@@ -98,6 +105,7 @@ def run_conversation(
                 ttft_s=out.ttft_s,
                 latency_s=out.latency_s,
                 answer_ids=out.token_ids,
+                vs_cold=vs_cold,
             )
         )
         boundary = len(prompt) + len(out.token_ids) - 1  # committed length of this turn
@@ -179,21 +187,20 @@ def _fmt_ms(value: float | None) -> str:
 
 
 def format_table(policies: list[str], results: dict[str, list[TurnResult]]) -> str:
-    """One row per turn: prompt, boundary, cached and TTFT per policy, same answers?"""
+    """One row per turn: prompt, boundary, cached and TTFT per policy, answer vs cold control."""
     labels = [POLICY_LABELS.get(p, p) for p in policies]
     header = ["turn", "prompt", "boundary"]
     header += [f"cached {label}" for label in labels]
     header += [f"TTFT ms {label}" for label in labels]
-    header += ["same answer"]
+    header += [f"vs cold {label}" for label in labels]
     rows = []
     first = results[policies[0]]
     for i, base in enumerate(first):
         per = [results[p][i] for p in policies]
-        same = all(r.answer_ids == base.answer_ids for r in per)
         row = [str(base.turn), str(base.prompt_tokens), str(base.boundary)]
         row += [_fmt_int(r.cached_tokens) for r in per]
         row += [_fmt_ms(r.ttft_s) for r in per]
-        row += ["yes" if same else "NO"]
+        row += [{"identical": "same", "different": "DIFF"}.get(r.vs_cold, r.vs_cold) for r in per]
         rows.append(row)
     widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]

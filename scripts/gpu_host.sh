@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (through the device tool) once every bundle part sits in /tmp/gpu-parts:
+#   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
+#   bash scripts/gpu_host.sh bench    multi-turn serving benchmark, stock vs plugin, one run
+# Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
+set -uo pipefail
+stage="${1:?usage: gpu_host.sh probes|bench}"
+out="${OUT:-/tmp/bc-out}"
+mkdir -p "$out"
+source .gpu-bundle/install_on_host.sh || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
+export HF_HUB_OFFLINE=1 BC_RESULTS_DIR="$out" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu-host.txt"
+date -u >> "$out/gpu-host.txt"
+rc=0
+case "$stage" in
+  probes)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
+    python3 benchmarks/copy_kernel.py --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py 2>&1 | tee "$out/gpu-e2e.log" || rc=1
+    ;;
+  bench)
+    shift
+    python3 benchmarks/multi_turn.py "$@" 2>&1 | tee "$out/gpu-multi-turn.log" || rc=1
+    ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+exit $rc
