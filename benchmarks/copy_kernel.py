@@ -8,7 +8,8 @@ recurrent group and the partial tail page of the attention group) in every stora
 moves the same bytes (vLLM's copy-on-write). Timed with CUDA events, median of ``--iters`` runs
 after warm-up, for three ways of moving the same bytes:
 
-* ``plugin``: ``worker.kernels.copy_pages`` (one Triton launch);
+* ``plugin``: ``worker.kernels.PageCopier.copy`` as the worker runs it each step (address table
+  plus one Triton launch);
 * ``vllm_cow``: vLLM's ``copy_kv_cache_blocks_inplace`` (what restores use);
 * ``d2d``: one contiguous device-to-device ``copy_`` of the same number of bytes (the reference).
 
@@ -89,7 +90,7 @@ def median_ms(fn, iters: int) -> float:
 
 def bench(geometry: Geometry, num_blocks: int, iters: int) -> dict:
     from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
-    from boundary_checkpoints.worker.kernels import copy_pages
+    from boundary_checkpoints.worker.kernels import PageCopier
 
     storages = [
         torch.empty(num_blocks, geometry.page_bytes, dtype=torch.uint8, device="cuda")
@@ -102,8 +103,9 @@ def bench(geometry: Geometry, num_blocks: int, iters: int) -> dict:
     nbytes = len(pairs) * len(storages) * geometry.page_bytes
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     flat_dst = torch.empty_like(flat_src)
+    copier = PageCopier(storages, num_blocks)  # built once per KV cache, as the worker does
     runs = {
-        "plugin": lambda: copy_pages(storages, num_blocks, pairs),
+        "plugin": lambda: copier.copy(pairs),
         "vllm_cow": lambda: copy_kv_cache_blocks_inplace(
             storages, num_blocks, [KVCacheBlockCopy(s, d) for s, d in pairs]
         ),

@@ -9,7 +9,7 @@ out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
-export HF_HUB_OFFLINE=1 BC_RESULTS_DIR="$out" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 BC_RESULTS_DIR="$out" PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu-host.txt"
 date -u >> "$out/gpu-host.txt"
 rc=0

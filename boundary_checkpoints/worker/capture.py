@@ -9,13 +9,14 @@ pinned pages of a running or finished request (never zeroed or rewritten before 
 capture destinations are private blocks no request uses. Restores need no worker code: they use
 vLLM's own partial-hit copy-on-write, which the runner applies after zeroing.
 
-The only runner attributes read are ``model_runner.kv_caches`` and
+The copier (storage split and base addresses) is built on first use and rebuilt whenever the
+runner's KV cache tensors change. The only runner attributes read are ``model_runner.kv_caches`` and
 ``model_runner.kv_cache_config.num_blocks``, present in both the V1 (CPU) and V2 (GPU) runners.
 """
 
 from __future__ import annotations
 
-from boundary_checkpoints.worker.kernels import copy_pages
+from boundary_checkpoints.worker.kernels import PageCopier
 
 CAPTURE_COPIES_ATTR = "boundary_capture_copies"
 
@@ -24,11 +25,20 @@ class CaptureCopyWorkerMixin:
     """Mixed into vLLM's worker classes (see ``worker/gpu.py`` and ``worker/cpu.py``)."""
 
     boundary_capture_copies_applied = 0
+    _page_copier: PageCopier | None = None
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         pairs = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)
         if pairs:
-            runner = self.model_runner
-            copy_pages(runner.kv_caches, runner.kv_cache_config.num_blocks, pairs)
+            self._copier().copy(pairs)
             self.boundary_capture_copies_applied += len(pairs)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _copier(self) -> PageCopier:
+        """The copier of the runner's current KV cache (rebuilt if vLLM reallocated it)."""
+        runner = self.model_runner
+        key = tuple(cache.data_ptr() for cache in runner.kv_caches)
+        if self._page_copier is None or self._page_copier_key != key:
+            self._page_copier = PageCopier(runner.kv_caches, runner.kv_cache_config.num_blocks)
+            self._page_copier_key = key
+        return self._page_copier

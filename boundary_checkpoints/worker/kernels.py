@@ -29,6 +29,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:  # pragma: no cover - import guard
@@ -97,44 +98,59 @@ def uses_triton(device: torch.device) -> bool:
     return _HAS_TRITON and (device.type == "cuda" or _INTERPRETED)
 
 
-def copy_page_regions(regions: Sequence[PageRegion], pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy page ``src`` onto page ``dst`` in every region, in one launch per device."""
-    if not pairs or not regions:
-        return
-    by_device: dict[torch.device, list[PageRegion]] = {}
-    for region in regions:
-        by_device.setdefault(region.tensor.device, []).append(region)
-    for device, device_regions in by_device.items():
-        if uses_triton(device) and all(r.page_bytes % 8 == 0 and r.tensor.data_ptr() % 8 == 0 for r in device_regions):
-            _launch(device, device_regions, pairs)
-        else:
-            for region in device_regions:
-                src = torch.tensor([s for s, _ in pairs], device=device)
-                dst = torch.tensor([d for _, d in pairs], device=device)
+class PageCopier:
+    """Copies pages of a fixed set of KV cache tensors; built once per KV cache allocation.
+
+    The storage split and the per-region base addresses are computed here once, so a step's copy
+    only builds its address table (vectorized) and launches: host work stays in the microseconds
+    that a multi-MiB page copy takes on the device.
+    """
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        regions, self.strided = split_regions(kv_caches, num_blocks)
+        self.triton_regions: dict[torch.device, list[PageRegion]] = {}
+        self.torch_regions: list[PageRegion] = []
+        for region in regions:
+            aligned = region.page_bytes % 8 == 0 and region.tensor.data_ptr() % 8 == 0
+            if aligned and uses_triton(region.tensor.device):
+                self.triton_regions.setdefault(region.tensor.device, []).append(region)
+            else:
+                self.torch_regions.append(region)
+        self._tables = {
+            device: (
+                np.array([r.tensor.data_ptr() for r in group], dtype=np.int64),
+                np.array([r.page_bytes for r in group], dtype=np.int64),
+            )
+            for device, group in self.triton_regions.items()
+        }
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        ids = np.asarray(pairs, dtype=np.int64)
+        for device, (bases, page_bytes) in self._tables.items():
+            src = (bases[:, None] + ids[None, :, 0] * page_bytes[:, None]).ravel()
+            dst = (bases[:, None] + ids[None, :, 1] * page_bytes[:, None]).ravel()
+            words = np.repeat(page_bytes // 8, len(ids))
+            table = torch.from_numpy(np.stack([src, dst, words]))
+            if device.type == "cuda":
+                table = table.to(device)  # a few hundred bytes; pinning would cost more
+            max_tiles = triton.cdiv(int(words.max()), TILE_WORDS)
+            _copy_pages_kernel[(len(words), max_tiles)](table[0], table[1], table[2], TILE=TILE_WORDS, num_warps=8)
+        if self.torch_regions:
+            device = self.torch_regions[0].tensor.device
+            src = torch.as_tensor(ids[:, 0], device=device)
+            dst = torch.as_tensor(ids[:, 1], device=device)
+            for region in self.torch_regions:
                 region.tensor[dst] = region.tensor[src]
+        if self.strided:
+            from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
 
-
-def _launch(device: torch.device, regions: Sequence[PageRegion], pairs: Sequence[tuple[int, int]]) -> None:
-    src_addrs, dst_addrs, words = [], [], []
-    for region in regions:
-        base = region.tensor.data_ptr()
-        for src, dst in pairs:
-            src_addrs.append(base + src * region.page_bytes)
-            dst_addrs.append(base + dst * region.page_bytes)
-            words.append(region.page_bytes // 8)
-    table = torch.tensor([src_addrs, dst_addrs, words], dtype=torch.int64)
-    table = table.to(device, non_blocking=True) if device.type == "cuda" else table
-    max_tiles = triton.cdiv(max(words), TILE_WORDS)
-    _copy_pages_kernel[(len(words), max_tiles)](table[0], table[1], table[2], TILE=TILE_WORDS)
+            copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in ids]
+            copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
 
 
 def copy_pages(kv_caches: Sequence[torch.Tensor], num_blocks: int, pairs: Sequence[tuple[int, int]]) -> None:
     """Copy block ``src`` onto block ``dst`` in every KV cache storage (see module contract)."""
-    if not pairs:
-        return
-    regions, strided = split_regions(kv_caches, num_blocks)
-    copy_page_regions(regions, pairs)
-    if strided:
-        from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
-
-        copy_kv_cache_blocks_inplace(strided, num_blocks, [KVCacheBlockCopy(s, d) for s, d in pairs])
+    PageCopier(kv_caches, num_blocks).copy(pairs)
