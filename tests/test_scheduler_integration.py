@@ -57,7 +57,9 @@ def test_resend_and_continuation_hit_exact_boundaries(model_dir, lag, prompt_len
     stats = scheduler.boundary_stats()
     assert stats["captures_dropped"] == 0
     kinds = sorted(c.kind for c in scheduler.checkpoint_store.checkpoints())
-    assert kinds.count("prompt") == 3 and kinds.count("response") == 3  # first, continuation, cold
+    # The continuation superseded the first turn's bundles; the cold control keeps its own.
+    assert kinds.count("prompt") == 2 and kinds.count("response") == 2
+    assert stats["superseded"] == 2
 
 
 @pytest.mark.parametrize("prompt_len", [17, 40])
@@ -200,3 +202,19 @@ def test_plugin_picks_its_scheduler_class_through_vllm_config(model_dir):
     assert issubclass(scheduler_cls("request_boundaries"), BoundaryCheckpointMixin)
     assert issubclass(scheduler_cls("auto"), BoundaryCheckpointMixin)
     assert scheduler_cls("aligned") in (Scheduler, AsyncScheduler)
+
+
+def test_a_long_conversation_keeps_only_its_latest_turn(model_dir):
+    scheduler, worker = build_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(8)
+    prompt = tokens(rng, 20)
+    for turn in range(6):
+        request = make_request(prompt, max_tokens=5, salt="chat")
+        [answer] = driver.run([request])
+        if turn:
+            assert driver.cached_tokens[request.request_id] == previous_committed
+        previous_committed = len(prompt) + len(answer) - 1
+        prompt = prompt + answer + tokens(rng, 7)
+        kinds = sorted(c.kind for c in scheduler.checkpoint_store.checkpoints())
+        assert kinds == ["prompt", "response"], (turn, kinds)

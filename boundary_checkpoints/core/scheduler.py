@@ -18,12 +18,15 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    ran its copies (or, for adoption, of the last step scheduled before the finish): the step's
    output exists only after every worker returned it. A producer that is preempted or aborted
    before publication publishes nothing.
-5. Restore: ``_get_local_prefix_cache_hit`` returns the longest stock hit or the longest
+5. Supersession: when a request that resumed from a checkpoint publishes its own response
+   checkpoint, the bundles of the turn it resumed from are dropped, so a conversation keeps about
+   two states (its latest prompt and response), not two per turn.
+6. Restore: ``_get_local_prefix_cache_hit`` returns the longest stock hit or the longest
    checkpoint, whichever is longer; a checkpoint hit gives every group the same ``N``. vLLM's own
    partial-hit copy-on-write then copies the checkpoint's tail page and recurrent state into the
    new request's private blocks (a restore never writes a retained block). The plugin pins a
    hit's blocks for the rest of the ``schedule()`` that looked it up.
-6. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool and are
+7. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool and are
    evicted (LRU) before vLLM would have to preempt or refuse a request.
 """
 
@@ -151,6 +154,7 @@ class BoundaryCheckpointMixin:
         self._pending: list[PendingCapture] = []
         self._lookup_pins: list[Any] = []
         self._counted_requests: set[str] = set()
+        self._restored_from: dict[str, Checkpoint] = {}
         self._tainted: set[str] = set()
         self._sched_seq = 0
         self._processed_seq = 0
@@ -199,7 +203,9 @@ class BoundaryCheckpointMixin:
             self._counted_requests.add(request.request_id)
             self.checkpoint_store.record_lookup(hit if hit is not None and hit.num_tokens > num_hit else None)
         if hit is None or hit.num_tokens <= num_hit:
+            self._restored_from.pop(request.request_id, None)
             return blocks, num_hit, shared_boundary, diverged
+        self._restored_from[request.request_id] = hit
         pins = hit.distinct_blocks()
         self._block_pool.touch(pins)
         self._lookup_pins.extend(pins)
@@ -324,9 +330,17 @@ class BoundaryCheckpointMixin:
                 self._discard(pending)
             else:
                 checkpoint = Checkpoint(
-                    pending.key, pending.kind, pending.plan.group_blocks(pending.destinations), self._page_bytes
+                    pending.key,
+                    pending.kind,
+                    pending.plan.group_blocks(pending.destinations),
+                    self._page_bytes,
+                    producer=pending.request_id,
                 )
-                if self.checkpoint_store.publish(checkpoint):
+                published = self.checkpoint_store.publish(checkpoint)
+                source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
+                if published and source is not None:
+                    self.checkpoint_store.supersede(source)
+                if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",
                         pending.kind, pending.request_id, pending.key.num_tokens,
@@ -336,6 +350,7 @@ class BoundaryCheckpointMixin:
         self._tainted &= live
 
     def _discard(self, pending: PendingCapture) -> None:
+        self._restored_from.pop(pending.request_id, None)
         blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
         blocks += [d for d in pending.destinations if d is not None]
         self._block_pool.free_blocks(blocks)
@@ -345,10 +360,14 @@ class BoundaryCheckpointMixin:
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         if self.boundaries_active:
             self._counted_requests.discard(request.request_id)
+            if request.status not in _FINISHED_WITH_CHECKPOINT:
+                self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
                 num_tokens = response_boundary(request.num_computed_tokens, request.num_tokens)
                 if num_tokens:
                     self._plan_capture(request, num_tokens, RESPONSE, adopt=True)
+                if not any(p.request_id == request.request_id and p.kind == RESPONSE for p in self._pending):
+                    self._restored_from.pop(request.request_id, None)
             elif any(p.request_id == request.request_id for p in self._pending):
                 self._tainted.add(request.request_id)
         result = super()._free_request(request, delay_free_blocks)

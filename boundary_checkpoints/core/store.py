@@ -14,6 +14,8 @@ Contract
   evicting a bundle that a reader is restoring from is safe.
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
   the seam for a cost-aware replacement. The retained budget counts distinct blocks.
+* :meth:`supersede` drops the bundles of a turn once the next turn of the same conversation has
+  published its own (DESIGN contract 7: a few states per conversation, not one per turn).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Checkpoint:
     kind: str
     group_blocks: tuple[tuple[BlockLike, ...], ...]
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
+    producer: str = ""  # id of the request that produced it
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,7 @@ class StoreCounters:
     published: int = 0
     duplicates: int = 0
     evictions: int = 0
+    superseded: int = 0
     captures_dropped: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -186,6 +190,19 @@ class CheckpointStore:
         self.counters.published += 1
         self._enforce_budget(keep=checkpoint)
         return True
+
+    def supersede(self, checkpoint: Checkpoint) -> int:
+        """Drop ``checkpoint`` and every other bundle of its producer; returns how many.
+
+        Used when a conversation moves on: the bundles of the turn a request resumed from are
+        replaced by that request's own, so a conversation keeps one prompt and one response
+        bundle instead of one per turn.
+        """
+        victims = [c for c in self.checkpoints() if c is checkpoint or (c.producer and c.producer == checkpoint.producer)]
+        for victim in victims:
+            self._drop(victim)
+        self.counters.superseded += len(victims)
+        return len(victims)
 
     def evict_lru(self) -> bool:
         """Drop the least recently used bundle; False when nothing is retained."""
