@@ -24,13 +24,14 @@ TIE_TOLERANCE = 0.1  # logprob gap under which two greedy candidates count as ti
 class ProbeRow:
     prompt_len: int
     resend_cached: int
-    resend_same: bool
+    resend_same: str  # resend vs producer: "identical" | "tie" | "different"
     continuation_len: int
     committed: int
     continuation_cached: int
     continuation_same: str  # "identical" | "tie" | "different"
     cold_cached: int
     divergence: str = ""  # where and how the continuation left its cold control, if it did
+    first_token_delta: float = 0.0  # max |logprob difference| of the first token's top-2, vs cold
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,6 +56,17 @@ def same_greedy_output(
         if a not in lp or b not in lp or abs(lp[a] - lp[b]) > tolerance:
             return "different", detail
     return "tie", detail
+
+
+def first_token_delta(logprobs: list[dict[int, float]], cold_logprobs: list[dict[int, float]]) -> float:
+    """How far the first generated token's top-2 logprobs are from the cold control's.
+
+    The first token is computed straight from the restored state, before any decode step can add
+    its own rounding: a wrong restore moves these logprobs by far more than bf16 noise."""
+    common = logprobs[0].keys() & cold_logprobs[0].keys()
+    if not common:
+        return float("inf")
+    return max(abs(logprobs[0][t] - cold_logprobs[0][t]) for t in common)
 
 
 def top_logprobs(vllm_logprobs) -> list[dict[int, float]]:
@@ -92,13 +104,14 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
             ProbeRow(
                 prompt_len=len(p),
                 resend_cached=res[0],
-                resend_same=res[1] == prod[1],
+                resend_same=same_greedy_output(res[1], prod[1], res[2], prod[2])[0],
                 continuation_len=len(cont),
                 committed=len(p) + len(prod[1]) - 1,
                 continuation_cached=rest[0],
                 continuation_same=verdict,
                 cold_cached=cl[0],
                 divergence=detail,
+                first_token_delta=first_token_delta(rest[2], cl[2]),
             )
         )
     return rows
@@ -107,8 +120,9 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
 def summarize(rows: list[ProbeRow]) -> str:
     """A markdown table, one line per distinct prompt length."""
     lines = [
-        "| P | resend cached | resend same | continuation | committed | continuation cached | vs cold control | cold cached |",
-        "|---|---|---|---|---|---|---|---|",
+        "| P | resend cached | resend vs producer | continuation | committed | continuation cached "
+        "| continuation vs cold control | max first-token delta | cold cached |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     seen = set()
     for r in rows:
@@ -116,11 +130,14 @@ def summarize(rows: list[ProbeRow]) -> str:
             continue
         seen.add(r.prompt_len)
         group = [x for x in rows if x.prompt_len == r.prompt_len]
-        verdicts = {v: sum(x.continuation_same == v for x in group) for v in ("identical", "tie", "different")}
+        def count(field):
+            return {v: n for v in ("identical", "tie", "different") if (n := sum(getattr(x, field) == v for x in group))}
+
         lines.append(
             f"| {r.prompt_len} | {min(x.resend_cached for x in group)}-{max(x.resend_cached for x in group)} "
-            f"| {all(x.resend_same for x in group)} | {r.continuation_len} | {r.committed} "
+            f"| {count('resend_same')} | {r.continuation_len} | {r.committed} "
             f"| {min(x.continuation_cached for x in group)}-{max(x.continuation_cached for x in group)} "
-            f"| {verdicts} | {max(x.cold_cached for x in group)} |"
+            f"| {count('continuation_same')} | {max(x.first_token_delta for x in group):.3f} "
+            f"| {max(x.cold_cached for x in group)} |"
         )
     return "\n".join(lines)
