@@ -218,3 +218,21 @@ def test_a_long_conversation_keeps_only_its_latest_turn(model_dir):
         prompt = prompt + answer + tokens(rng, 7)
         kinds = sorted(c.kind for c in scheduler.checkpoint_store.checkpoints())
         assert kinds == ["prompt", "response"], (turn, kinds)
+
+
+def test_a_resend_that_answers_differently_does_not_drop_the_original_turn(model_dir):
+    """Found on the GPU host: a resend whose greedy answer flipped at a near-tie published its own
+    response and superseded the producer's bundles, so the producer's continuation missed."""
+    scheduler, worker = build_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(9), 40)
+    first = make_request(prompt, salt="s")
+    [answer] = driver.run([first])
+    # A resend restored from the prompt checkpoint that (unlike the shadow model's greedy rule)
+    # stops after a different number of tokens, so its response bundle has another key.
+    resend = make_request(prompt, salt="s", max_tokens=3)
+    driver.run([resend])
+    assert driver.cached_tokens[resend.request_id] == 39
+    continuation = make_request(prompt + answer + tokens(random.Random(10), 5), salt="s")
+    driver.run([continuation])
+    assert driver.cached_tokens[continuation.request_id] == len(prompt) + len(answer) - 1

@@ -18,8 +18,9 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    ran its copies (or, for adoption, of the last step scheduled before the finish): the step's
    output exists only after every worker returned it. A producer that is preempted or aborted
    before publication publishes nothing.
-5. Supersession: when a request that resumed from a checkpoint publishes its own response
-   checkpoint, the bundles of the turn it resumed from are dropped, so a conversation keeps about
+5. Supersession: when a request that resumed from a *response* checkpoint (the next turn of a
+   conversation) publishes its own response checkpoint, the bundles of the turn it resumed from
+   are dropped, so a conversation keeps about
    two states (its latest prompt and response), not two per turn.
 6. Restore: ``_get_local_prefix_cache_hit`` returns the longest stock hit or the longest
    checkpoint, whichever is longer; a checkpoint hit gives every group the same ``N``. vLLM's own
@@ -338,7 +339,9 @@ class BoundaryCheckpointMixin:
                 )
                 published = self.checkpoint_store.publish(checkpoint)
                 source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
-                if published and source is not None:
+                if published and source is not None and source.kind == RESPONSE:
+                    # The conversation moved on from that turn. A resend (restored from a prompt
+                    # checkpoint) is a branch and supersedes nothing.
                     self.checkpoint_store.supersede(source)
                 if published:
                     logger.debug(
