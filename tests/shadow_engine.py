@@ -196,8 +196,13 @@ def build_scheduler(
     max_model_len: int = 1024,
     async_scheduling: bool = False,
     max_retained_fraction: float = 0.5,
+    scheduler_reserve_full_isl: bool = True,
 ):
-    """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout."""
+    """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
+
+    ``scheduler_reserve_full_isl=False`` (vLLM's ``--no-scheduler-reserve-full-isl``) admits a
+    request when its first chunk fits, so chunked prefills can run the pool dry and preempt.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import EngineArgs
@@ -223,6 +228,7 @@ def build_scheduler(
     cache.mamba_block_size = block_size
     cache.num_gpu_blocks = num_blocks
     vllm_config.scheduler_config.async_scheduling = async_scheduling
+    vllm_config.scheduler_config.scheduler_reserve_full_isl = scheduler_reserve_full_isl
     dtype = torch.float32
     groups = [
         KVCacheGroupSpec(
