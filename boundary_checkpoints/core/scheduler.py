@@ -285,15 +285,15 @@ class BoundaryCheckpointMixin:
             return
         sources = plan.copy_sources()
         if adopt:
-            destinations = tuple(plan.sources)
-            self._block_pool.touch(sources)
+            destinations = tuple(plan.sources)  # the bundle's own reference on each source
         else:
             if self._block_pool.get_num_free_blocks() < len(sources):
                 self.checkpoint_store.counters.captures_dropped += 1
                 return
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))
             destinations = tuple(None if s is None else next(fresh) for s in plan.sources)
-            self._block_pool.touch(sources)  # source pins, dropped once the copies are emitted
+        # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.
+        self._block_pool.touch(sources)
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
         pending = PendingCapture(request.request_id, key, kind, plan, destinations)
         if adopt:

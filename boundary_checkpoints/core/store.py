@@ -47,14 +47,11 @@ class Checkpoint:
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
-        return list(self._distinct().values())
+        return [block for block, _ in self._distinct_sized().values()]
 
     def block_bytes(self) -> dict[int, int]:
         """Bytes of each distinct block, by block id."""
         return {block_id: size for block_id, (_, size) in self._distinct_sized().items()}
-
-    def _distinct(self) -> dict[int, BlockLike]:
-        return {block_id: block for block_id, (block, _) in self._distinct_sized().items()}
 
     def _distinct_sized(self) -> dict[int, tuple[BlockLike, int]]:
         seen: dict[int, tuple[BlockLike, int]] = {}
