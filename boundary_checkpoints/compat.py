@@ -17,10 +17,13 @@ Private internals (names and the behaviour relied on):
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
   ``num_gpu_blocks``), the coordinator's ``single_type_managers`` (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``.
-* ``KVCacheBlockCopy`` + ``SchedulerOutput.kv_cache_block_copies``: both model runners (V1 on CPU,
-  V2 on GPU) apply these whole-block copies in ``copy_kv_cache_blocks_inplace`` at the start of a
-  step, after zeroing new blocks and before the forward pass. Capture copies ride this channel,
-  and restores use vLLM's own partial-hit copy-on-write, which rides it too.
+* ``SchedulerOutput.kv_cache_block_copies`` (``KVCacheBlockCopy`` pairs) and
+  ``SchedulerOutput.new_block_ids_to_zero``: both model runners (V1 on CPU, V2 on GPU) zero the
+  step's new blocks, then apply these whole-block copy-on-write copies (restores of partial hits)
+  with ``copy_kv_cache_blocks_inplace``, both at the start of ``execute_model``. The plugin's
+  worker applies the copies itself and removes them, and their destinations from the zero list,
+  from the step it hands on (``worker/capture.py``). ``copy_kv_cache_blocks_inplace`` itself is
+  used for caches that are not block-outermost.
 * ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
   ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
   ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).

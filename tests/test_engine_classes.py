@@ -24,7 +24,11 @@ llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", 
 core = llm.llm_engine.engine_core.engine_core
 worker = llm.collective_rpc(lambda self: type(self.worker).__module__ + "." + type(self.worker).__qualname__)[0]
 out = llm.generate([{"prompt_token_ids": list(range(4, 304))}] * 2, use_tqdm=False)
+out += llm.generate([{"prompt_token_ids": list(range(4, 304))}], use_tqdm=False)  # a resend
+copies = llm.collective_rpc(lambda self: [getattr(self.worker, "boundary_capture_copies_applied", None),
+                                          getattr(self.worker, "boundary_restore_copies_applied", None)])[0]
 print("RESULT " + json.dumps({
+    "copies": copies,
     "scheduler": type(core.scheduler).__module__ + "." + type(core.scheduler).__qualname__,
     "worker": worker,
     "cached": [o.num_cached_tokens for o in out],
@@ -49,6 +53,11 @@ def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):
     assert info["worker"] == "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
     assert "boundary_checkpoints: policy=request_boundaries -> request_boundaries" in info["log"]
     assert "boundary_checkpoints: request_boundaries active" in info["log"]
+    # The resend restores the prompt checkpoint at P - 1; the worker applied the capture and the
+    # restore copies itself (vLLM's runner got a step without them).
+    assert info["cached"][2] == 299
+    captures, restores = info["copies"]
+    assert captures > 0 and restores > 0
 
 
 def test_aligned_engine_uses_stock_classes(tiny_model_dir):
@@ -56,3 +65,4 @@ def test_aligned_engine_uses_stock_classes(tiny_model_dir):
     assert info["scheduler"] == "vllm.v1.core.sched.scheduler.Scheduler"
     assert info["worker"] == "vllm.v1.worker.cpu_worker.CPUWorker"
     assert "boundary_checkpoints: policy=aligned -> aligned" in info["log"]
+    assert info["cached"][2] < 299 and info["copies"] == [None, None]

@@ -15,12 +15,13 @@ import sys
 import pytest
 import torch
 
-from boundary_checkpoints.worker.kernels import copy_pages, split_regions, uses_triton
+from boundary_checkpoints.worker.kernels import TILE_WORDS, PageCopier, copy_pages, split_regions, uses_triton
 
 NUM_BLOCKS = 7
 # (page shape after the block dim, dtype): attention-like, recurrent-state-like, odd sizes.
 LAYOUTS = [
     ((2, 16, 4, 32), torch.bfloat16),  # K|V rows, 8 KiB page
+    ((2, 80, 4, 64), torch.bfloat16),  # 80 KiB page: two full (unmasked) tiles and a masked tail
     ((3, 96), torch.float16),  # conv-state-like page
     ((4, 32, 32), torch.float32),  # fp32 SSM-state-like page, 16 KiB
     ((40,), torch.int8),  # 40-byte page
@@ -59,6 +60,10 @@ def test_copy_pages_cpu(pairs):
     """Torch fallback in a normal run; the Triton kernel when run under TRITON_INTERPRET=1."""
     if os.environ.get("BC_EXPECT_TRITON") == "1":
         assert uses_triton(torch.device("cpu"))
+        # Both launch classes run: 16-byte vectors and 8-byte words (the 40- and 120-byte pages).
+        caches = random_caches("cpu", 0)
+        assert max(c[0].nbytes for c in caches) > 2 * TILE_WORDS * 8  # full tiles are exercised
+        assert sorted(launch.vec for launch in PageCopier(caches, NUM_BLOCKS)._launches) == [1, 2]
     check_copy("cpu", pairs)
 
 

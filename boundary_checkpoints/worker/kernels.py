@@ -13,9 +13,13 @@ is written. Sources and destinations of one call must be distinct blocks.
 Why not vLLM's copies: ``copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write path, which
 restores use unchanged) does a gather plus a scatter per storage, and
 ``mamba_utils.batch_memcpy`` runs one CTA per copy with byte loads; multi-MiB recurrent pages
-need many CTAs per page and 8-byte accesses to approach copy bandwidth. The kernel below tiles
-every page over ``TILE_WORDS`` 8-byte words per program: grid = (pages to copy, tiles of the
-largest page), masked on each page's own size.
+need many CTAs per page and 16-byte accesses to approach copy bandwidth. The kernel below tiles
+every page over ``TILE_WORDS`` 8-byte words per program: grid = (regions x pairs, tiles of the
+largest page); full tiles copy unmasked with 16-byte vectors (``VEC=2``) when every page size and
+base address is a multiple of 16 bytes, the last tile of a page is masked on its own size. The
+region table (word offsets from one anchor address, page sizes) lives on the device from the
+copier's construction on, so a step uploads only its block id pairs (pinned, non-blocking) and
+launches once: no host synchronisation.
 
 Storages that are not laid out block-outermost (a block's page is then not one contiguous span)
 are copied with vLLM's ``copy_kv_cache_blocks_inplace`` instead, which handles strided views.
@@ -29,7 +33,6 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 try:  # pragma: no cover - import guard
@@ -78,15 +81,27 @@ def split_regions(
 if _HAS_TRITON:
 
     @triton.jit
-    def _copy_pages_kernel(src_addrs, dst_addrs, num_words, TILE: tl.constexpr):
+    def _copy_pages_kernel(
+        anchor, region_offsets, region_words, block_pairs, num_pairs, TILE: tl.constexpr, VEC: tl.constexpr
+    ):
+        # Program (page, tile): page enumerates (region, pair); every address is a word offset from
+        # ``anchor``, and offsets and page sizes are multiples of VEC words (16-byte access at VEC=2).
         page = tl.program_id(0)
         tile = tl.program_id(1)
-        words = tl.load(num_words + page)
-        offsets = tile * TILE + tl.arange(0, TILE)
-        mask = offsets < words
-        src = tl.load(src_addrs + page).to(tl.pointer_type(tl.uint64))
-        dst = tl.load(dst_addrs + page).to(tl.pointer_type(tl.uint64))
-        tl.store(dst + offsets, tl.load(src + offsets, mask=mask), mask=mask)
+        region = page // num_pairs
+        pair = page % num_pairs
+        words = tl.multiple_of(tl.load(region_words + region), VEC)
+        start = tile * TILE
+        if start < words:
+            base = tl.load(region_offsets + region)
+            src = tl.multiple_of(base + tl.load(block_pairs + 2 * pair) * words + start, VEC)
+            dst = tl.multiple_of(base + tl.load(block_pairs + 2 * pair + 1) * words + start, VEC)
+            lanes = tl.arange(0, TILE)
+            if start + TILE <= words:  # full tile: no mask, so loads and stores vectorize
+                tl.store(anchor + dst + lanes, tl.load(anchor + src + lanes))
+            else:
+                mask = lanes < words - start
+                tl.store(anchor + dst + lanes, tl.load(anchor + src + lanes, mask=mask), mask=mask)
 
 
 # Triton decides at decoration time whether kernels are interpreted, so read the flag once.
@@ -101,54 +116,81 @@ def uses_triton(device: torch.device) -> bool:
 class PageCopier:
     """Copies pages of a fixed set of KV cache tensors; built once per KV cache allocation.
 
-    The storage split and the per-region base addresses are computed here once, so a step's copy
-    only builds its address table (vectorized) and launches: host work stays in the microseconds
-    that a multi-MiB page copy takes on the device.
+    Everything about the storages (which are page regions, their word offsets from one anchor
+    address and their page sizes) is uploaded to the device once, here. A step's copy only moves
+    its block id pairs to the device (pinned, non-blocking) and launches once per alignment class:
+    16-byte accesses where every page and base is a multiple of 16 bytes (every vLLM layout),
+    8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes use a torch copy.
     """
 
     def __init__(self, kv_caches: Sequence[torch.Tensor], num_blocks: int) -> None:
         self.num_blocks = num_blocks
         regions, self.strided = split_regions(kv_caches, num_blocks)
-        self.triton_regions: dict[torch.device, list[PageRegion]] = {}
+        classes: dict[tuple[torch.device, int], list[PageRegion]] = {}
         self.torch_regions: list[PageRegion] = []
         for region in regions:
-            aligned = region.page_bytes % 8 == 0 and region.tensor.data_ptr() % 8 == 0
-            if aligned and uses_triton(region.tensor.device):
-                self.triton_regions.setdefault(region.tensor.device, []).append(region)
+            device, base = region.tensor.device, region.tensor.data_ptr()
+            vec = next((v for v in (2, 1) if region.page_bytes % (8 * v) == 0 and base % (8 * v) == 0), 0)
+            if vec and uses_triton(device):
+                classes.setdefault((device, vec), []).append(region)
             else:
                 self.torch_regions.append(region)
-        self._tables = {
-            device: (
-                np.array([r.tensor.data_ptr() for r in group], dtype=np.int64),
-                np.array([r.page_bytes for r in group], dtype=np.int64),
-            )
-            for device, group in self.triton_regions.items()
-        }
+        self._launches = [_Launch.build(group, vec) for (_, vec), group in classes.items()]
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
-        ids = np.asarray(pairs, dtype=np.int64)
-        for device, (bases, page_bytes) in self._tables.items():
-            src = (bases[:, None] + ids[None, :, 0] * page_bytes[:, None]).ravel()
-            dst = (bases[:, None] + ids[None, :, 1] * page_bytes[:, None]).ravel()
-            words = np.repeat(page_bytes // 8, len(ids))
-            table = torch.from_numpy(np.stack([src, dst, words]))
-            if device.type == "cuda":
-                table = table.to(device)  # a few hundred bytes; pinning would cost more
-            max_tiles = triton.cdiv(int(words.max()), TILE_WORDS)
-            _copy_pages_kernel[(len(words), max_tiles)](table[0], table[1], table[2], TILE=TILE_WORDS, num_warps=8)
+        ids = torch.tensor(pairs, dtype=torch.int64)
+        on_device: dict[torch.device, torch.Tensor] = {}
+        for launch in self._launches:
+            device = launch.anchor.device
+            if device not in on_device:
+                on_device[device] = ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
+            launch(on_device[device], len(ids))
         if self.torch_regions:
             device = self.torch_regions[0].tensor.device
-            src = torch.as_tensor(ids[:, 0], device=device)
-            dst = torch.as_tensor(ids[:, 1], device=device)
+            src, dst = ids[:, 0].to(device), ids[:, 1].to(device)
             for region in self.torch_regions:
                 region.tensor[dst] = region.tensor[src]
         if self.strided:
             from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
 
-            copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in ids]
+            copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in ids.tolist()]
             copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch over regions of one device and alignment class (tables on the device)."""
+
+    anchor: torch.Tensor  # uint64 view of the first region: addresses are word offsets from it
+    region_offsets: torch.Tensor  # int64 [regions], in words
+    region_words: torch.Tensor  # int64 [regions], page size in words
+    num_regions: int
+    max_tiles: int
+    vec: int
+
+    @staticmethod
+    def build(regions: Sequence[PageRegion], vec: int) -> _Launch:
+        anchor = regions[0].tensor.view(torch.uint64)
+        device = anchor.device
+        offsets = [(r.tensor.data_ptr() - anchor.data_ptr()) // 8 for r in regions]
+        words = [r.page_bytes // 8 for r in regions]
+        return _Launch(
+            anchor,
+            torch.tensor(offsets, dtype=torch.int64, device=device),
+            torch.tensor(words, dtype=torch.int64, device=device),
+            len(regions),
+            triton.cdiv(max(words), TILE_WORDS),
+            vec,
+        )
+
+    def __call__(self, block_pairs: torch.Tensor, num_pairs: int) -> None:
+        grid = (self.num_regions * num_pairs, self.max_tiles)
+        _copy_pages_kernel[grid](
+            self.anchor, self.region_offsets, self.region_words, block_pairs, num_pairs,
+            TILE=TILE_WORDS, VEC=self.vec, num_warps=8,
+        )
 
 
 def copy_pages(kv_caches: Sequence[torch.Tensor], num_blocks: int, pairs: Sequence[tuple[int, int]]) -> None:
