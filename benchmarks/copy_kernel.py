@@ -5,13 +5,18 @@ vLLM 0.32 does for hybrids: one storage per layer slot, shared by one layer of e
 group, each block one page of the unified page size (the attention page grown until it holds a
 recurrent state). A snapshot copies one page per KV cache group (the recurrent state of every
 recurrent group and the partial tail page of the attention group) in every storage; a restore
-moves the same bytes (vLLM's copy-on-write). Timed with CUDA events, median of ``--iters`` runs
-after warm-up, for three ways of moving the same bytes:
+moves the same bytes the other way (the plugin's worker applies vLLM's copy-on-write pairs with the
+same kernel, see ``worker/capture.py``). Timed with CUDA events, median of ``--iters`` runs after
+warm-up, for three ways of moving the same bytes:
 
-* ``plugin``: ``worker.kernels.PageCopier.copy`` as the worker runs it each step (address table
-  plus one Triton launch);
-* ``vllm_cow``: vLLM's ``copy_kv_cache_blocks_inplace`` (what restores use);
+* ``plugin``: ``worker.kernels.PageCopier.copy`` as the worker runs it each step (block id upload
+  plus one Triton launch), events around one call (host work included);
+* ``vllm_cow``: vLLM's ``copy_kv_cache_blocks_inplace`` (what stock vLLM restores use);
 * ``d2d``: one contiguous device-to-device ``copy_`` of the same number of bytes (the reference).
+
+``*_b2b`` columns time ``--b2b`` calls back to back between one pair of events (per call), i.e.
+the device time once the host runs ahead, as it does in a serving step. A small sweep of tile
+sizes and warps is reported for the plugin kernel (``sweep``).
 
 Run on the GPU host: ``python benchmarks/copy_kernel.py --out docs/results/gpu-copy-kernel.json``.
 Target: plugin bandwidth >= 0.8 x d2d.
@@ -76,19 +81,24 @@ GEOMETRIES = [
 ]
 
 
-def median_ms(fn, iters: int) -> float:
+def median_ms(fn, iters: int, calls: int = 1) -> float:
+    """Median milliseconds per call, ``calls`` calls between one pair of CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(iters):
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
-def bench(geometry: Geometry, num_blocks: int, iters: int) -> dict:
+SWEEP = [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]  # (tile words, warps)
+
+
+def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
     from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
     from boundary_checkpoints.worker.kernels import PageCopier
 
@@ -118,18 +128,29 @@ def bench(geometry: Geometry, num_blocks: int, iters: int) -> dict:
         "storages": len(storages),
         "pages_per_snapshot": len(pairs),
         "bytes_per_snapshot": nbytes,
+        "bytes_per_restore": nbytes,
     }
     for name, fn in runs.items():
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-        ms = median_ms(fn, iters)
-        result[f"{name}_ms"] = ms
-        result[f"{name}_GBps"] = nbytes / ms / 1e6
+        for suffix, calls in (("", 1), ("_b2b", b2b)):
+            ms = median_ms(fn, iters, calls)
+            result[f"{name}{suffix}_ms"] = ms
+            result[f"{name}{suffix}_GBps"] = nbytes / ms / 1e6
     for s in storages:  # the plugin copy must be exact
         torch.testing.assert_close(s[1], s[0], rtol=0, atol=0)
-    result["plugin_vs_d2d"] = result["plugin_GBps"] / result["d2d_GBps"]
-    result["vllm_cow_vs_d2d"] = result["vllm_cow_GBps"] / result["d2d_GBps"]
+    for suffix in ("", "_b2b"):
+        result[f"plugin{suffix}_vs_d2d"] = result[f"plugin{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
+        result[f"vllm_cow{suffix}_vs_d2d"] = result[f"vllm_cow{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
+    result["sweep"] = []
+    for tile_words, warps in SWEEP:
+        variant = PageCopier(storages, num_blocks, tile_words=tile_words, num_warps=warps)
+        for _ in range(5):
+            variant.copy(pairs)
+        torch.cuda.synchronize()
+        ms = median_ms(lambda: variant.copy(pairs), iters, b2b)
+        result["sweep"].append({"tile_words": tile_words, "num_warps": warps, "b2b_GBps": nbytes / ms / 1e6})
     return result
 
 
@@ -137,16 +158,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-blocks", type=int, default=12)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--b2b", type=int, default=20, help="calls per timing in the back-to-back columns")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
-    rows = [bench(g, args.num_blocks, args.iters) for g in GEOMETRIES]
-    header = f"{'model':22} {'block':>6} {'MiB/snap':>9} {'plugin GB/s':>12} {'vLLM CoW GB/s':>14} {'d2d GB/s':>9} {'plugin/d2d':>10}"
-    print(header)
+    rows = [bench(g, args.num_blocks, args.iters, args.b2b) for g in GEOMETRIES]
+    print(
+        f"{'model':20} {'block':>5} {'MiB':>6} | one call GB/s: {'plugin':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5} "
+        f"| back-to-back GB/s: {'plugin':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5}"
+    )
     for r in rows:
         print(
-            f"{r['name']:22} {r['block_size']:6d} {r['bytes_per_snapshot'] / 2**20:9.1f} "
-            f"{r['plugin_GBps']:12.0f} {r['vllm_cow_GBps']:14.0f} {r['d2d_GBps']:9.0f} {r['plugin_vs_d2d']:10.2f}"
+            f"{r['name']:20} {r['block_size']:5d} {r['bytes_per_snapshot'] / 2**20:6.1f} | "
+            f"{'':14} {r['plugin_GBps']:7.0f} {r['vllm_cow_GBps']:5.0f} {r['d2d_GBps']:6.0f} {r['plugin_vs_d2d']:5.2f} | "
+            f"{'':18} {r['plugin_b2b_GBps']:7.0f} {r['vllm_cow_b2b_GBps']:5.0f} {r['d2d_b2b_GBps']:6.0f} "
+            f"{r['plugin_b2b_vs_d2d']:5.2f}"
         )
+        print("    sweep (tile words, warps: back-to-back GB/s): " + ", ".join(
+            f"{v['tile_words']}/{v['num_warps']}: {v['b2b_GBps']:.0f}" for v in r["sweep"]))
     if args.out:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)}
         with open(args.out, "w") as f:

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover
     _HAS_TRITON = False
 
 TILE_WORDS = 4096  # 32 KiB of 8-byte words per program
+NUM_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,13 @@ class PageCopier:
     8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes use a torch copy.
     """
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], num_blocks: int) -> None:
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        num_blocks: int,
+        tile_words: int = TILE_WORDS,
+        num_warps: int = NUM_WARPS,
+    ) -> None:
         self.num_blocks = num_blocks
         regions, self.strided = split_regions(kv_caches, num_blocks)
         classes: dict[tuple[torch.device, int], list[PageRegion]] = {}
@@ -135,7 +142,7 @@ class PageCopier:
                 classes.setdefault((device, vec), []).append(region)
             else:
                 self.torch_regions.append(region)
-        self._launches = [_Launch.build(group, vec) for (_, vec), group in classes.items()]
+        self._launches = [_Launch.build(group, vec, tile_words, num_warps) for (_, vec), group in classes.items()]
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
@@ -169,9 +176,11 @@ class _Launch:
     num_regions: int
     max_tiles: int
     vec: int
+    tile_words: int
+    num_warps: int
 
     @staticmethod
-    def build(regions: Sequence[PageRegion], vec: int) -> _Launch:
+    def build(regions: Sequence[PageRegion], vec: int, tile_words: int, num_warps: int) -> _Launch:
         anchor = regions[0].tensor.view(torch.uint64)
         device = anchor.device
         offsets = [(r.tensor.data_ptr() - anchor.data_ptr()) // 8 for r in regions]
@@ -181,15 +190,17 @@ class _Launch:
             torch.tensor(offsets, dtype=torch.int64, device=device),
             torch.tensor(words, dtype=torch.int64, device=device),
             len(regions),
-            triton.cdiv(max(words), TILE_WORDS),
+            triton.cdiv(max(words), tile_words),
             vec,
+            tile_words,
+            num_warps,
         )
 
     def __call__(self, block_pairs: torch.Tensor, num_pairs: int) -> None:
         grid = (self.num_regions * num_pairs, self.max_tiles)
         _copy_pages_kernel[grid](
             self.anchor, self.region_offsets, self.region_words, block_pairs, num_pairs,
-            TILE=TILE_WORDS, VEC=self.vec, num_warps=8,
+            TILE=self.tile_words, VEC=self.vec, num_warps=self.num_warps,
         )
 
 
