@@ -1074,7 +1074,7 @@ def run_launch(args, workload: Workload, plans: list[ConversationPlan], run_salt
     for policy in args.policies:
         additional = dict(extra_cfg)
         section = dict(additional.get("boundary_checkpoints") or {})
-        section.update({"policy": policy, "stats_log_interval_s": args.stats_log_interval})
+        section.update({**args.sections[policy], "stats_log_interval_s": args.stats_log_interval})
         additional["boundary_checkpoints"] = section
         log_path = log_dir / f"server_{policy}.log"
         print(f"[{policy}] starting vLLM on {args.host}:{port} (log {log_path})", flush=True)
@@ -1168,6 +1168,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tgt.add_argument("--model", help="served model name (--url: required; --launch: default the directory name)")
     tgt.add_argument("--policies", default=f"{STOCK_POLICY},{PLUGIN_POLICY}",
                      help="--launch: comma-separated policies, one server each, in this order")
+    tgt.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                     help="--launch: one more server after --policies, named LABEL, whose "
+                          "boundary_checkpoints section is JSON (repeatable), e.g. "
+                          "'no_prompt={\"policy\": \"request_boundaries\", \"prompt_checkpoints\": false}'")
     tgt.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                      help="--launch: extra vLLM flag(s), repeatable, shell-split "
                           "(e.g. --server-arg='--load-format dummy'); later flags override the defaults "
@@ -1221,6 +1225,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.url and not args.model:
         p.error("--url needs --model")
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.sections = {policy: {"policy": policy} for policy in args.policies}
+    for item in args.variant:
+        label, _, text = item.partition("=")
+        try:
+            section = json.loads(text)
+            if not isinstance(section, dict):
+                raise ValueError("not an object")
+        except ValueError as err:
+            p.error(f"--variant takes LABEL=JSON object (got {item!r}: {err})")
+        if not label or label in args.sections:
+            p.error(f"--variant needs a new label (got {label!r})")
+        args.sections[label] = section
+    args.policies += [label for label in args.sections if label not in args.policies]
     for name in ("conversations", "turns", "concurrency", "answer_tokens", "user_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

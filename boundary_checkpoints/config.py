@@ -92,8 +92,15 @@ def _check_interval(value: Any, name: str) -> float:
     return number
 
 
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise BoundaryConfigError(f"{name} must be true or false (got {type(value).__name__} {value!r})")
+    return value
+
+
 _FIELD_CHECKS = {
     "policy": _check_policy,
+    "prompt_checkpoints": _check_flag,
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
 }
@@ -113,6 +120,11 @@ class BoundaryConfig:
     """Share of the KV block pool that retained checkpoints may hold, in (0, 1]."""
     stats_log_interval_s: float = 30.0
     """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
+    prompt_checkpoints: bool = True
+    """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. It costs
+    one engine step per prompt (the prefill stops at ``P - 1``; the last token runs in the next
+    step). False: no chunk stop and no prompt checkpoint; response checkpoints (the next turn of a
+    conversation) are unaffected, a resend restores from the older turn's response checkpoint."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -37,6 +37,7 @@ def test_defaults(additional_config):
     cfg = BoundaryConfig.from_additional_config(additional_config, env=NO_ENV)
     assert cfg == BoundaryConfig()
     assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
+    assert cfg.prompt_checkpoints is True
 
 
 def test_public_constants():
@@ -47,7 +48,9 @@ def test_public_constants():
 
 
 def test_all_fields_parsed():
-    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0})
+    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0,
+                 "prompt_checkpoints": False})
+    assert cfg.prompt_checkpoints is False
     assert cfg.policy == "request_boundaries"
     assert cfg.max_retained_fraction == 1.0 and isinstance(cfg.max_retained_fraction, float)
     assert cfg.stats_log_interval_s == 0.0 and isinstance(cfg.stats_log_interval_s, float)
@@ -76,6 +79,9 @@ BAD_VALUES = [
     ("stats_log_interval_s", False, ">= 0"),
     ("stats_log_interval_s", "30", ">= 0"),
     ("stats_log_interval_s", [30], ">= 0"),
+    ("prompt_checkpoints", 1, "true or false"),
+    ("prompt_checkpoints", "false", "true or false"),
+    ("prompt_checkpoints", None, "true or false"),
 ]
 
 

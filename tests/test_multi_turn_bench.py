@@ -310,6 +310,13 @@ def test_cli_argument_checks(capsys):
     args = mt.parse_args(["--launch", "d", "--server-arg=--load-format dummy", "--server-arg=--no-enforce-eager"])
     assert args.policies == ["aligned", "request_boundaries"] and args.floor is None
     assert mt._split_server_args(args.server_arg) == ["--load-format", "dummy", "--no-enforce-eager"]
+    args = mt.parse_args(["--launch", "d", "--variant", 'fast={"policy": "request_boundaries", "prompt_checkpoints": false}'])
+    assert args.policies == ["aligned", "request_boundaries", "fast"]
+    assert args.sections["fast"] == {"policy": "request_boundaries", "prompt_checkpoints": False}
+    assert args.sections["aligned"] == {"policy": "aligned"}
+    for bad in ("fast=[1]", "fast={", 'aligned={"policy": "auto"}', '={"policy": "auto"}'):
+        with pytest.raises(SystemExit):
+            mt.parse_args(["--launch", "d", "--variant", bad])
     assert mt.main(["--url", "http://127.0.0.1:9", "--model", "m"]) == 2  # no vocab size
     assert "--vocab-size" in capsys.readouterr().err
 
