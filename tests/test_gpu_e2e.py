@@ -50,6 +50,11 @@ def run_policy(model_dir: Path, policy: str):
         "worker_cls": config.parallel_config.worker_cls,
     }
     rows = run_probes(llm, [1, block - 1, block, block + 1, 3000, 8193, 32768], CONVERSATIONS, MAX_TOKENS)
+    # Capture and restore copies the plugin's worker applied (None on stock workers).
+    setup["worker_copies"] = llm.collective_rpc(
+        lambda self: [getattr(self.worker, "boundary_capture_copies_applied", None),
+                      getattr(self.worker, "boundary_restore_copies_applied", None)]
+    )[0]
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -77,6 +82,8 @@ def test_gpu_defaults_are_in_force(probe_results):
     assert "NONE" not in setup["cudagraph_mode"]
     assert setup["scheduler_cls"].endswith("BoundaryAsyncScheduler")
     assert setup["worker_cls"].endswith("BoundaryGPUWorker")
+    captures, restores = setup["worker_copies"]  # the worker's kernel applied both kinds
+    assert captures > 0 and restores > 0, setup
 
 
 def test_every_probe_hits_exactly_and_matches_its_cold_control(probe_results):
