@@ -50,11 +50,8 @@ def run_policy(model_dir: Path, policy: str):
         "worker_cls": config.parallel_config.worker_cls,
     }
     rows = run_probes(llm, [1, block - 1, block, block + 1, 3000, 8193, 32768], CONVERSATIONS, MAX_TOKENS)
-    # Capture and restore copies the plugin's worker applied (None on stock workers).
-    setup["worker_copies"] = llm.collective_rpc(
-        lambda self: [getattr(self.worker, "boundary_capture_copies_applied", None),
-                      getattr(self.worker, "boundary_restore_copies_applied", None)]
-    )[0]
+    if policy != "aligned":  # capture and restore copies the plugin's worker applied
+        setup["worker_copies"] = llm.collective_rpc("boundary_copy_counts")[0]
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()

@@ -57,6 +57,10 @@ class CaptureCopyWorkerMixin:
                 scheduler_output.new_block_ids_to_zero = to_zero or None
         return super().execute_model(scheduler_output, *args, **kwargs)
 
+    def boundary_copy_counts(self) -> list[int]:
+        """Capture and restore copies applied so far (``collective_rpc("boundary_copy_counts")``)."""
+        return [self.boundary_capture_copies_applied, self.boundary_restore_copies_applied]
+
     def _copier(self) -> PageCopier:
         """The copier of the runner's current KV cache (rebuilt if vLLM reallocated it)."""
         runner = self.model_runner
