@@ -471,36 +471,43 @@ def test_operation_streams_keep_every_contract(model_dir, mode):
     token_seed=seeds,
 )
 def test_boundaries_hit_exactly_on_a_roomy_pool(model_dir, length, max_tokens, stop_at, extra, salt, lag, token_seed):
-    """Without pressure nothing is lost: an exact resend restores ``P - 1`` tokens and the next
-    turn restores at least the committed length of the first one (the streams above only bound
+    """Without pressure nothing is lost: an exact resend restores ``P - 1`` tokens and each next
+    turn restores at least the committed length of the turn before (the streams above only bound
     cached tokens from above; this catches captures that silently go missing)."""
     stream = Stream(model_dir, lag, PoolConfig(256, 64, 0.5, reserve_full_prompt=True))
 
-    def turn(op) -> Tracked:
-        """One request at a time, like a client: send it, wait for its last token, and let the
-        engine return the step still in flight (async) -- a response checkpoint is published
-        when that step's output is processed, and a request looked up before then misses it."""
+    def turn(op, drain: bool = True) -> Tracked:
+        """One request at a time, like a client: send it and wait for its last token. With
+        ``drain`` also let the engine return the step still in flight (async); without it the
+        next request is looked up before that step returned, while the turn's response bundle
+        is still pending, and must restore it all the same (scheduler contract 6)."""
         stream.apply(op)
         stream._step_until(stream.tracked[-1].request.is_finished)
-        stream.driver.drain()
+        if drain:
+            stream.driver.drain()
         return stream.tracked[-1]
+
+    def floor(previous: Tracked, extra: int) -> int:
+        """Least a next turn (``extra`` new tokens) of ``previous`` must restore."""
+        committed = len(previous.prompt) + len(previous.expected) - 1  # tokens whose state it computed
+        # Under async scheduling the response checkpoint may include the last sampled token (its
+        # step was in flight), which a next turn without new tokens cannot use: the prompt one remains.
+        return committed if extra or not lag else len(previous.prompt) - 1
 
     first = turn(Fresh(token_seed, length, max_tokens, salt, stop_at))
     resend = turn(Resend(0, max_tokens))  # a branch: it must not drop the first turn's bundles
-    next_turn = turn(Continue(0, extra, token_seed + 1, max_tokens, None))
-    cold = turn(Resend(2, max_tokens, other_salt="cold"))  # the same next turn, computed cold
+    next_turn = turn(Continue(0, extra, token_seed + 1, max_tokens, stop_at), drain=False)
+    third = turn(Continue(2, extra, token_seed + 2, max_tokens, None))  # arrives before the drain
+    cold = turn(Resend(3, max_tokens, other_salt="cold"))  # the same third turn, computed cold
     stream.finish()
 
     cached = stream.driver.cached_tokens
-    committed = length + len(first.expected) - 1  # tokens whose state the first turn computed
     assert cached[first.request.request_id] == 0
     assert cached[resend.request.request_id] == length - 1
-    # Under async scheduling the response checkpoint may include the last sampled token (its step
-    # was in flight), which a next turn without new tokens cannot use: the prompt one remains.
-    floor = committed if extra or not lag else length - 1
-    assert floor <= cached[next_turn.request.request_id] <= len(next_turn.prompt) - 1
+    assert floor(first, extra) <= cached[next_turn.request.request_id] <= len(next_turn.prompt) - 1
+    assert floor(next_turn, extra) <= cached[third.request.request_id] <= len(third.prompt) - 1
     assert cached[cold.request.request_id] == 0
-    assert list(next_turn.request.output_token_ids) == list(cold.request.output_token_ids) == next_turn.expected
+    assert list(third.request.output_token_ids) == list(cold.request.output_token_ids) == third.expected
 
 
 def test_total_operations_summary():

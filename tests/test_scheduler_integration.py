@@ -236,3 +236,61 @@ def test_a_resend_that_answers_differently_does_not_drop_the_original_turn(model
     continuation = make_request(prompt + answer + tokens(random.Random(10), 5), salt="s")
     driver.run([continuation])
     assert driver.cached_tokens[continuation.request_id] == len(prompt) + len(answer) - 1
+
+
+def test_next_turn_submitted_while_the_finishing_step_is_in_flight_restores_the_response(model_dir):
+    """Async, one step in flight: turn 1 stops on a stop token, and turn 2 arrives as soon as that
+    output was processed, while the step scheduled after it (which still computes turn 1's last
+    token) has not returned. The response bundle is adopted but not published yet; turn 2 must
+    restore it rather than fall back to the prompt checkpoint at ``P - 1``."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=True)
+    driver = Driver(scheduler, worker, lag=1)
+    rng = random.Random(11)
+    prompt = tokens(rng, 40)
+    [plain] = Driver(*build_scheduler(model_dir)).run([make_request(prompt, max_tokens=8)])
+    first = make_request(prompt, max_tokens=8, salt="s", stop_token_ids=[plain[3]])
+    scheduler.add_request(first)
+    while not first.is_finished():
+        driver.step()
+    answer = list(first.output_token_ids)
+    assert answer == plain[:4] and first.status.name == "FINISHED_STOPPED"
+    [step_in_flight] = driver.in_flight
+    assert step_in_flight[0].num_scheduled_tokens.get(first.request_id) == 1  # its last token
+    [response] = [p for p in scheduler._pending if p.kind == "response"]  # not published yet
+    committed = len(prompt) + len(answer) - 1
+    assert response.key.num_tokens == committed + 1  # includes the token of the in-flight step
+
+    follow_up = prompt + answer + tokens(rng, 5)
+    second = make_request(follow_up, salt="s")
+    [out_second] = driver.run([second])
+    assert driver.cached_tokens[second.request_id] == response.key.num_tokens
+    assert worker.restored_reads >= 1
+    cold = make_request(follow_up, salt="cold")
+    [out_cold] = driver.run([cold])
+    assert driver.cached_tokens[cold.request_id] == 0
+    assert out_second == out_cold
+    stats = scheduler.boundary_stats()
+    assert stats["captures_dropped"] == 0 and stats["hits"] == 1
+    # Turn 2 resumed from turn 1's response (published after the lookup): turn 1 is superseded.
+    assert stats["superseded"] == 2
+    producers = {c.producer for c in scheduler.checkpoint_store.checkpoints()}
+    assert first.request_id not in producers
+
+
+def test_resend_while_the_prompt_capture_step_is_in_flight_restores_the_prompt_boundary(model_dir):
+    """Async, one step in flight: a resend looked up after the step carrying the prompt capture
+    copies was scheduled, but before it returned, restores ``P - 1`` from the pending bundle."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=True)
+    driver = Driver(scheduler, worker, lag=1)
+    prompt = tokens(random.Random(12), 40)
+    first = make_request(prompt, max_tokens=6, salt="s")
+    scheduler.add_request(first)
+    while not any(p.ready_seq is not None for p in scheduler._pending):
+        driver.step()  # [0, 32), [32, 39), then [39, 40) carrying the copies
+    assert len(scheduler.checkpoint_store) == 0  # the copy step has not returned
+    resend = make_request(prompt, max_tokens=6, salt="s")
+    driver.run([resend])
+    driver.finish([first])
+    assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
+    assert list(resend.output_token_ids) == list(first.output_token_ids)
+    assert worker.restored_reads >= 1

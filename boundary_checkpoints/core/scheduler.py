@@ -13,20 +13,30 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    ``schedule()`` returns: any reuse of those blocks is scheduled later and so runs later.
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
-   bundle by reference (no copy: nothing writes a finished request's blocks again).
-4. Publication: a captured bundle enters the store only in ``update_from_output`` of the step that
-   ran its copies (or, for adoption, of the last step scheduled before the finish): the step's
-   output exists only after every worker returned it. A producer that is preempted or aborted
-   before publication publishes nothing.
+   bundle by reference (no copy: nothing writes a finished request's blocks again); its
+   ``ready_seq`` is the last step scheduled before the finish.
+4. Publication: a captured bundle enters the store only in ``update_from_output`` of step
+   ``ready_seq`` (the step that ran its copies, or for adoption the last step scheduled before
+   the finish): the step's output exists only after every worker returned it. A producer that is
+   preempted or aborted before publication publishes nothing. Until then the pending bundle owns
+   one reference per block (copy destinations, adopted blocks, shared pages).
 5. Supersession: when a request that resumed from a *response* checkpoint (the next turn of a
    conversation) publishes its own response checkpoint, the bundles of the turn it resumed from
    are dropped, so a conversation keeps about
-   two states (its latest prompt and response), not two per turn.
-6. Restore: ``_get_local_prefix_cache_hit`` returns the longest stock hit or the longest
-   checkpoint, whichever is longer; a checkpoint hit gives every group the same ``N``. vLLM's own
-   partial-hit copy-on-write then copies the checkpoint's tail page and recurrent state into the
-   new request's private blocks (a restore never writes a retained block). The plugin pins a
-   hit's blocks for the rest of the ``schedule()`` that looked it up.
+   two states (its latest prompt and response), not two per turn. A turn resumed from while still
+   pending (contract 6) is the same ``Checkpoint`` object once published, and it is published (or
+   discarded) before the resuming request's own bundle, whose step was scheduled later.
+6. Restore: ``_get_local_prefix_cache_hit`` returns the longest of the stock hit, the longest
+   published checkpoint and the longest *scheduled* pending bundle (``ready_seq`` set: adopted,
+   or its copies emitted by an earlier ``schedule()``; producer not preempted or aborted). A
+   checkpoint hit gives every group the same ``N``. vLLM's own partial-hit copy-on-write then
+   copies the checkpoint's tail page and recurrent state into the new request's private blocks
+   (a restore never writes a retained block). That copy rides the step being scheduled, which
+   workers run after every step scheduled before it -- the producing forward and the capture
+   copies included -- so a restore from a pending bundle reads final content. The
+   plugin pins a hit's blocks for the rest of the ``schedule()`` that looked it up, and vLLM
+   keeps its own reference on a copy source until the copy ran, so a bundle evicted, or (still
+   pending) discarded, after the lookup only drops its own references.
 7. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool and are
    evicted (LRU) before vLLM would have to preempt or refuse a request.
 """
@@ -84,14 +94,21 @@ class PressureRelievingKVCacheManager(KVCacheManager):
 
 @dataclass
 class PendingCapture:
-    """A bundle whose content is not final yet: published once step ``ready_seq`` returned."""
+    """A bundle final once step ``ready_seq`` has run; published once that step returned."""
 
     request_id: str
-    key: CheckpointKey
-    kind: str
+    checkpoint: Checkpoint  # the bundle to publish (and to restore from once ``ready_seq`` is set)
     plan: BundlePlan
-    destinations: tuple[Any, ...]  # per group: private block or None
+    destinations: tuple[Any, ...]  # per group: private block (or adopted source) or None
     ready_seq: int | None = None  # None: copies not emitted yet
+
+    @property
+    def key(self) -> CheckpointKey:
+        return self.checkpoint.key
+
+    @property
+    def kind(self) -> str:
+        return self.checkpoint.kind
 
 
 def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], list[str]]:
@@ -200,6 +217,9 @@ class BoundaryCheckpointMixin:
             lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root),
             self.hash_block_size,
         )
+        pending = self._scheduled_pending_hit(request)
+        if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
+            hit = pending
         if request.request_id not in self._counted_requests:
             self._counted_requests.add(request.request_id)
             self.checkpoint_store.record_lookup(hit if hit is not None and hit.num_tokens > num_hit else None)
@@ -215,6 +235,19 @@ class BoundaryCheckpointMixin:
             request.request_id, hit.kind, hit.num_tokens, num_hit,
         )
         return KVCacheBlocks(tuple(list(group) for group in hit.group_blocks)), hit.num_tokens, 0, False
+
+    def _scheduled_pending_hit(self, request: Request) -> Checkpoint | None:
+        """Longest pending bundle a restore may already read (contract 6), or None."""
+        best: Checkpoint | None = None
+        for pending in self._pending:
+            num_tokens = pending.key.num_tokens
+            if pending.ready_seq is None or pending.request_id in self._tainted:
+                continue
+            if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
+                continue
+            if (best is None or num_tokens > best.num_tokens) and self._key(request, num_tokens) == pending.key:
+                best = pending.checkpoint
+        return best
 
     # ---- chunk stop -----------------------------------------------------------------------
     def _mamba_block_aligned_split(
@@ -295,7 +328,10 @@ class BoundaryCheckpointMixin:
         # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.
         self._block_pool.touch(sources)
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
-        pending = PendingCapture(request.request_id, key, kind, plan, destinations)
+        checkpoint = Checkpoint(
+            key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id
+        )
+        pending = PendingCapture(request.request_id, checkpoint, plan, destinations)
         if adopt:
             pending.ready_seq = self._sched_seq
         self._pending.append(pending)
@@ -330,14 +366,8 @@ class BoundaryCheckpointMixin:
             elif pending.request_id in self._tainted:
                 self._discard(pending)
             else:
-                checkpoint = Checkpoint(
-                    pending.key,
-                    pending.kind,
-                    pending.plan.group_blocks(pending.destinations),
-                    self._page_bytes,
-                    producer=pending.request_id,
-                )
-                published = self.checkpoint_store.publish(checkpoint)
+                # The same object a restore may already hold in ``_restored_from`` (contract 6).
+                published = self.checkpoint_store.publish(pending.checkpoint)
                 source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
                 if published and source is not None and source.kind == RESPONSE:
                     # The conversation moved on from that turn. A resend (restored from a prompt
