@@ -196,6 +196,7 @@ def build_scheduler(
     max_model_len: int = 1024,
     async_scheduling: bool = False,
     max_retained_fraction: float = 0.5,
+    prompt_checkpoints: bool = True,
     scheduler_reserve_full_isl: bool = True,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
@@ -221,7 +222,9 @@ def build_scheduler(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        additional_config={"boundary_checkpoints": {"policy": policy, "max_retained_fraction": max_retained_fraction}},
+        additional_config={"boundary_checkpoints": {
+            "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
+        }},
     ).create_engine_config()
     cache = vllm_config.cache_config
     cache.block_size = block_size

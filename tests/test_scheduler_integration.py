@@ -294,3 +294,41 @@ def test_resend_while_the_prompt_capture_step_is_in_flight_restores_the_prompt_b
     assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
     assert list(resend.output_token_ids) == list(first.output_token_ids)
     assert worker.restored_reads >= 1
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
+@pytest.mark.parametrize("prompt_checkpoints", [True, False], ids=["prompt-on", "prompt-off"])
+def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
+    """Off: the prefill runs in one chunk (no stop at P - 1) and no prompt checkpoint exists, so a
+    resend falls back to the stock block grid; the next turn still restores the response."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoints=prompt_checkpoints)
+    driver = Driver(scheduler, worker, lag=lag)
+    chunk_ends: dict[str, list[int]] = {}  # per request: num_computed after each scheduled chunk
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        for request_id in output.num_scheduled_tokens:
+            chunk_ends.setdefault(request_id, []).append(scheduler.requests[request_id].num_computed_tokens)
+        return output
+
+    scheduler.schedule = recording_schedule
+    rng = random.Random(40)
+    prompt = tokens(rng, 40)
+    first = make_request(prompt, salt="s")
+    [out_first] = driver.run([first])
+    resend = make_request(prompt, salt="s")
+    [out_resend] = driver.run([resend])
+    cont = make_request(prompt + out_first + tokens(rng, 5), salt="s")
+    [out_cont] = driver.run([cont])
+    assert out_resend == out_first
+    assert driver.cached_tokens[cont.request_id] >= len(prompt) + len(out_first) - 1
+    kinds = {c.kind for c in scheduler.checkpoint_store.checkpoints()}
+    if prompt_checkpoints:
+        assert len(prompt) - 1 in chunk_ends[first.request_id]
+        assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
+        assert "prompt" in kinds
+    else:
+        assert len(prompt) - 1 not in chunk_ends[first.request_id]  # 39: on no block grid
+        assert driver.cached_tokens[resend.request_id] == (len(prompt) - 1) // BLOCK * BLOCK
+        assert kinds == {"response"}

@@ -3,7 +3,8 @@
 Contract (one engine step at a time; data flows scheduler -> worker -> scheduler):
 
 1. Chunk stop: a prompt of ``P`` tokens is prefilled so that a chunk ends at ``P - 1``
-   (``_mamba_block_aligned_split``); the last prompt token runs in the next step.
+   (``_mamba_block_aligned_split``); the last prompt token runs in the next step. With
+   ``prompt_checkpoints: false`` there is no chunk stop and no prompt capture (item 2).
 2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
    bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
    the *next* ``SchedulerOutput`` (attribute ``boundary_capture_copies``, applied by the plugin's
@@ -157,6 +158,7 @@ class BoundaryCheckpointMixin:
         if worker_cls not in WORKER_CLASSES.values():
             reasons.append(f"worker class {worker_cls} does not apply capture copies")
         self.boundaries_active = not reasons
+        self._prompt_captures_on = self.boundaries_active and self.boundary_config.prompt_checkpoints
         if reasons:
             message = "boundary_checkpoints: KV cache layout not supported: " + "; ".join(reasons)
             if self.boundary_config.policy == "request_boundaries":
@@ -181,12 +183,13 @@ class BoundaryCheckpointMixin:
         self.kv_cache_manager.relieve_pressure = self.checkpoint_store.evict_lru
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
-            "retaining at most %d of %d blocks",
+            "retaining at most %d of %d blocks, prompt checkpoints %s",
             len(geometries),
             ", ".join(f"{g.kind.value}/{g.block_size}" for g in geometries),
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
+            "on (prefills stop at P - 1)" if self._prompt_captures_on else "off",
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -260,7 +263,7 @@ class BoundaryCheckpointMixin:
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
-        if not self.boundaries_active or not request_is_eligible(request):
+        if not self._prompt_captures_on or not request_is_eligible(request):
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         stop = prompt_boundary(request.num_prompt_tokens)
@@ -278,7 +281,8 @@ class BoundaryCheckpointMixin:
         copies = self._emit_pending_copies(output)
         if copies:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
-        self._plan_prompt_captures(output)
+        if self._prompt_captures_on:
+            self._plan_prompt_captures(output)
         if self._lookup_pins:
             self._block_pool.free_blocks(self._lookup_pins)
             self._lookup_pins = []
