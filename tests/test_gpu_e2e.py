@@ -84,19 +84,23 @@ def test_gpu_defaults_are_in_force(probe_results):
 
 
 def test_every_probe_hits_exactly_and_matches_its_cold_control(probe_results):
-    """Exact hits everywhere; the restored state is the cold state (first-token logprobs within
-    bf16 noise); whole answers agree up to near-ties. GPU kernels are not batch-invariant and the
-    random-weight model's top candidates sit within hundredths of a logprob, so a long greedy
-    answer can drift after a tie -- stock vLLM's own resends do too (see results)."""
+    """Exact hits everywhere; the restored state is the cold state: the first generated token's
+    top-k logprobs of every resend and continuation within bf16 noise of the run it must equal.
+    Whole 64-token answers agree up to near-ties (identical, or parting where the candidates sit
+    within TIE_TOLERANCE in both runs) in at least 90% of the rows: GPU kernels are not batch- or
+    chunk-invariant and the random-weight model's top candidates sit within hundredths of a
+    logprob, so a long greedy answer can drift late; stock vLLM's own resends and continuations
+    do the same in the same run (see docs/results/gpu-h200.md)."""
     _, rows = probe_results["request_boundaries"]
     for row in rows:
         assert row.resend_cached >= row.prompt_len - 1, row
         assert row.continuation_cached >= row.committed, row
         assert row.cold_cached == 0, row
         assert row.first_token_delta <= TIE_TOLERANCE, row
-        assert row.resend_same in ("identical", "tie"), row
-    agreeing = sum(r.continuation_same in ("identical", "tie") for r in rows)
-    assert agreeing >= 0.9 * len(rows)
+        assert row.resend_first_token_delta <= TIE_TOLERANCE, row
+    for field in ("resend_same", "continuation_same"):
+        agreeing = [r for r in rows if getattr(r, field) in ("identical", "tie")]
+        assert len(agreeing) >= 0.9 * len(rows), [r for r in rows if r not in agreeing]
 
 
 def test_stock_aligned_never_beats_the_plugin(probe_results):

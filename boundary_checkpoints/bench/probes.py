@@ -3,9 +3,9 @@
 Scenario per conversation (all conversations of a phase are sent together, so they share
 batches): a cold producer sends prompt ``P``; the exact resend of ``P``; the continuation
 ``P + answer + new tokens``; and a cold control of that continuation under a fresh ``cache_salt``.
-Each request is greedy with ``ignore_eos`` and top-2 logprobs so that a divergence between a
-restored output and its cold control can be told apart from a kernel near-tie (see
-:func:`same_greedy_output`).
+Each request is greedy with ``ignore_eos`` and the top-:data:`TOP_LOGPROBS` logprobs of every
+position, so that a divergence between a restored output and its cold control can be told apart
+from a kernel near-tie, also one between three or more candidates (see :func:`same_greedy_output`).
 
 :func:`run_probes` returns one :class:`ProbeRow` per conversation; the GPU test asserts on them and
 the results file is written from them.
@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 NEW_TOKENS = 50
 TIE_TOLERANCE = 0.1  # logprob gap under which two greedy candidates count as tied (bf16 logits)
+TOP_LOGPROBS = 5  # candidates recorded per position
 
 
 @dataclass
@@ -31,7 +32,9 @@ class ProbeRow:
     continuation_same: str  # "identical" | "tie" | "different"
     cold_cached: int
     divergence: str = ""  # where and how the continuation left its cold control, if it did
-    first_token_delta: float = 0.0  # max |logprob difference| of the first token's top-2, vs cold
+    first_token_delta: float = 0.0  # max |logprob difference| of the first token's top-k, vs cold
+    resend_divergence: str = ""  # where and how the resend left its producer, if it did
+    resend_first_token_delta: float = 0.0  # the same for the resend vs its producer
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,13 +48,13 @@ def same_greedy_output(
     tolerance: float = TIE_TOLERANCE,
 ) -> tuple[str, str]:
     """(verdict, detail): ``identical``; ``tie`` when the first difference is a near-tie in BOTH
-    runs' top-2 logprobs (kernels that are not batch- or chunk-invariant may break ties either
+    runs' recorded top logprobs (kernels that are not batch- or chunk-invariant may break ties either
     way); ``different`` otherwise. ``detail`` names the position and both runs' top-2."""
     if list(tokens) == list(cold_tokens):
         return "identical", ""
     i = next(i for i, (a, b) in enumerate(zip(tokens, cold_tokens)) if a != b)
     a, b = tokens[i], cold_tokens[i]
-    detail = f"token {i}: restored top2 {logprobs[i]}, cold top2 {cold_logprobs[i]}"
+    detail = f"token {i}: restored top {logprobs[i]}, cold top {cold_logprobs[i]}"
     for lp in (logprobs[i], cold_logprobs[i]):
         if a not in lp or b not in lp or abs(lp[a] - lp[b]) > tolerance:
             return "different", detail
@@ -59,7 +62,7 @@ def same_greedy_output(
 
 
 def first_token_delta(logprobs: list[dict[int, float]], cold_logprobs: list[dict[int, float]]) -> float:
-    """How far the first generated token's top-2 logprobs are from the cold control's.
+    """How far the first generated token's top logprobs are from the cold control's.
 
     The first token is computed straight from the restored state, before any decode step can add
     its own rounding: a wrong restore moves these logprobs by far more than bf16 noise."""
@@ -80,7 +83,7 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
 
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     salt = f"probe-{seed}-{rng.random()}"
 
     def send(prompts, salt_of):
@@ -100,11 +103,12 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
     rows = []
     for p, prod, res, cont, rest, cl in zip(prompts, producers, resends, continuations, restored, cold):
         verdict, detail = same_greedy_output(rest[1], cl[1], rest[2], cl[2])
+        resend_verdict, resend_detail = same_greedy_output(res[1], prod[1], res[2], prod[2])
         rows.append(
             ProbeRow(
                 prompt_len=len(p),
                 resend_cached=res[0],
-                resend_same=same_greedy_output(res[1], prod[1], res[2], prod[2])[0],
+                resend_same=resend_verdict,
                 continuation_len=len(cont),
                 committed=len(p) + len(prod[1]) - 1,
                 continuation_cached=rest[0],
@@ -112,6 +116,8 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
                 cold_cached=cl[0],
                 divergence=detail,
                 first_token_delta=first_token_delta(rest[2], cl[2]),
+                resend_divergence=resend_detail,
+                resend_first_token_delta=first_token_delta(res[2], prod[2]),
             )
         )
     return rows
@@ -137,7 +143,8 @@ def summarize(rows: list[ProbeRow]) -> str:
             f"| {r.prompt_len} | {min(x.resend_cached for x in group)}-{max(x.resend_cached for x in group)} "
             f"| {count('resend_same')} | {r.continuation_len} | {r.committed} "
             f"| {min(x.continuation_cached for x in group)}-{max(x.continuation_cached for x in group)} "
-            f"| {count('continuation_same')} | {max(x.first_token_delta for x in group):.3f} "
+            f"| {count('continuation_same')} "
+            f"| {max(max(x.first_token_delta, x.resend_first_token_delta) for x in group):.3f} "
             f"| {max(x.cold_cached for x in group)} |"
         )
     return "\n".join(lines)
