@@ -230,3 +230,57 @@ def test_stop_server_kills_the_whole_group(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(child_pid, 0)
     server.stop_server(fake)  # idempotent
+
+
+def _row(**changes):
+    from boundary_checkpoints.bench.probes import ProbeRow
+
+    fields = dict(prompt_len=145, resend_cached=144, resend_same="identical", continuation_len=259, committed=208,
+                  continuation_cached=208, continuation_same="identical", cold_cached=0)
+    fields.update(changes)
+    return ProbeRow(**fields)
+
+
+def test_probe_failures_accepts_exact_rows_with_a_few_late_near_tie_drifts():
+    from boundary_checkpoints.bench.probes import probe_failures
+
+    rows = [_row() for _ in range(18)] + [_row(continuation_same="different"), _row(resend_same="tie")]
+    rows.append(_row(resend_first_token_delta=0.47, resend_first_token_same="tie"))  # batch-variant noise
+    assert probe_failures(rows) == []
+
+
+@pytest.mark.parametrize("bad", [
+    dict(resend_cached=143),  # a resend that missed P - 1
+    dict(continuation_cached=207),  # a continuation short of the committed length
+    dict(cold_cached=144),  # a cold control that restored something
+    dict(first_token_delta=0.2),  # a continuation's restored state is not the cold one
+    dict(first_token_delta=float("inf")),  # top-k sets disjoint
+    dict(resend_first_token_same="different"),  # a resend's first token is not the producer's
+])
+def test_probe_failures_flags_any_inexact_row(bad):
+    from boundary_checkpoints.bench.probes import probe_failures
+
+    failures = probe_failures([_row() for _ in range(9)] + [_row(**bad)])
+    assert len(failures) == 1
+
+
+@pytest.mark.parametrize("field", ["resend_same", "continuation_same"])
+def test_probe_failures_flags_too_many_diverging_answers(field):
+    from boundary_checkpoints.bench.probes import probe_failures
+
+    rows = [_row() for _ in range(8)] + [_row(**{field: "different"}) for _ in range(2)]  # 80% agree
+    assert [f for f in probe_failures(rows) if f.startswith(field)]
+
+
+def test_same_greedy_output_tells_ties_from_differences():
+    from boundary_checkpoints.bench.probes import same_greedy_output
+
+    a, b = [1, 2, 3], [1, 2, 4]
+    tied = [{1: -1.0}, {2: -1.0}, {3: -2.00, 4: -2.05, 9: -3.0}]
+    assert same_greedy_output(a, a, tied, tied)[0] == "identical"
+    assert same_greedy_output(a, b, tied, tied)[0] == "tie"
+    apart = [{1: -1.0}, {2: -1.0}, {3: -2.0, 4: -2.5}]
+    assert same_greedy_output(a, b, apart, tied)[0] == "different"
+    missing = [{1: -1.0}, {2: -1.0}, {3: -2.0, 9: -2.01}]  # 4 not among the recorded candidates
+    verdict, detail = same_greedy_output(a, b, missing, tied)
+    assert verdict == "different" and detail.startswith("token 2:")

@@ -35,6 +35,7 @@ class ProbeRow:
     first_token_delta: float = 0.0  # max |logprob difference| of the first token's top-k, vs cold
     resend_divergence: str = ""  # where and how the resend left its producer, if it did
     resend_first_token_delta: float = 0.0  # the same for the resend vs its producer
+    resend_first_token_same: str = "identical"  # the verdict on the first generated token alone
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,9 +119,45 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
                 first_token_delta=first_token_delta(rest[2], cl[2]),
                 resend_divergence=resend_detail,
                 resend_first_token_delta=first_token_delta(res[2], prod[2]),
+                resend_first_token_same=same_greedy_output(res[1][:1], prod[1][:1], res[2][:1], prod[2][:1])[0],
             )
         )
     return rows
+
+
+AGREEING = ("identical", "tie")
+MIN_AGREEING_ANSWERS = 0.9  # share of whole answers that must agree up to near-ties
+
+
+def probe_failures(rows: list[ProbeRow]) -> list[str]:
+    """Why a plugin probe run is not exact (empty when it is).
+
+    * every resend restores ``P - 1`` and every continuation its committed length; cold controls
+      restore nothing;
+    * a continuation's first generated token has the cold control's top logprobs within
+      :data:`TIE_TOLERANCE` (the restored state is the cold state up to bf16 noise);
+    * a resend's first generated token is its producer's, or a near-tie with it. Its logprobs are
+      not held to the tolerance: producer and resend run the last prompt token as a one-token step
+      in different batches, and batch-variant decode kernels move them by up to ~0.5 on the
+      random-weight model -- stock vLLM's own block-aligned resends move as much in the same run;
+    * whole answers (64 greedy tokens) agree up to near-ties in at least
+      :data:`MIN_AGREEING_ANSWERS` of the rows, resends and continuations each.
+    """
+    failures = []
+    for row in rows:
+        if row.resend_cached < row.prompt_len - 1 or row.continuation_cached < row.committed:
+            failures.append(f"not an exact hit: {row}")
+        if row.cold_cached:
+            failures.append(f"cold control restored something: {row}")
+        if row.first_token_delta > TIE_TOLERANCE:
+            failures.append(f"continuation's first token is not the cold control's: {row}")
+        if row.resend_first_token_same not in AGREEING:
+            failures.append(f"resend's first token is not the producer's: {row}")
+    for field in ("resend_same", "continuation_same"):
+        agreeing = sum(getattr(r, field) in AGREEING for r in rows)
+        if agreeing < MIN_AGREEING_ANSWERS * len(rows):
+            failures.append(f"{field}: only {agreeing} of {len(rows)} answers agree up to near-ties")
+    return failures
 
 
 def summarize(rows: list[ProbeRow]) -> str:
