@@ -32,7 +32,8 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    or its copies emitted by an earlier ``schedule()``; producer not preempted or aborted). A
    checkpoint hit gives every group the same ``N``. vLLM's own partial-hit copy-on-write then
    copies the checkpoint's tail page and recurrent state into the new request's private blocks
-   (a restore never writes a retained block). That copy rides the step being scheduled, which
+   (a restore never writes a retained block; the plugin's worker applies these copies with its
+   page-copy kernel, see ``worker/capture.py``). That copy rides the step being scheduled, which
    workers run after every step scheduled before it -- the producing forward and the capture
    copies included -- so a restore from a pending bundle reads final content. The
    plugin pins a hit's blocks for the rest of the ``schedule()`` that looked it up, and vLLM

@@ -10,8 +10,8 @@ back to back, in whatever dtypes vLLM chose, fp32 SSM state included), so one ra
 serves every group, page size and dtype in the same launch. Nothing outside the destination pages
 is written. Sources and destinations of one call must be distinct blocks.
 
-Why not vLLM's copies: ``copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write path, which
-restores use unchanged) does a gather plus a scatter per storage, and
+Why not vLLM's copies: ``copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write path; the plugin's
+worker applies restore copies with this kernel instead) does a gather plus a scatter per storage, and
 ``mamba_utils.batch_memcpy`` runs one CTA per copy with byte loads; multi-MiB recurrent pages
 need many CTAs per page and 16-byte accesses to approach copy bandwidth. The kernel below tiles
 every page over ``TILE_WORDS`` 8-byte words per program: grid = (regions x pairs, tiles of the
