@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the GPU host (through the device tool) once every bundle part sits in /tmp/gpu-parts:
 #   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
+#   bash scripts/gpu_host.sh tests    kernel tests and end-to-end probes only (every gpu-marked test)
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark, stock vs plugin, one run
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
-stage="${1:?usage: gpu_host.sh probes|bench}"
+stage="${1:?usage: gpu_host.sh probes|tests|bench}"
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -18,6 +19,9 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
     python3 benchmarks/copy_kernel.py --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
     python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py 2>&1 | tee "$out/gpu-e2e.log" || rc=1
+    ;;
+  tests)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu-tests.log" || rc=1
     ;;
   bench)
     shift
