@@ -124,7 +124,8 @@ class BoundaryConfig:
     """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. It costs
     one engine step per prompt (the prefill stops at ``P - 1``; the last token runs in the next
     step). False: no chunk stop and no prompt checkpoint; response checkpoints (the next turn of a
-    conversation) are unaffected, a resend restores from the older turn's response checkpoint."""
+    conversation) are unaffected; a resend restores only from an older checkpoint or the stock
+    block grid."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

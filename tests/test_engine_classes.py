@@ -6,12 +6,8 @@ Each engine runs in a fresh process (in-process engine core and worker, as ``vll
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from engine_script import run_engine_script
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +32,8 @@ print("RESULT " + json.dumps({
 
 
 def start_engine(model_dir, policy: str) -> dict:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(model_dir), policy], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
-    return {**json.loads(lines[-1][len("RESULT "):]), "log": result.stdout + result.stderr}
+    info, log = run_engine_script(SCRIPT, str(model_dir), policy, timeout=600)
+    return {**info, "log": log}
 
 
 def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):

@@ -8,12 +8,8 @@ in a fresh process (in-process engine core and worker, as ``vllm.LLM`` does with
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from engine_script import run_engine_script
 
 from boundary_checkpoints.bench.probes import ProbeRow, probe_failures
 
@@ -34,14 +30,7 @@ print("RESULT " + json.dumps({"block": block, "rows": [r.as_dict() for r in rows
 
 
 def test_cpu_engine_probes_hit_exactly(tiny_model_dir):
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tiny_model_dir)], env=env, capture_output=True, text=True, timeout=900
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
-    info = json.loads(lines[-1][len("RESULT "):])
+    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir))
     rows = [ProbeRow(**row) for row in info["rows"]]
     assert sorted(r.prompt_len for r in rows) == sorted([1, info["block"] - 1, info["block"], info["block"] + 1, 600])
     assert probe_failures(rows) == []

@@ -50,7 +50,7 @@ def same_greedy_output(
 ) -> tuple[str, str]:
     """(verdict, detail): ``identical``; ``tie`` when the first difference is a near-tie in BOTH
     runs' recorded top logprobs (kernels that are not batch- or chunk-invariant may break ties either
-    way); ``different`` otherwise. ``detail`` names the position and both runs' top-2."""
+    way); ``different`` otherwise. ``detail`` names the position and both runs' recorded candidates."""
     if list(tokens) == list(cold_tokens):
         return "identical", ""
     i = next(i for i, (a, b) in enumerate(zip(tokens, cold_tokens)) if a != b)

@@ -42,12 +42,13 @@ class CaptureCopyWorkerMixin:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         captures = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)
-        if captures:
-            self._copier().copy(captures)
-            self.boundary_capture_copies_applied += len(captures)
         restores = scheduler_output.kv_cache_block_copies
+        copier = self._copier() if captures or restores else None
+        if captures:
+            copier.copy(captures)
+            self.boundary_capture_copies_applied += len(captures)
         if restores:
-            self._copier().copy([(c.src_block_id, c.dst_block_id) for c in restores])
+            copier.copy([(c.src_block_id, c.dst_block_id) for c in restores])
             self.boundary_restore_copies_applied += len(restores)
             copied = {c.dst_block_id for c in restores}
             scheduler_output = copy.copy(scheduler_output)
