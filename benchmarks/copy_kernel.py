@@ -15,8 +15,10 @@ warm-up, for three ways of moving the same bytes:
 * ``d2d``: one contiguous device-to-device ``copy_`` of the same number of bytes (the reference).
 
 ``*_b2b`` columns time ``--b2b`` calls back to back between one pair of events (per call), i.e.
-the device time once the host runs ahead, as it does in a serving step. A small sweep of tile
-sizes and warps is reported for the plugin kernel (``sweep``).
+the device time once the host runs ahead, as it does in a serving step. ``plugin_kernel`` is the
+kernel alone (block ids already on the device); ``plugin_host_us`` the host time of one
+``PageCopier.copy`` call. ``sweep`` times kernel variants (tile size, warps, grid cap per
+multiprocessor) the same way, round-robin ``SWEEP_ROUNDS`` times, median reported.
 
 Run on the GPU host: ``python benchmarks/copy_kernel.py --out docs/results/gpu-copy-kernel.json``.
 Target: plugin bandwidth >= 0.8 x d2d.
@@ -95,7 +97,12 @@ def median_ms(fn, iters: int, calls: int = 1) -> float:
     return statistics.median(times)
 
 
-SWEEP = [(2048, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]  # (tile words, warps)
+# (tile words, warps, programs per multiprocessor or None for one program per tile)
+SWEEP = [
+    (4096, 8, None), (8192, 8, None), (8192, 16, None), (16384, 16, None),
+    (4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (8192, 16, 2),
+]
+SWEEP_ROUNDS = 3  # variants are timed round-robin this many times; the median is reported
 
 
 def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
@@ -116,6 +123,7 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
     copier = PageCopier(storages, num_blocks)  # built once per KV cache, as the worker does
     runs = {
         "plugin": lambda: copier.copy(pairs),
+        "plugin_kernel": kernel_only(copier, pairs),
         "vllm_cow": lambda: copy_kv_cache_blocks_inplace(
             storages, num_blocks, [KVCacheBlockCopy(s, d) for s, d in pairs]
         ),
@@ -138,20 +146,49 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
             ms = median_ms(fn, iters, calls)
             result[f"{name}{suffix}_ms"] = ms
             result[f"{name}{suffix}_GBps"] = nbytes / ms / 1e6
+    result["plugin_host_us"] = host_us(runs["plugin"], iters * b2b)
     for s in storages:  # the plugin copy must be exact
         torch.testing.assert_close(s[1], s[0], rtol=0, atol=0)
-    for suffix in ("", "_b2b"):
-        result[f"plugin{suffix}_vs_d2d"] = result[f"plugin{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
-        result[f"vllm_cow{suffix}_vs_d2d"] = result[f"vllm_cow{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
-    result["sweep"] = []
-    for tile_words, warps in SWEEP:
-        variant = PageCopier(storages, num_blocks, tile_words=tile_words, num_warps=warps)
-        for _ in range(5):
-            variant.copy(pairs)
-        torch.cuda.synchronize()
-        ms = median_ms(lambda: variant.copy(pairs), iters, b2b)
-        result["sweep"].append({"tile_words": tile_words, "num_warps": warps, "b2b_GBps": nbytes / ms / 1e6})
+    for name in ("plugin", "plugin_kernel", "vllm_cow"):
+        for suffix in ("", "_b2b"):
+            result[f"{name}{suffix}_vs_d2d"] = result[f"{name}{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
+    variants = [
+        kernel_only(PageCopier(storages, num_blocks, tile_words=t, num_warps=w, programs_per_sm=p), pairs)
+        for t, w, p in SWEEP
+    ]
+    for fn in variants:
+        fn()
+    torch.cuda.synchronize()
+    timings = [[] for _ in SWEEP]
+    for _ in range(SWEEP_ROUNDS):
+        for fn, times in zip(variants, timings):
+            times.append(median_ms(fn, iters, b2b))
+    result["sweep"] = [
+        {"tile_words": t, "num_warps": w, "programs_per_sm": p,
+         "kernel_b2b_GBps": nbytes / statistics.median(times) / 1e6,
+         "kernel_b2b_vs_d2d": nbytes / statistics.median(times) / 1e6 / result["d2d_b2b_GBps"],
+         "rounds_GBps": [nbytes / ms / 1e6 for ms in times]}
+        for (t, w, p), times in zip(SWEEP, timings)
+    ]
     return result
+
+
+def kernel_only(copier, pairs):
+    """The copier's launches alone, block ids already on the device (device time of the kernel)."""
+    ids = torch.tensor(pairs, dtype=torch.int64, device="cuda")
+    launches = copier._launches  # benchmark-only look inside: time the kernel without the id upload
+    return lambda: [launch(ids, len(pairs)) for launch in launches]
+
+
+def host_us(fn, calls: int) -> float:
+    """Host microseconds per call while the device keeps up (no synchronisation inside)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def main() -> None:
@@ -164,17 +201,20 @@ def main() -> None:
     rows = [bench(g, args.num_blocks, args.iters, args.b2b) for g in GEOMETRIES]
     print(
         f"{'model':20} {'block':>5} {'MiB':>6} | one call GB/s: {'plugin':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5} "
-        f"| back-to-back GB/s: {'plugin':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5}"
+        f"| back-to-back GB/s: {'plugin':>7} {'kernel':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5} {'kernel':>6} "
+        f"| host us/call"
     )
     for r in rows:
         print(
             f"{r['name']:20} {r['block_size']:5d} {r['bytes_per_snapshot'] / 2**20:6.1f} | "
             f"{'':14} {r['plugin_GBps']:7.0f} {r['vllm_cow_GBps']:5.0f} {r['d2d_GBps']:6.0f} {r['plugin_vs_d2d']:5.2f} | "
-            f"{'':18} {r['plugin_b2b_GBps']:7.0f} {r['vllm_cow_b2b_GBps']:5.0f} {r['d2d_b2b_GBps']:6.0f} "
-            f"{r['plugin_b2b_vs_d2d']:5.2f}"
+            f"{'':18} {r['plugin_b2b_GBps']:7.0f} {r['plugin_kernel_b2b_GBps']:7.0f} {r['vllm_cow_b2b_GBps']:5.0f} "
+            f"{r['d2d_b2b_GBps']:6.0f} {r['plugin_b2b_vs_d2d']:5.2f} {r['plugin_kernel_b2b_vs_d2d']:6.2f} | "
+            f"{r['plugin_host_us']:.0f}"
         )
-        print("    sweep (tile words, warps: back-to-back GB/s): " + ", ".join(
-            f"{v['tile_words']}/{v['num_warps']}: {v['b2b_GBps']:.0f}" for v in r["sweep"]))
+        print("    kernel sweep (tile words/warps/programs per SM: back-to-back / d2d): " + ", ".join(
+            f"{v['tile_words']}/{v['num_warps']}/{v['programs_per_sm'] or '-'}: {v['kernel_b2b_vs_d2d']:.2f}"
+            for v in r["sweep"]))
     if args.out:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)}
         with open(args.out, "w") as f:

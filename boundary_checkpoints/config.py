@@ -92,6 +92,12 @@ def _check_interval(value: Any, name: str) -> float:
     return number
 
 
+def _check_token_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BoundaryConfigError(f"{name} must be an integer >= 0 (got {type(value).__name__} {value!r})")
+    return value
+
+
 def _check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise BoundaryConfigError(f"{name} must be true or false (got {type(value).__name__} {value!r})")
@@ -101,6 +107,7 @@ def _check_flag(value: Any, name: str) -> bool:
 _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
+    "prompt_checkpoint_min_tokens": _check_token_count,
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
 }
@@ -126,6 +133,13 @@ class BoundaryConfig:
     step). False: no chunk stop and no prompt checkpoint; response checkpoints (the next turn of a
     conversation) are unaffected; a resend restores only from an older checkpoint or the stock
     block grid."""
+    prompt_checkpoint_min_tokens: int = 0
+    """With ``prompt_checkpoints``, stop at ``P - 1`` only when the step that reaches the end of the
+    prompt computes at least this many tokens (counted from where that step starts: the restore
+    point of a short prompt, the last chunk boundary of a long one). A shorter tail is computed in
+    one step either way, so the stop would add a step to this prompt to save a resend little: the
+    resend then recomputes that tail (fewer than this many tokens) from the earlier checkpoint or
+    cached block it starts from. 0 (default): every prompt stops at ``P - 1``."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -197,6 +197,7 @@ def build_scheduler(
     async_scheduling: bool = False,
     max_retained_fraction: float = 0.5,
     prompt_checkpoints: bool = True,
+    prompt_checkpoint_min_tokens: int = 0,
     scheduler_reserve_full_isl: bool = True,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
@@ -224,6 +225,7 @@ def build_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
+            "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
         }},
     ).create_engine_config()
     cache = vllm_config.cache_config

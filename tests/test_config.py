@@ -38,6 +38,7 @@ def test_defaults(additional_config):
     assert cfg == BoundaryConfig()
     assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
     assert cfg.prompt_checkpoints is True
+    assert cfg.prompt_checkpoint_min_tokens == 0
 
 
 def test_public_constants():
@@ -49,8 +50,9 @@ def test_public_constants():
 
 def test_all_fields_parsed():
     cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0,
-                 "prompt_checkpoints": False})
+                 "prompt_checkpoints": False, "prompt_checkpoint_min_tokens": 512})
     assert cfg.prompt_checkpoints is False
+    assert cfg.prompt_checkpoint_min_tokens == 512
     assert cfg.policy == "request_boundaries"
     assert cfg.max_retained_fraction == 1.0 and isinstance(cfg.max_retained_fraction, float)
     assert cfg.stats_log_interval_s == 0.0 and isinstance(cfg.stats_log_interval_s, float)
@@ -82,6 +84,10 @@ BAD_VALUES = [
     ("prompt_checkpoints", 1, "true or false"),
     ("prompt_checkpoints", "false", "true or false"),
     ("prompt_checkpoints", None, "true or false"),
+    ("prompt_checkpoint_min_tokens", -1, "integer >= 0"),
+    ("prompt_checkpoint_min_tokens", 1.5, "integer >= 0"),
+    ("prompt_checkpoint_min_tokens", True, "integer >= 0"),
+    ("prompt_checkpoint_min_tokens", "512", "integer >= 0"),
 ]
 
 

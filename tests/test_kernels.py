@@ -26,6 +26,7 @@ LAYOUTS = [
     ((4, 32, 32), torch.float32),  # fp32 SSM-state-like page, 16 KiB
     ((40,), torch.int8),  # 40-byte page
     ((1, 5, 3), torch.float64),
+    ((3, 1000), torch.bfloat16),  # 6000 bytes: 5 full 1 KiB tiles and a tail under LOOPING
 ]
 PAIRS = [[(0, 1)], [(1, 0)], [(0, 1), (3, 5), (6, 2)], [(5, 0), (1, 6)]]  # sources and destinations distinct
 
@@ -40,7 +41,7 @@ def random_caches(device: str, seed: int) -> list[torch.Tensor]:
     return caches
 
 
-def check_copy(device: str, pairs) -> None:
+def check_copy(device: str, pairs, **copier_options) -> None:
     seed = random.randrange(2**31)
     print(f"seed {seed}")
     caches = random_caches(device, seed)
@@ -50,9 +51,19 @@ def check_copy(device: str, pairs) -> None:
         for src, dst in pairs:
             want.view(torch.uint8).view(NUM_BLOCKS, -1)[dst] = raw[src]
             raw[dst] = 0xFF  # poison the destination before the copy
-    copy_pages(caches, NUM_BLOCKS, pairs)
+    if copier_options:
+        PageCopier(caches, NUM_BLOCKS, **copier_options).copy(pairs)
+    else:
+        copy_pages(caches, NUM_BLOCKS, pairs)
     for cache, want in zip(caches, expected):
         assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8)), f"seed {seed}"
+
+
+# Small tiles and a capped grid: programs loop over several full tiles of their page, and a tail
+# tile falls to a program other than split 0 (CPU: 1 "multiprocessor", 12 programs over 5 or 10
+# pages of 16-byte words; H200: 132 programs).
+LOOPING = {"tile_words": 128, "num_warps": 2}
+LOOPING_PROGRAMS_PER_SM = {"cpu": 12, "cuda": 1}
 
 
 @pytest.mark.parametrize("pairs", PAIRS)
@@ -65,6 +76,7 @@ def test_copy_pages_cpu(pairs):
         assert max(c[0].nbytes for c in caches) > 2 * TILE_WORDS * 8  # full tiles are exercised
         assert sorted(launch.vec for launch in PageCopier(caches, NUM_BLOCKS)._launches) == [1, 2]
     check_copy("cpu", pairs)
+    check_copy("cpu", pairs, **LOOPING, programs_per_sm=LOOPING_PROGRAMS_PER_SM["cpu"])
 
 
 def test_copy_pages_cpu_under_triton_interpreter():
@@ -83,7 +95,27 @@ def test_copy_pages_cpu_under_triton_interpreter():
 def test_copy_pages_gpu(pairs):
     assert uses_triton(torch.device("cuda"))
     check_copy("cuda", pairs)
+    check_copy("cuda", pairs, **LOOPING, programs_per_sm=LOOPING_PROGRAMS_PER_SM["cuda"])
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_block_id_slots_are_reused_without_mixing_steps():
+    """40 calls back to back, no host sync between them (ids staged in reused pinned slots)."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    caches = random_caches("cuda", seed)
+    copier = PageCopier(caches, NUM_BLOCKS)
+    mirror = [c.view(torch.uint8).view(NUM_BLOCKS, -1).cpu() for c in caches]
+    for _ in range(40):
+        blocks = rng.sample(range(NUM_BLOCKS), 4)
+        pairs = [(blocks[0], blocks[1]), (blocks[2], blocks[3])][: rng.randint(1, 2)]
+        copier.copy(pairs)
+        for m in mirror:
+            for src, dst in pairs:
+                m[dst] = m[src]
+    for cache, want in zip(caches, mirror):
+        assert torch.equal(cache.view(torch.uint8).view(NUM_BLOCKS, -1).cpu(), want), f"seed {seed}"
 
 
 def test_storage_shared_by_layers_is_copied_once():

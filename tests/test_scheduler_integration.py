@@ -332,3 +332,50 @@ def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
         assert len(prompt) - 1 not in chunk_ends[first.request_id]  # 39: on no block grid
         assert driver.cached_tokens[resend.request_id] == (len(prompt) - 1) // BLOCK * BLOCK
         assert kinds == {"response"}
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
+def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, lag):
+    """min 10: a cold 47-token prompt (vLLM's split runs 0-32, then 32-46: a 14-token last step)
+    still stops at P - 1; the next turn, restored from the response checkpoint with 5 new tokens,
+    runs without the stop, and its resend restores that response checkpoint (kept, not superseded)
+    and recomputes the 5 tokens (same answer)."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoint_min_tokens=10)
+    driver = Driver(scheduler, worker, lag=lag)
+    chunk_ends: dict[str, list[int]] = {}
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        for request_id in output.num_scheduled_tokens:
+            chunk_ends.setdefault(request_id, []).append(scheduler.requests[request_id].num_computed_tokens)
+        return output
+
+    scheduler.schedule = recording_schedule
+    rng = random.Random(41)
+    prompt = tokens(rng, 47)
+    first = make_request(prompt, salt="s")
+    [out_first] = driver.run([first])
+    resend = make_request(prompt, salt="s")
+    [out_resend] = driver.run([resend])
+    assert len(prompt) - 1 in chunk_ends[first.request_id]
+    assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
+    assert out_resend == out_first
+    cont_prompt = prompt + out_first + tokens(rng, 5)
+    cont = make_request(cont_prompt, salt="s")
+    [out_cont] = driver.run([cont])
+    committed = driver.cached_tokens[cont.request_id]
+    assert committed >= len(prompt) + len(out_first) - 1
+    assert len(cont_prompt) - 1 not in chunk_ends[cont.request_id]
+    cont_resend = make_request(cont_prompt, salt="s")
+    [out_cont_resend] = driver.run([cont_resend])
+    assert driver.cached_tokens[cont_resend.request_id] == committed
+    assert out_cont_resend == out_cont
+    # Turn 3 moves on: turn 1's response (handed to turn 2) goes, turn 2's response stays as the
+    # restore point of a turn-3 resend, so the conversation still holds a bounded set of states.
+    third = make_request(cont_prompt + out_cont + tokens(rng, 5), salt="s")
+    driver.run([third])
+    committed_2 = driver.cached_tokens[third.request_id]
+    assert committed_2 > committed
+    retained = {c.num_tokens for c in scheduler.checkpoint_store.checkpoints()}
+    assert committed not in retained and committed_2 in retained

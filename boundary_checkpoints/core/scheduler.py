@@ -4,7 +4,9 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 
 1. Chunk stop: a prompt of ``P`` tokens is prefilled so that a chunk ends at ``P - 1``
    (``_mamba_block_aligned_split``); the last prompt token runs in the next step. With
-   ``prompt_checkpoints: false`` there is no chunk stop and no prompt capture (item 2).
+   ``prompt_checkpoints: false`` there is no chunk stop and no prompt capture (item 2); with
+   ``prompt_checkpoint_min_tokens: N`` a chunk that would cross ``P - 1`` after computing fewer
+   than ``N`` tokens is not stopped (and so, unless it happens to end there, captures nothing).
 2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
    bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
    the *next* ``SchedulerOutput`` (attribute ``boundary_capture_copies``, applied by the plugin's
@@ -24,7 +26,8 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 5. Supersession: when a request that resumed from a *response* checkpoint (the next turn of a
    conversation) publishes its own response checkpoint, the bundles of the turn it resumed from
    are dropped, so a conversation keeps about
-   two states (its latest prompt and response), not two per turn. A turn resumed from while still
+   two states (its latest prompt and response), not two per turn; a turn that kept no prompt
+   checkpoint keeps (and takes over) the response it resumed from, its resend restore point. A turn resumed from while still
    pending (contract 6) is the same ``Checkpoint`` object once published, and it is published (or
    discarded) before the resuming request's own bundle, whose step was scheduled later.
 6. Restore: ``_get_local_prefix_cache_hit`` returns the longest of the stock hit, the longest
@@ -135,6 +138,13 @@ def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], lis
     return geometries, reasons
 
 
+def prompt_checkpoint_mode(config: BoundaryConfig) -> str:
+    """How prompts are stopped at ``P - 1``, for the startup log line."""
+    if config.prompt_checkpoint_min_tokens:
+        return f"on (prefills stop at P - 1 when their last step computes >= {config.prompt_checkpoint_min_tokens} tokens)"
+    return "on (prefills stop at P - 1)"
+
+
 def request_is_eligible(request: Request) -> bool:
     """Requests whose prefix is fully described by token ids, salt and LoRA identity."""
     return (
@@ -190,7 +200,7 @@ class BoundaryCheckpointMixin:
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
-            "on (prefills stop at P - 1)" if self._prompt_captures_on else "off",
+            prompt_checkpoint_mode(self.boundary_config) if self._prompt_captures_on else "off",
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -268,7 +278,8 @@ class BoundaryCheckpointMixin:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         stop = prompt_boundary(request.num_prompt_tokens)
-        if start < stop < start + num_new_tokens:
+        long_enough = stop - start >= self.boundary_config.prompt_checkpoint_min_tokens
+        if start < stop < start + num_new_tokens and long_enough:
             return stop - start
         return num_new_tokens
 
@@ -376,8 +387,13 @@ class BoundaryCheckpointMixin:
                 source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
                 if published and source is not None and source.kind == RESPONSE:
                     # The conversation moved on from that turn. A resend (restored from a prompt
-                    # checkpoint) is a branch and supersedes nothing.
-                    self.checkpoint_store.supersede(source)
+                    # checkpoint) is a branch and supersedes nothing. A turn that kept no prompt
+                    # checkpoint (prompt_checkpoint_min_tokens) keeps the response it resumed
+                    # from: that is where a resend of its prompt restores.
+                    own_prompt = any(
+                        c.kind == PROMPT and c.producer == pending.request_id for c in self.checkpoint_store.checkpoints()
+                    )
+                    self.checkpoint_store.supersede(source, successor=None if own_prompt else pending.request_id)
                 if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",

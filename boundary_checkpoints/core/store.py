@@ -15,7 +15,8 @@ Contract
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
   the seam for a cost-aware replacement. The retained budget counts distinct blocks.
 * :meth:`supersede` drops the bundles of a turn once the next turn of the same conversation has
-  published its own (DESIGN contract 7: a few states per conversation, not one per turn).
+  published its own (DESIGN contract 7: a few states per conversation, not one per turn); a
+  response bundle that is still the next turn's resend restore point is handed to that turn.
 """
 
 from __future__ import annotations
@@ -188,14 +189,20 @@ class CheckpointStore:
         self._enforce_budget(keep=checkpoint)
         return True
 
-    def supersede(self, checkpoint: Checkpoint) -> int:
-        """Drop ``checkpoint`` and every other bundle of its producer; returns how many.
+    def supersede(self, checkpoint: Checkpoint, successor: str | None = None) -> int:
+        """Drop ``checkpoint`` and every other bundle of its producer; returns how many dropped.
 
         Used when a conversation moves on: the bundles of the turn a request resumed from are
         replaced by that request's own, so a conversation keeps one prompt and one response
-        bundle instead of one per turn.
+        bundle instead of one per turn. With ``successor`` (the resuming request, when it kept no
+        prompt checkpoint of its own) ``checkpoint`` stays, as the restore point of a resend of
+        the successor's prompt, and passes to the successor: it goes when the successor's turn is
+        superseded in turn.
         """
         victims = [c for c in self.checkpoints() if c is checkpoint or (c.producer and c.producer == checkpoint.producer)]
+        if successor is not None:
+            victims.remove(checkpoint)
+            checkpoint.producer = successor
         for victim in victims:
             self._drop(victim)
         self.counters.superseded += len(victims)

@@ -14,12 +14,14 @@ Why not vLLM's copies: ``copy_kv_cache_blocks_inplace`` (vLLM's copy-on-write pa
 worker applies restore copies with this kernel instead) does a gather plus a scatter per storage, and
 ``mamba_utils.batch_memcpy`` runs one CTA per copy with byte loads; multi-MiB recurrent pages
 need many CTAs per page and 16-byte accesses to approach copy bandwidth. The kernel below tiles
-every page over ``TILE_WORDS`` 8-byte words per program: grid = (regions x pairs, tiles of the
-largest page); full tiles copy unmasked with 16-byte vectors (``VEC=2``) when every page size and
-base address is a multiple of 16 bytes, the last tile of a page is masked on its own size. The
-region table (word offsets from one anchor address, page sizes) lives on the device from the
-copier's construction on, so a step uploads only its block id pairs (pinned, non-blocking) and
-launches once: no host synchronisation.
+every page over ``TILE_WORDS`` 8-byte words: grid = (regions x pairs, splits), where split ``s`` of
+``S`` copies tiles ``s, s + S, ...`` of its page (``S`` = tiles of the largest page by default, one
+tile per program; a smaller ``S`` when the grid is capped per multiprocessor). Full tiles copy
+unmasked with 16-byte vectors (``VEC=2``) when every page size and base address is a multiple of
+16 bytes; the last tile of a page is masked on its own size. The region table (word offsets from
+one anchor address, page sizes) lives on the device from the copier's construction on, so a step
+uploads only its block id pairs (reused pinned slots, non-blocking) and launches once: no host
+synchronisation.
 
 Storages that are not laid out block-outermost (a block's page is then not one contiguous span)
 are copied with vLLM's ``copy_kv_cache_blocks_inplace`` instead, which handles strided views.
@@ -43,8 +45,9 @@ try:  # pragma: no cover - import guard
 except ImportError:  # pragma: no cover
     _HAS_TRITON = False
 
-TILE_WORDS = 4096  # 32 KiB of 8-byte words per program
+TILE_WORDS = 4096  # 32 KiB of 8-byte words per tile
 NUM_WARPS = 8
+PROGRAMS_PER_SM = None  # grid cap per multiprocessor; None: one program per tile
 
 
 @dataclass(frozen=True)
@@ -85,24 +88,29 @@ if _HAS_TRITON:
     def _copy_pages_kernel(
         anchor, region_offsets, region_words, block_pairs, num_pairs, TILE: tl.constexpr, VEC: tl.constexpr
     ):
-        # Program (page, tile): page enumerates (region, pair); every address is a word offset from
-        # ``anchor``, and offsets and page sizes are multiples of VEC words (16-byte access at VEC=2).
+        # Program (page, split): page enumerates (region, pair); split s of S copies the page's full
+        # tiles s, s + S, s + 2S, ... unmasked (so loads and stores vectorize), and the program with
+        # s == full % S copies the masked tail. Every address is a word offset from ``anchor``;
+        # offsets and page sizes are multiples of VEC words (16-byte accesses at VEC=2).
         page = tl.program_id(0)
-        tile = tl.program_id(1)
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
         region = page // num_pairs
         pair = page % num_pairs
         words = tl.multiple_of(tl.load(region_words + region), VEC)
-        start = tile * TILE
-        if start < words:
-            base = tl.load(region_offsets + region)
-            src = tl.multiple_of(base + tl.load(block_pairs + 2 * pair) * words + start, VEC)
-            dst = tl.multiple_of(base + tl.load(block_pairs + 2 * pair + 1) * words + start, VEC)
-            lanes = tl.arange(0, TILE)
-            if start + TILE <= words:  # full tile: no mask, so loads and stores vectorize
-                tl.store(anchor + dst + lanes, tl.load(anchor + src + lanes))
-            else:
-                mask = lanes < words - start
-                tl.store(anchor + dst + lanes, tl.load(anchor + src + lanes, mask=mask), mask=mask)
+        base = tl.load(region_offsets + region)
+        src_page = tl.multiple_of(base + tl.load(block_pairs + 2 * pair) * words, VEC)
+        dst_page = tl.multiple_of(base + tl.load(block_pairs + 2 * pair + 1) * words, VEC)
+        lanes = tl.arange(0, TILE)
+        full = words // TILE
+        for tile in range(split, full, splits):
+            start = tile * TILE
+            tl.store(anchor + dst_page + start + lanes, tl.load(anchor + src_page + start + lanes))
+        rest = words - full * TILE
+        if rest > 0 and split == full % splits:
+            start = full * TILE
+            mask = lanes < rest
+            tl.store(anchor + dst_page + start + lanes, tl.load(anchor + src_page + start + lanes, mask=mask), mask=mask)
 
 
 # Triton decides at decoration time whether kernels are interpreted, so read the flag once.
@@ -119,9 +127,12 @@ class PageCopier:
 
     Everything about the storages (which are page regions, their word offsets from one anchor
     address and their page sizes) is uploaded to the device once, here. A step's copy only moves
-    its block id pairs to the device (pinned, non-blocking) and launches once per alignment class:
-    16-byte accesses where every page and base is a multiple of 16 bytes (every vLLM layout),
-    8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes use a torch copy.
+    its block id pairs to the device (through reused pinned slots, non-blocking) and launches once
+    per alignment class: 16-byte accesses where every page and base is a multiple of 16 bytes
+    (every vLLM layout), 8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes
+    use a torch copy. ``programs_per_sm`` caps a launch's grid at that many programs per
+    multiprocessor (each program then copies several tiles of its page); ``None`` gives every tile
+    its own program.
     """
 
     def __init__(
@@ -130,6 +141,7 @@ class PageCopier:
         num_blocks: int,
         tile_words: int = TILE_WORDS,
         num_warps: int = NUM_WARPS,
+        programs_per_sm: int | None = PROGRAMS_PER_SM,
     ) -> None:
         self.num_blocks = num_blocks
         regions, self.strided = split_regions(kv_caches, num_blocks)
@@ -142,18 +154,22 @@ class PageCopier:
                 classes.setdefault((device, vec), []).append(region)
             else:
                 self.torch_regions.append(region)
-        self._launches = [_Launch.build(group, vec, tile_words, num_warps) for (_, vec), group in classes.items()]
+        self._launches = [
+            _Launch.build(group, vec, tile_words, num_warps, programs_per_sm) for (_, vec), group in classes.items()
+        ]
+        self._staging = {d: _BlockIdStaging(d) for d in {launch.anchor.device for launch in self._launches}}
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
-        ids = torch.tensor(pairs, dtype=torch.int64)
-        on_device: dict[torch.device, torch.Tensor] = {}
-        for launch in self._launches:
-            device = launch.anchor.device
-            if device not in on_device:
-                on_device[device] = ids.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else ids
-            launch(on_device[device], len(ids))
+        for device, staging in self._staging.items():
+            ids = staging.upload(pairs)
+            for launch in self._launches:
+                if launch.anchor.device == device:
+                    launch(ids, len(pairs))
+            staging.launched()
+        if self.torch_regions or self.strided:
+            ids = torch.tensor(pairs, dtype=torch.int64)
         if self.torch_regions:
             device = self.torch_regions[0].tensor.device
             src, dst = ids[:, 0].to(device), ids[:, 1].to(device)
@@ -166,6 +182,58 @@ class PageCopier:
             copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
 
 
+class _BlockIdStaging:
+    """Block id pairs on their way to one device: pinned host slots and device buffers, reused.
+
+    On CUDA a call writes the pairs into the next of ``SLOTS`` pinned slots and copies them to
+    that slot's device buffer on the current stream (non-blocking); :meth:`launched` records an
+    event after the kernels that read the buffer, and a slot is written again only once its event
+    has completed, so neither a pending upload nor a running kernel ever sees the next step's ids.
+    Elsewhere (the CPU interpreter) the ids are a plain tensor.
+    """
+
+    SLOTS = 4
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity = 0
+        self.slot = 0
+        self.host: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
+        self.events: list[torch.cuda.Event | None] = []
+
+    def upload(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        if not self.cuda:
+            return torch.tensor(pairs, dtype=torch.int64, device=self.device)
+        if len(pairs) > self.capacity:
+            self._grow(len(pairs))
+        self.slot = (self.slot + 1) % self.SLOTS
+        event = self.events[self.slot]
+        if event is not None:
+            event.synchronize()
+        host = self.host[self.slot][: len(pairs)]
+        host.numpy()[:] = pairs
+        buffer = self.buffers[self.slot][: len(pairs)]
+        buffer.copy_(host, non_blocking=True)
+        return buffer
+
+    def launched(self) -> None:
+        if self.cuda:
+            event = self.events[self.slot] or torch.cuda.Event()
+            event.record()
+            self.events[self.slot] = event
+
+    def _grow(self, needed: int) -> None:
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+        self.capacity = max(needed, 2 * self.capacity, 64)
+        self.host = [torch.empty(self.capacity, 2, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
+        self.buffers = [torch.empty(self.capacity, 2, dtype=torch.int64, device=self.device) for _ in range(self.SLOTS)]
+        self.events = [None] * self.SLOTS
+
+
 @dataclass(frozen=True)
 class _Launch:
     """One kernel launch over regions of one device and alignment class (tables on the device)."""
@@ -175,30 +243,41 @@ class _Launch:
     region_words: torch.Tensor  # int64 [regions], page size in words
     num_regions: int
     max_tiles: int
+    max_programs: int | None
     vec: int
     tile_words: int
     num_warps: int
 
     @staticmethod
-    def build(regions: Sequence[PageRegion], vec: int, tile_words: int, num_warps: int) -> _Launch:
+    def build(
+        regions: Sequence[PageRegion], vec: int, tile_words: int, num_warps: int, programs_per_sm: int | None
+    ) -> _Launch:
         anchor = regions[0].tensor.view(torch.uint64)
         device = anchor.device
         offsets = [(r.tensor.data_ptr() - anchor.data_ptr()) // 8 for r in regions]
         words = [r.page_bytes // 8 for r in regions]
+        max_programs = None
+        if programs_per_sm is not None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+            max_programs = programs_per_sm * sms
         return _Launch(
             anchor,
             torch.tensor(offsets, dtype=torch.int64, device=device),
             torch.tensor(words, dtype=torch.int64, device=device),
             len(regions),
             triton.cdiv(max(words), tile_words),
+            max_programs,
             vec,
             tile_words,
             num_warps,
         )
 
     def __call__(self, block_pairs: torch.Tensor, num_pairs: int) -> None:
-        grid = (self.num_regions * num_pairs, self.max_tiles)
-        _copy_pages_kernel[grid](
+        pages = self.num_regions * num_pairs
+        splits = self.max_tiles
+        if self.max_programs is not None:
+            splits = max(1, min(splits, -(-self.max_programs // pages)))
+        _copy_pages_kernel[(pages, splits)](
             self.anchor, self.region_offsets, self.region_words, block_pairs, num_pairs,
             TILE=self.tile_words, VEC=self.vec, num_warps=self.num_warps,
         )
