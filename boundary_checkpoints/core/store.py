@@ -200,7 +200,7 @@ class CheckpointStore:
         superseded in turn.
         """
         victims = [c for c in self.checkpoints() if c is checkpoint or (c.producer and c.producer == checkpoint.producer)]
-        if successor is not None:
+        if successor is not None and checkpoint in victims:  # not evicted meanwhile
             victims.remove(checkpoint)
             checkpoint.producer = successor
         for victim in victims:
