@@ -16,7 +16,7 @@ warm-up, for three ways of moving the same bytes:
 
 ``*_b2b`` columns time ``--b2b`` calls back to back between one pair of events (per call), i.e.
 the device time once the host runs ahead, as it does in a serving step. ``plugin_kernel`` is the
-kernel alone (block ids already on the device); ``plugin_host_us`` the host time of one
+launches alone (pair codes prepared); ``plugin_host_us`` the host time of one
 ``PageCopier.copy`` call. ``sweep`` times kernel variants (tile size, warps, grid cap per
 multiprocessor) the same way, round-robin ``SWEEP_ROUNDS`` times, median reported.
 
@@ -105,7 +105,7 @@ SWEEP = [
 SWEEP_ROUNDS = 3  # variants are timed round-robin this many times; the median is reported
 
 
-def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
+def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int, sweep: bool = True) -> dict:
     from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
     from boundary_checkpoints.worker.kernels import PageCopier
 
@@ -152,6 +152,9 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
     for name in ("plugin", "plugin_kernel", "vllm_cow"):
         for suffix in ("", "_b2b"):
             result[f"{name}{suffix}_vs_d2d"] = result[f"{name}{suffix}_GBps"] / result[f"d2d{suffix}_GBps"]
+    result["sweep"] = []
+    if not sweep:
+        return result
     variants = [
         kernel_only(PageCopier(storages, num_blocks, tile_words=t, num_warps=w, programs_per_sm=p), pairs)
         for t, w, p in SWEEP
@@ -174,10 +177,14 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int) -> dict:
 
 
 def kernel_only(copier, pairs):
-    """The copier's launches alone, block ids already on the device (device time of the kernel)."""
-    ids = torch.tensor(pairs, dtype=torch.int64, device="cuda")
-    launches = copier._launches  # benchmark-only look inside: time the kernel without the id upload
-    return lambda: [launch(ids, len(pairs)) for launch in launches]
+    """The copier's launches alone, pair codes ready (the kernel without the host's per-call work)."""
+    from boundary_checkpoints.worker.kernels import PAIRS_PER_LAUNCH, pair_code
+
+    assert len(pairs) <= PAIRS_PER_LAUNCH
+    codes = [pair_code(s, d) for s, d in pairs]
+    codes += [pair_code(0, 0)] * (PAIRS_PER_LAUNCH - len(codes))
+    launches = copier._launches  # benchmark-only look inside: time the launches alone
+    return lambda: [launch(codes, len(pairs)) for launch in launches]
 
 
 def host_us(fn, calls: int) -> float:
@@ -197,8 +204,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--b2b", type=int, default=20, help="calls per timing in the back-to-back columns")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the kernel variant sweep")
     args = parser.parse_args()
-    rows = [bench(g, args.num_blocks, args.iters, args.b2b) for g in GEOMETRIES]
+    rows = [bench(g, args.num_blocks, args.iters, args.b2b, args.sweep) for g in GEOMETRIES]
     print(
         f"{'model':20} {'block':>5} {'MiB':>6} | one call GB/s: {'plugin':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5} "
         f"| back-to-back GB/s: {'plugin':>7} {'kernel':>7} {'CoW':>5} {'d2d':>6} {'ratio':>5} {'kernel':>6} "
@@ -212,9 +220,10 @@ def main() -> None:
             f"{r['d2d_b2b_GBps']:6.0f} {r['plugin_b2b_vs_d2d']:5.2f} {r['plugin_kernel_b2b_vs_d2d']:6.2f} | "
             f"{r['plugin_host_us']:.0f}"
         )
-        print("    kernel sweep (tile words/warps/programs per SM: back-to-back / d2d): " + ", ".join(
-            f"{v['tile_words']}/{v['num_warps']}/{v['programs_per_sm'] or '-'}: {v['kernel_b2b_vs_d2d']:.2f}"
-            for v in r["sweep"]))
+        if r["sweep"]:
+            print("    kernel sweep (tile words/warps/programs per SM: back-to-back / d2d): " + ", ".join(
+                f"{v['tile_words']}/{v['num_warps']}/{v['programs_per_sm'] or '-'}: {v['kernel_b2b_vs_d2d']:.2f}"
+                for v in r["sweep"]))
     if args.out:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)}
         with open(args.out, "w") as f:

@@ -3,10 +3,11 @@
 #   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
 #   bash scripts/gpu_host.sh tests    kernel tests and end-to-end probes only (every gpu-marked test)
 #   bash scripts/gpu_host.sh all      every gpu-marked test, then the copy-kernel benchmark
+#   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark, stock vs plugin, one run
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
-stage="${1:?usage: gpu_host.sh probes|tests|all|bench}"
+stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench}"
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -27,6 +28,10 @@ case "$stage" in
   all)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu-tests.log" || rc=1
     python3 benchmarks/copy_kernel.py --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
+    ;;
+  kernel)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
+    python3 benchmarks/copy_kernel.py --no-sweep --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
     ;;
   bench)
     shift

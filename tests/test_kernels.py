@@ -15,7 +15,9 @@ import sys
 import pytest
 import torch
 
-from boundary_checkpoints.worker.kernels import TILE_WORDS, PageCopier, copy_pages, split_regions, uses_triton
+from boundary_checkpoints.worker.kernels import (
+    PAIRS_PER_LAUNCH, TILE_WORDS, PageCopier, copy_pages, pair_code, split_regions, uses_triton,
+)
 
 NUM_BLOCKS = 7
 # (page shape after the block dim, dtype): attention-like, recurrent-state-like, odd sizes.
@@ -79,15 +81,44 @@ def test_copy_pages_cpu(pairs):
     check_copy("cpu", pairs, **LOOPING, programs_per_sm=LOOPING_PROGRAMS_PER_SM["cpu"])
 
 
+def test_many_pairs_span_several_launches(device="cpu"):
+    """11 pairs: two launches of PAIRS_PER_LAUNCH (8) pair codes, the second one padded."""
+    blocks = 24
+    seed = random.randrange(2**31)
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (blocks, 2, 16, 4, 32, 2), generator=generator, dtype=torch.uint8)
+    cache = raw.view(torch.bfloat16).view(blocks, 2, 16, 4, 32).to(device)
+    order = random.Random(seed).sample(range(blocks), 22)
+    pairs = list(zip(order[:11], order[11:]))
+    assert len(pairs) > PAIRS_PER_LAUNCH
+    flat = cache.view(torch.uint8).view(blocks, -1)
+    expected = flat.clone()
+    for src, dst in pairs:
+        expected[dst] = flat[src]
+        flat[dst] = 0xFF
+    PageCopier([cache], blocks).copy(pairs)
+    assert torch.equal(flat, expected), f"seed {seed}"
+
+
+def test_pair_codes_and_bad_block_ids():
+    assert pair_code(0, 0) == 1 << 32 and pair_code(5, 7) == (6 << 32) | 7
+    assert all(2**32 <= pair_code(s, d) < 2**63 for s, d in [(0, 0), (0, 2**32 - 1), (2**31 - 2, 0)])
+    caches = random_caches("cpu", 1)
+    with pytest.raises(ValueError, match="outside"):
+        PageCopier(caches, NUM_BLOCKS).copy([(0, NUM_BLOCKS)])
+    with pytest.raises(ValueError, match="outside"):
+        PageCopier(caches, NUM_BLOCKS).copy([(-1, 2)])
+
+
 def test_copy_pages_cpu_under_triton_interpreter():
     """Re-runs the CPU cases in a fresh process with TRITON_INTERPRET=1 (set before Triton loads)."""
     env = dict(os.environ, TRITON_INTERPRET="1", BC_EXPECT_TRITON="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_copy_pages_cpu and not interpreter"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "(test_copy_pages_cpu or many_pairs) and not interpreter"],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"{len(PAIRS)} passed" in result.stdout
+    assert f"{len(PAIRS) + 1} passed" in result.stdout
 
 
 @pytest.mark.gpu
@@ -100,8 +131,14 @@ def test_copy_pages_gpu(pairs):
 
 
 @pytest.mark.gpu
-def test_block_id_slots_are_reused_without_mixing_steps():
-    """40 calls back to back, no host sync between them (ids staged in reused pinned slots)."""
+def test_many_pairs_span_several_launches_gpu():
+    test_many_pairs_span_several_launches("cuda")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_back_to_back_calls_without_host_sync():
+    """40 calls back to back, no host sync between them (pair codes passed by value each call)."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     caches = random_caches("cuda", seed)

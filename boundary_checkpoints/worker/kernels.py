@@ -19,9 +19,9 @@ every page over ``TILE_WORDS`` 8-byte words: grid = (regions x pairs, splits), w
 tile per program; a smaller ``S`` when the grid is capped per multiprocessor). Full tiles copy
 unmasked with 16-byte vectors (``VEC=2``) when every page size and base address is a multiple of
 16 bytes; the last tile of a page is masked on its own size. The region table (word offsets from
-one anchor address, page sizes) lives on the device from the copier's construction on, so a step
-uploads only its block id pairs (reused pinned slots, non-blocking) and launches once: no host
-synchronisation.
+one anchor address, page sizes) lives on the device from the copier's construction on; a step's
+block id pairs travel as kernel arguments (:func:`pair_code`, eight per launch), so a step uploads
+nothing and launches once (per eight pairs): no host synchronisation.
 
 Storages that are not laid out block-outermost (a block's page is then not one contiguous span)
 are copied with vLLM's ``copy_kv_cache_blocks_inplace`` instead, which handles strided views.
@@ -82,11 +82,30 @@ def split_regions(
     return regions, strided
 
 
+PAIRS_PER_LAUNCH = 8  # block id pairs passed by value to one launch; more pairs, more launches
+_UNUSED_PAIR = 1 << 32  # pair code of (0, 0), padding for unused argument slots
+
+
+def pair_code(src: int, dst: int) -> int:
+    """One (source, destination) block pair as a kernel argument: ``(src + 1) << 32 | dst``.
+
+    Always in [2**32, 2**63), so Triton types every code as int64 whatever the block ids (a value
+    below 2**31 would be typed int32 and compile a second kernel)."""
+    return ((src + 1) << 32) | dst
+
+
 if _HAS_TRITON:
 
     @triton.jit
+    def _pick(i, c0, c1, c2, c3, c4, c5, c6, c7):
+        return tl.where(i == 0, c0, tl.where(i == 1, c1, tl.where(i == 2, c2, tl.where(
+            i == 3, c3, tl.where(i == 4, c4, tl.where(i == 5, c5, tl.where(i == 6, c6, c7)))))))
+
+    # Pair codes change every step: no specialisation on their values (divisibility, == 1).
+    @triton.jit(do_not_specialize=["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"])
     def _copy_pages_kernel(
-        anchor, region_offsets, region_words, block_pairs, num_pairs, TILE: tl.constexpr, VEC: tl.constexpr
+        anchor, region_offsets, region_words, num_pairs, c0, c1, c2, c3, c4, c5, c6, c7,
+        TILE: tl.constexpr, VEC: tl.constexpr,
     ):
         # Program (page, split): page enumerates (region, pair); split s of S copies the page's full
         # tiles s, s + S, s + 2S, ... unmasked (so loads and stores vectorize), and the program with
@@ -96,11 +115,13 @@ if _HAS_TRITON:
         split = tl.program_id(1)
         splits = tl.num_programs(1)
         region = page // num_pairs
-        pair = page % num_pairs
+        code = _pick(page % num_pairs, c0, c1, c2, c3, c4, c5, c6, c7)
+        src_block = (code >> 32) - 1
+        dst_block = code - ((src_block + 1) << 32)
         words = tl.multiple_of(tl.load(region_words + region), VEC)
         base = tl.load(region_offsets + region)
-        src_page = tl.multiple_of(base + tl.load(block_pairs + 2 * pair) * words, VEC)
-        dst_page = tl.multiple_of(base + tl.load(block_pairs + 2 * pair + 1) * words, VEC)
+        src_page = tl.multiple_of(base + src_block * words, VEC)
+        dst_page = tl.multiple_of(base + dst_block * words, VEC)
         lanes = tl.arange(0, TILE)
         full = words // TILE
         for tile in range(split, full, splits):
@@ -126,9 +147,9 @@ class PageCopier:
     """Copies pages of a fixed set of KV cache tensors; built once per KV cache allocation.
 
     Everything about the storages (which are page regions, their word offsets from one anchor
-    address and their page sizes) is uploaded to the device once, here. A step's copy only moves
-    its block id pairs to the device (through reused pinned slots, non-blocking) and launches once
-    per alignment class: 16-byte accesses where every page and base is a multiple of 16 bytes
+    address and their page sizes) is uploaded to the device once, here. A step's copy passes its
+    block id pairs to the kernel by value (``PAIRS_PER_LAUNCH`` per launch: nothing to upload, no
+    host synchronisation) and launches once per alignment class: 16-byte accesses where every page and base is a multiple of 16 bytes
     (every vLLM layout), 8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes
     use a torch copy. ``programs_per_sm`` caps a launch's grid at that many programs per
     multiprocessor (each program then copies several tiles of its page); ``None`` gives every tile
@@ -157,17 +178,20 @@ class PageCopier:
         self._launches = [
             _Launch.build(group, vec, tile_words, num_warps, programs_per_sm) for (_, vec), group in classes.items()
         ]
-        self._staging = {d: _BlockIdStaging(d) for d in {launch.anchor.device for launch in self._launches}}
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
-        for device, staging in self._staging.items():
-            ids = staging.upload(pairs)
-            for launch in self._launches:
-                if launch.anchor.device == device:
-                    launch(ids, len(pairs))
-            staging.launched()
+        for src, dst in pairs:
+            if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
+                raise ValueError(f"block pair ({src}, {dst}) outside the KV cache's {self.num_blocks} blocks")
+        if self._launches:
+            codes = [pair_code(src, dst) for src, dst in pairs]
+            for first in range(0, len(codes), PAIRS_PER_LAUNCH):
+                chunk = codes[first : first + PAIRS_PER_LAUNCH]
+                padded = chunk + [_UNUSED_PAIR] * (PAIRS_PER_LAUNCH - len(chunk))
+                for launch in self._launches:
+                    launch(padded, len(chunk))
         if self.torch_regions or self.strided:
             ids = torch.tensor(pairs, dtype=torch.int64)
         if self.torch_regions:
@@ -180,58 +204,6 @@ class PageCopier:
 
             copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in ids.tolist()]
             copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
-
-
-class _BlockIdStaging:
-    """Block id pairs on their way to one device: pinned host slots and device buffers, reused.
-
-    On CUDA a call writes the pairs into the next of ``SLOTS`` pinned slots and copies them to
-    that slot's device buffer on the current stream (non-blocking); :meth:`launched` records an
-    event after the kernels that read the buffer, and a slot is written again only once its event
-    has completed, so neither a pending upload nor a running kernel ever sees the next step's ids.
-    Elsewhere (the CPU interpreter) the ids are a plain tensor.
-    """
-
-    SLOTS = 4
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.capacity = 0
-        self.slot = 0
-        self.host: list[torch.Tensor] = []
-        self.buffers: list[torch.Tensor] = []
-        self.events: list[torch.cuda.Event | None] = []
-
-    def upload(self, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
-        if not self.cuda:
-            return torch.tensor(pairs, dtype=torch.int64, device=self.device)
-        if len(pairs) > self.capacity:
-            self._grow(len(pairs))
-        self.slot = (self.slot + 1) % self.SLOTS
-        event = self.events[self.slot]
-        if event is not None:
-            event.synchronize()
-        host = self.host[self.slot][: len(pairs)]
-        host.numpy()[:] = pairs
-        buffer = self.buffers[self.slot][: len(pairs)]
-        buffer.copy_(host, non_blocking=True)
-        return buffer
-
-    def launched(self) -> None:
-        if self.cuda:
-            event = self.events[self.slot] or torch.cuda.Event()
-            event.record()
-            self.events[self.slot] = event
-
-    def _grow(self, needed: int) -> None:
-        for event in self.events:
-            if event is not None:
-                event.synchronize()
-        self.capacity = max(needed, 2 * self.capacity, 64)
-        self.host = [torch.empty(self.capacity, 2, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
-        self.buffers = [torch.empty(self.capacity, 2, dtype=torch.int64, device=self.device) for _ in range(self.SLOTS)]
-        self.events = [None] * self.SLOTS
 
 
 @dataclass(frozen=True)
@@ -272,13 +244,14 @@ class _Launch:
             num_warps,
         )
 
-    def __call__(self, block_pairs: torch.Tensor, num_pairs: int) -> None:
+    def __call__(self, pair_codes: Sequence[int], num_pairs: int) -> None:
+        """Copy the first ``num_pairs`` of ``PAIRS_PER_LAUNCH`` pair codes (the rest is padding)."""
         pages = self.num_regions * num_pairs
         splits = self.max_tiles
         if self.max_programs is not None:
             splits = max(1, min(splits, -(-self.max_programs // pages)))
         _copy_pages_kernel[(pages, splits)](
-            self.anchor, self.region_offsets, self.region_words, block_pairs, num_pairs,
+            self.anchor, self.region_offsets, self.region_words, num_pairs, *pair_codes,
             TILE=self.tile_words, VEC=self.vec, num_warps=self.num_warps,
         )
 
