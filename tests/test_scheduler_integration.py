@@ -296,14 +296,9 @@ def test_resend_while_the_prompt_capture_step_is_in_flight_restores_the_prompt_b
     assert worker.restored_reads >= 1
 
 
-@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
-@pytest.mark.parametrize("prompt_checkpoints", [True, False], ids=["prompt-on", "prompt-off"])
-def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
-    """Off: the prefill runs in one chunk (no stop at P - 1) and no prompt checkpoint exists, so a
-    resend falls back to the stock block grid; the next turn still restores the response."""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoints=prompt_checkpoints)
-    driver = Driver(scheduler, worker, lag=lag)
-    chunk_ends: dict[str, list[int]] = {}  # per request: num_computed after each scheduled chunk
+def record_chunk_ends(scheduler) -> dict[str, list[int]]:
+    """Per request, its num_computed_tokens after each ``schedule()`` that scheduled it."""
+    chunk_ends: dict[str, list[int]] = {}
     schedule = scheduler.schedule
 
     def recording_schedule(*args, **kwargs):
@@ -313,6 +308,17 @@ def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
         return output
 
     scheduler.schedule = recording_schedule
+    return chunk_ends
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
+@pytest.mark.parametrize("prompt_checkpoints", [True, False], ids=["prompt-on", "prompt-off"])
+def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
+    """Off: the prefill runs in one chunk (no stop at P - 1) and no prompt checkpoint exists, so a
+    resend falls back to the stock block grid; the next turn still restores the response."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoints=prompt_checkpoints)
+    driver = Driver(scheduler, worker, lag=lag)
+    chunk_ends = record_chunk_ends(scheduler)
     rng = random.Random(40)
     prompt = tokens(rng, 40)
     first = make_request(prompt, salt="s")
@@ -342,16 +348,7 @@ def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, 
     and recomputes the 5 tokens (same answer)."""
     scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoint_min_tokens=10)
     driver = Driver(scheduler, worker, lag=lag)
-    chunk_ends: dict[str, list[int]] = {}
-    schedule = scheduler.schedule
-
-    def recording_schedule(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        for request_id in output.num_scheduled_tokens:
-            chunk_ends.setdefault(request_id, []).append(scheduler.requests[request_id].num_computed_tokens)
-        return output
-
-    scheduler.schedule = recording_schedule
+    chunk_ends = record_chunk_ends(scheduler)
     rng = random.Random(41)
     prompt = tokens(rng, 47)
     first = make_request(prompt, salt="s")
