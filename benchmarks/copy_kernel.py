@@ -178,13 +178,11 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int, sweep: bool
 
 def kernel_only(copier, pairs):
     """The copier's launches alone, pair codes ready (the kernel without the host's per-call work)."""
-    from boundary_checkpoints.worker.kernels import PAIRS_PER_LAUNCH, pair_code
+    from boundary_checkpoints.worker.kernels import launch_arguments
 
-    assert len(pairs) <= PAIRS_PER_LAUNCH
-    codes = [pair_code(s, d) for s, d in pairs]
-    codes += [pair_code(0, 0)] * (PAIRS_PER_LAUNCH - len(codes))
+    [(codes, num_pairs)] = launch_arguments(pairs)  # one launch per copier launch class
     launches = copier._launches  # benchmark-only look inside: time the launches alone
-    return lambda: [launch(codes, len(pairs)) for launch in launches]
+    return lambda: [launch(codes, num_pairs) for launch in launches]
 
 
 def host_us(fn, calls: int) -> float:

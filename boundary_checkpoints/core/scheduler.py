@@ -25,10 +25,9 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    one reference per block (copy destinations, adopted blocks, shared pages).
 5. Supersession: when a request that resumed from a *response* checkpoint (the next turn of a
    conversation) publishes its own response checkpoint, the bundles of the turn it resumed from
-   are dropped, so a conversation keeps about
-   two states (its latest prompt and response), not two per turn; a turn that kept no prompt
-   checkpoint keeps (and takes over) the response it resumed from, its resend restore point. A turn resumed from while still
-   pending (contract 6) is the same ``Checkpoint`` object once published, and it is published (or
+   are dropped, so a conversation keeps about two states (its latest prompt and response), not two
+   per turn; a turn that kept no prompt checkpoint keeps (and takes over) the response it resumed
+   from, its resend restore point. A turn resumed from while still pending (contract 6) is the same ``Checkpoint`` object once published, and it is published (or
    discarded) before the resuming request's own bundle, whose step was scheduled later.
 6. Restore: ``_get_local_prefix_cache_hit`` returns the longest of the stock hit, the longest
    published checkpoint and the longest *scheduled* pending bundle (``ready_seq`` set: adopted,

@@ -32,7 +32,7 @@ torch copy of the same spans is used.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +83,6 @@ def split_regions(
 
 
 PAIRS_PER_LAUNCH = 8  # block id pairs passed by value to one launch; more pairs, more launches
-_UNUSED_PAIR = 1 << 32  # pair code of (0, 0), padding for unused argument slots
 
 
 def pair_code(src: int, dst: int) -> int:
@@ -92,6 +91,15 @@ def pair_code(src: int, dst: int) -> int:
     Always in [2**32, 2**63), so Triton types every code as int64 whatever the block ids (a value
     below 2**31 would be typed int32 and compile a second kernel)."""
     return ((src + 1) << 32) | dst
+
+
+def launch_arguments(pairs: Sequence[tuple[int, int]]) -> Iterator[tuple[list[int], int]]:
+    """Per launch: ``PAIRS_PER_LAUNCH`` pair codes (unused slots padded with (0, 0)) and how many
+    of them are real."""
+    codes = [pair_code(src, dst) for src, dst in pairs]
+    for first in range(0, len(codes), PAIRS_PER_LAUNCH):
+        chunk = codes[first : first + PAIRS_PER_LAUNCH]
+        yield chunk + [pair_code(0, 0)] * (PAIRS_PER_LAUNCH - len(chunk)), len(chunk)
 
 
 if _HAS_TRITON:
@@ -186,12 +194,9 @@ class PageCopier:
             if not (0 <= src < self.num_blocks and 0 <= dst < self.num_blocks):
                 raise ValueError(f"block pair ({src}, {dst}) outside the KV cache's {self.num_blocks} blocks")
         if self._launches:
-            codes = [pair_code(src, dst) for src, dst in pairs]
-            for first in range(0, len(codes), PAIRS_PER_LAUNCH):
-                chunk = codes[first : first + PAIRS_PER_LAUNCH]
-                padded = chunk + [_UNUSED_PAIR] * (PAIRS_PER_LAUNCH - len(chunk))
+            for codes, num_pairs in launch_arguments(pairs):
                 for launch in self._launches:
-                    launch(padded, len(chunk))
+                    launch(codes, num_pairs)
         if self.torch_regions or self.strided:
             ids = torch.tensor(pairs, dtype=torch.int64)
         if self.torch_regions:
