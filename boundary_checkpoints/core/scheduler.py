@@ -23,12 +23,15 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    the finish): the step's output exists only after every worker returned it. A producer that is
    preempted or aborted before publication publishes nothing. Until then the pending bundle owns
    one reference per block (copy destinations, adopted blocks, shared pages).
-5. Supersession: when a request that resumed from a *response* checkpoint (the next turn of a
-   conversation) publishes its own response checkpoint, the bundles of the turn it resumed from
-   are dropped, so a conversation keeps about two states (its latest prompt and response), not two
-   per turn; a turn that kept no prompt checkpoint keeps (and takes over) the response it resumed
-   from, its resend restore point. A turn resumed from while still pending (contract 6) is the same ``Checkpoint`` object once published, and it is published (or
-   discarded) before the resuming request's own bundle, whose step was scheduled later.
+5. Lineage: when a request that resumed from a *response* checkpoint (the next turn of a
+   conversation) publishes its own response checkpoint, the turn it resumed from is retired
+   (``CheckpointStore.retire``): its bundles are dropped unless another live turn still owns them,
+   so a conversation keeps about two states (its latest prompt and response), not two per turn,
+   and every live branch (n > 1, edits of a turn) keeps its own latest turn. A turn that kept no
+   prompt checkpoint of its own becomes an owner of the response it resumed from, its resend
+   restore point. A turn resumed from while still pending (contract 6) is the same
+   ``Checkpoint`` object once published, and it is published (or discarded) before the resuming
+   request's own bundle, whose step was scheduled later.
 6. Restore: ``_get_local_prefix_cache_hit`` returns the longest of the stock hit, the longest
    published checkpoint and the longest *scheduled* pending bundle (``ready_seq`` set: adopted,
    or its copies emitted by an earlier ``schedule()``; producer not preempted or aborted). A
@@ -41,8 +44,17 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    plugin pins a hit's blocks for the rest of the ``schedule()`` that looked it up, and vLLM
    keeps its own reference on a copy source until the copy ran, so a bundle evicted, or (still
    pending) discarded, after the lookup only drops its own references.
-7. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool and are
-   evicted (LRU) before vLLM would have to preempt or refuse a request.
+7. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool. When
+   an allocation does not fit, bundles that give blocks back to the pool are evicted (LRU), one at
+   a time until it fits, before vLLM would have to preempt or refuse a request; bundles whose pages
+   running requests share free nothing and stay. vLLM's deliberate "not this step" answer for a
+   recurrent hit on a block cached in the same step is not pressure and evicts nothing.
+8. Reset: a prefix-cache reset (``POST /reset_prefix_cache``, pause, sleep) drops every retained
+   and pending bundle first, so vLLM's own reset finds the pool free.
+9. Misses: every eligible request's lookup is counted once, as a hit or as a miss with a reason
+   (``miss_<reason>`` in the counters, a debug log line each); a response that ends in an abort
+   (a client abort, or a stop string: vLLM matches those in the frontend, which aborts the request
+   in the engine) keeps no checkpoint and is counted as ``responses_aborted``.
 """
 
 from __future__ import annotations
@@ -84,16 +96,60 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 _FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
-class PressureRelievingKVCacheManager(KVCacheManager):
-    """KVCacheManager that evicts retained checkpoints before refusing an allocation."""
+_RECORDING_COORDINATORS: dict[type, type] = {}
 
-    relieve_pressure: Any = None  # () -> bool, set by the scheduler
+
+def recording_coordinator_class(cls: type) -> type:
+    """``cls`` (a KV cache coordinator class) with a ``get_num_blocks_to_allocate`` that keeps its
+    last answer in ``last_num_blocks_to_allocate``; one class per coordinator type. The scheduler
+    re-classes vLLM's coordinator to it (see compat: KV cache coordinator)."""
+    if cls not in _RECORDING_COORDINATORS:
+        count_blocks = cls.get_num_blocks_to_allocate
+
+        def get_num_blocks_to_allocate(self, *args, **kwargs):
+            self.last_num_blocks_to_allocate = count_blocks(self, *args, **kwargs)
+            return self.last_num_blocks_to_allocate
+
+        # Single inheritance with no new slots keeps the instance layout, so __class__ can change.
+        _RECORDING_COORDINATORS[cls] = type(
+            f"Recording{cls.__name__}",
+            (cls,),
+            {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None},
+        )
+    return _RECORDING_COORDINATORS[cls]
+
+
+class PressureRelievingKVCacheManager(KVCacheManager):
+    """KVCacheManager that evicts retained checkpoints before refusing an allocation.
+
+    After a refused allocation it computes the shortfall (blocks vLLM asked for, plus the
+    watermark and reservation it applied, minus the free blocks) and asks ``relieve_pressure``
+    to free that many; it retries after every eviction, so it stops as soon as the allocation
+    fits. vLLM's deliberate "not in this step" answer (more blocks than the whole pool, used to
+    defer a recurrent hit on a block cached in the same step) is no shortage and evicts nothing.
+    """
+
+    relieve_pressure: Any = None  # (shortfall) -> bool (True: a bundle was evicted), set by the scheduler
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
         while True:
             blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-            if blocks is not None or self.relieve_pressure is None or not self.relieve_pressure():
+            if blocks is not None or self.relieve_pressure is None:
                 return blocks
+            shortfall = self.shortfall(request, kwargs)
+            if shortfall is None or not self.relieve_pressure(shortfall):
+                return None
+
+    def shortfall(self, request, kwargs) -> int | None:
+        """Blocks missing for the allocation just refused; None if freeing blocks cannot help."""
+        needed = self.coordinator.last_num_blocks_to_allocate
+        if needed is None or needed > self.block_pool.num_gpu_blocks:
+            return None
+        waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if waiting and kwargs.get("has_scheduled_reqs", True):
+            needed += self.watermark_blocks
+        needed += kwargs.get("reserved_blocks", 0)
+        return max(needed - self.block_pool.get_num_free_blocks(), 1)
 
 
 @dataclass
@@ -182,6 +238,9 @@ class BoundaryCheckpointMixin:
         self._page_bytes = tuple(g.page_bytes for g in geometries)
         self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks)
         self._pending: list[PendingCapture] = []
+        # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
+        # of at most max_model_len - 1 tokens.
+        self._max_useful_tokens = self.vllm_config.model_config.max_model_len - 2
         self._lookup_pins: list[Any] = []
         self._counted_requests: set[str] = set()
         self._restored_from: dict[str, Checkpoint] = {}
@@ -190,7 +249,9 @@ class BoundaryCheckpointMixin:
         self._processed_seq = 0
         self._last_stats_log = time.monotonic()
         self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
-        self.kv_cache_manager.relieve_pressure = self.checkpoint_store.evict_lru
+        coordinator = self.kv_cache_manager.coordinator
+        coordinator.__class__ = recording_coordinator_class(type(coordinator))
+        self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks, prompt checkpoints %s",
@@ -219,23 +280,32 @@ class BoundaryCheckpointMixin:
     # ---- restore --------------------------------------------------------------------------
     def _get_local_prefix_cache_hit(self, request: Request):
         blocks, num_hit, shared_boundary, diverged = super()._get_local_prefix_cache_hit(request)
-        if not self.boundaries_active or not request_is_eligible(request):
+        if not self.boundaries_active:
+            return blocks, num_hit, shared_boundary, diverged
+        if not request_is_eligible(request):
+            self._count_lookup(request, None, "ineligible")
             return blocks, num_hit, shared_boundary, diverged
         if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            self._count_lookup(request, None, "cache_bypassed")
             return blocks, num_hit, shared_boundary, diverged
         root = self._root(request)
-        hit = self.checkpoint_store.lookup(
-            request.all_token_ids,
-            request.num_tokens - 1,
-            lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root),
-            self.hash_block_size,
-        )
+
+        def parents(start: int):
+            return parent_of(start, request.block_hashes, self.hash_block_size, root)
+
+        hit = self.checkpoint_store.lookup(request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size)
         pending = self._scheduled_pending_hit(request)
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
-        if request.request_id not in self._counted_requests:
-            self._counted_requests.add(request.request_id)
-            self.checkpoint_store.record_lookup(hit if hit is not None and hit.num_tokens > num_hit else None)
+        if hit is None:
+            reason = self.checkpoint_store.miss_reason(
+                request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+            )
+            self._count_lookup(request, None, reason, num_hit)
+        elif hit.num_tokens <= num_hit:
+            self._count_lookup(request, None, "block_grid_as_long", num_hit)
+        else:
+            self._count_lookup(request, hit, "", num_hit)
         if hit is None or hit.num_tokens <= num_hit:
             self._restored_from.pop(request.request_id, None)
             return blocks, num_hit, shared_boundary, diverged
@@ -248,6 +318,18 @@ class BoundaryCheckpointMixin:
             request.request_id, hit.kind, hit.num_tokens, num_hit,
         )
         return KVCacheBlocks(tuple(list(group) for group in hit.group_blocks)), hit.num_tokens, 0, False
+
+    def _count_lookup(self, request: Request, hit: Checkpoint | None, reason: str, num_hit: int = 0) -> None:
+        """Count a request's first lookup as a hit, or as a miss with ``reason``."""
+        if request.request_id in self._counted_requests:
+            return
+        self._counted_requests.add(request.request_id)
+        self.checkpoint_store.record_lookup(hit, reason)
+        if hit is None:
+            logger.debug(
+                "boundary_checkpoints: request %s (%d tokens) restores no checkpoint: %s (block-grid hit %d)",
+                request.request_id, request.num_tokens, reason, num_hit,
+            )
 
     def _scheduled_pending_hit(self, request: Request) -> Checkpoint | None:
         """Longest pending bundle a restore may already read (contract 6), or None."""
@@ -320,6 +402,8 @@ class BoundaryCheckpointMixin:
                 self._plan_capture(request, target, PROMPT, adopt=False)
 
     def _plan_capture(self, request: Request, num_tokens: int, kind: str, adopt: bool) -> None:
+        if num_tokens > self._max_useful_tokens:
+            return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
         if key is None or key in self.checkpoint_store:
             return
@@ -386,13 +470,16 @@ class BoundaryCheckpointMixin:
                 source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
                 if published and source is not None and source.kind == RESPONSE:
                     # The conversation moved on from that turn. A resend (restored from a prompt
-                    # checkpoint) is a branch and supersedes nothing. A turn that kept no prompt
-                    # checkpoint (prompt_checkpoint_min_tokens) keeps the response it resumed
-                    # from: that is where a resend of its prompt restores.
+                    # checkpoint) is a branch and retires nothing. A turn that kept no prompt
+                    # checkpoint of its own (deduplicated against a sibling's, or skipped by
+                    # prompt_checkpoint_min_tokens) owns the response it resumed from: that is
+                    # where a resend of its prompt restores.
                     own_prompt = any(
                         c.kind == PROMPT and c.producer == pending.request_id for c in self.checkpoint_store.checkpoints()
                     )
-                    self.checkpoint_store.supersede(source, successor=None if own_prompt else pending.request_id)
+                    if not own_prompt:
+                        self.checkpoint_store.adopt(source, pending.request_id)
+                    self.checkpoint_store.retire(source.producer)
                 if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",
@@ -421,8 +508,11 @@ class BoundaryCheckpointMixin:
                     self._plan_capture(request, num_tokens, RESPONSE, adopt=True)
                 if not any(p.request_id == request.request_id and p.kind == RESPONSE for p in self._pending):
                     self._restored_from.pop(request.request_id, None)
-            elif any(p.request_id == request.request_id for p in self._pending):
-                self._tainted.add(request.request_id)
+            else:
+                if request.status == RequestStatus.FINISHED_ABORTED and request.num_output_tokens > 0:
+                    self.checkpoint_store.counters.responses_aborted += 1
+                if any(p.request_id == request.request_id for p in self._pending):
+                    self._tainted.add(request.request_id)
         result = super()._free_request(request, delay_free_blocks)
         if self.boundaries_active:
             self._publish_ready()
@@ -435,9 +525,35 @@ class BoundaryCheckpointMixin:
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
         if self.boundaries_active:
+            # Pending bundles hold block references too: vLLM's reset needs every block free.
+            # A capture copy already on its way to the workers writes into a freed block
+            # before any later step can reuse it (steps run in order).
+            for pending in self._pending:
+                if pending.ready_seq is None:  # its copies were not emitted: drop their source pins
+                    self._block_pool.free_blocks(pending.plan.copy_sources())
+                self._discard(pending)
+            num_pending = len(self._pending)
+            self._pending = []
+            self._tainted.clear()
+            self._restored_from.clear()
             dropped = self.checkpoint_store.clear()
-            logger.info("boundary_checkpoints: prefix cache reset dropped %d checkpoints", dropped)
+            logger.info(
+                "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
+                dropped, num_pending,
+            )
         return super().reset_prefix_cache(*args, **kwargs)
+
+    def _relieve_pressure(self, shortfall: int) -> bool:
+        """Evict one retained bundle that gives blocks back to the pool, unless evicting every
+        such bundle would still leave ``shortfall`` unmet; False when nothing was evicted."""
+        store = self.checkpoint_store
+
+        def is_free(block) -> bool:  # the store's reference is the last one
+            return block.ref_cnt == 1
+
+        if store.freeable_blocks(is_free) < shortfall:
+            return False
+        return store.evict_to_free(is_free)
 
     # ---- metrics --------------------------------------------------------------------------
     def boundary_stats(self) -> dict[str, int]:

@@ -13,10 +13,17 @@ Contract
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
-  the seam for a cost-aware replacement. The retained budget counts distinct blocks.
-* :meth:`supersede` drops the bundles of a turn once the next turn of the same conversation has
-  published its own (DESIGN contract 7: a few states per conversation, not one per turn); a
-  response bundle that is still the next turn's resend restore point is handed to that turn.
+  the seam for a cost-aware replacement. The retained budget counts distinct blocks. A newcomer
+  that alone exceeds the budget is refused without evicting anything; otherwise the oldest bundles
+  go until the budget holds. Pressure relief (:meth:`evict_to_free`) evicts only bundles that
+  give at least one block back to the pool (``is_free(block)`` after the release), one at a time,
+  so the caller can stop as soon as its allocation fits.
+* Lineage (DESIGN contract 7: a few states per conversation, not one per turn): every bundle has
+  a set of *owners*, the turns (request ids) that keep it alive; its producer first. When a turn
+  moves on (:meth:`retire`: the next turn of that conversation published its response), the turn
+  leaves every owner set, and a bundle with no owner left is dropped. A bundle that is still a
+  live turn's resend restore point gains that turn as an owner (:meth:`adopt`), so every live
+  branch of a conversation (n > 1, edits of a turn) keeps its latest turn.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ class Checkpoint:
     group_blocks: tuple[tuple[BlockLike, ...], ...]
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
     producer: str = ""  # id of the request that produced it
+    owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
+
+    def __post_init__(self) -> None:
+        if self.producer:
+            self.owners.add(self.producer)
 
     @property
     def num_tokens(self) -> int:
@@ -71,12 +83,20 @@ class StoreCounters:
     tokens_restored: int = 0
     published: int = 0
     duplicates: int = 0
-    evictions: int = 0
+    evictions: int = 0  # all causes: the two below
+    evictions_budget: int = 0  # the retained share would exceed max_retained_fraction
+    evictions_pressure: int = 0  # an allocation did not fit in the free pool
+    refused_oversize: int = 0  # a newcomer alone larger than the budget
     superseded: int = 0
     captures_dropped: int = 0
+    responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
+    misses_by_reason: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        """Flat counters; misses by reason as ``miss_<reason>``."""
+        flat = {name: value for name, value in self.__dict__.items() if name != "misses_by_reason"}
+        flat.update({f"miss_{reason}": n for reason, n in sorted(self.misses_by_reason.items())})
+        return flat
 
 
 class LruEvictionPolicy:
@@ -96,6 +116,10 @@ class LruEvictionPolicy:
 
     def victim(self) -> Checkpoint | None:
         return next(iter(self._order.values()), None)
+
+    def in_order(self) -> list[Checkpoint]:
+        """Every bundle, the next victim first."""
+        return list(self._order.values())
 
 
 @dataclass
@@ -189,33 +213,46 @@ class CheckpointStore:
         self._enforce_budget(keep=checkpoint)
         return True
 
-    def supersede(self, checkpoint: Checkpoint, successor: str | None = None) -> int:
-        """Drop ``checkpoint`` and every other bundle of its producer; returns how many dropped.
+    def retire(self, turn: str) -> int:
+        """Turn ``turn`` has moved on: it leaves every owner set; ownerless bundles are dropped.
 
-        Used when a conversation moves on: the bundles of the turn a request resumed from are
-        replaced by that request's own, so a conversation keeps one prompt and one response
-        bundle instead of one per turn. With ``successor`` (the resuming request, when it kept no
-        prompt checkpoint of its own) ``checkpoint`` stays, as the restore point of a resend of
-        the successor's prompt, and passes to the successor: it goes when the successor's turn is
-        superseded in turn.
+        Returns how many bundles were dropped.
         """
-        victims = [c for c in self.checkpoints() if c is checkpoint or (c.producer and c.producer == checkpoint.producer)]
-        if successor is not None and checkpoint in victims:  # not evicted meanwhile
-            victims.remove(checkpoint)
-            checkpoint.producer = successor
+        victims = []
+        for checkpoint in self.checkpoints():
+            if turn in checkpoint.owners:
+                checkpoint.owners.discard(turn)
+                if not checkpoint.owners:
+                    victims.append(checkpoint)
         for victim in victims:
             self._drop(victim)
         self.counters.superseded += len(victims)
         return len(victims)
 
-    def evict_lru(self) -> bool:
-        """Drop the least recently used bundle; False when nothing is retained."""
-        victim = self.policy.victim()
-        if victim is None:
+    def adopt(self, checkpoint: Checkpoint, turn: str) -> bool:
+        """Make ``turn`` an owner of ``checkpoint``; False if it is no longer retained."""
+        if not self._is_retained(checkpoint):
             return False
-        self._drop(victim)
-        self.counters.evictions += 1
+        checkpoint.owners.add(turn)
         return True
+
+    def freeable_blocks(self, is_free: Callable[[BlockLike], bool]) -> int:
+        """Blocks that evicting every bundle would give back to the pool."""
+        return sum(1 for block in self._distinct_retained() if is_free(block))
+
+    def evict_to_free(self, is_free: Callable[[BlockLike], bool]) -> bool:
+        """Evict the least recently used bundle whose release frees a block; False if none would.
+
+        A block frees only when the store holds its last reference: it is in no other retained
+        bundle and ``is_free(block)`` (the caller's view: no running request holds it) is true.
+        """
+        for victim in self.policy.in_order():
+            if any(self._block_users[b.block_id] == 1 and is_free(b) for b in victim.distinct_blocks()):
+                self._drop(victim)
+                self.counters.evictions += 1
+                self.counters.evictions_pressure += 1
+                return True
+        return False
 
     def clear(self) -> int:
         """Drop every bundle (prefix-cache reset); returns how many were dropped."""
@@ -224,26 +261,62 @@ class CheckpointStore:
             self._drop(checkpoint)
         return len(dropped)
 
-    def record_lookup(self, hit: Checkpoint | None) -> None:
+    def miss_reason(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        parents: Callable[[int], Hashable | None],
+        hash_block_size: int,
+    ) -> str:
+        """Why :meth:`lookup` found nothing for ``tokens``: ``diverged`` when a retained bundle
+        shares a prefix with them beyond a common hash block (or, under the root, at least the
+        first token) but parts before its own end (an edited or re-rendered turn, a truncated
+        answer, a shorter prompt), else ``no_checkpoint``."""
+        if max_tokens <= 0:
+            return "no_checkpoint"
+        for start in range(0, (max_tokens - 1) // hash_block_size * hash_block_size + 1, hash_block_size):
+            parent = parents(start)
+            tails = self._by_parent.get((parent, start)) if parent is not None else None
+            if not tails:
+                continue
+            if start > 0 or any(tail[:1] == tuple(tokens[:1]) for tail in tails):
+                return "diverged"
+        return "no_checkpoint"
+
+    def record_lookup(self, hit: Checkpoint | None, reason: str = "") -> None:
         if hit is None:
             self.counters.misses += 1
+            reason = reason or "unknown"
+            self.counters.misses_by_reason[reason] = self.counters.misses_by_reason.get(reason, 0) + 1
         else:
             self.counters.hits += 1
             self.counters.tokens_restored += hit.num_tokens
 
     # ---- internals -----------------------------------------------------------------------
     def _enforce_budget(self, keep: Checkpoint) -> None:
+        if len(keep.distinct_blocks()) > self.max_blocks:
+            # The newcomer alone exceeds the budget: refuse it, keep everything older.
+            self._drop(keep)
+            self.counters.refused_oversize += 1
+            return
         while self.retained_blocks > self.max_blocks:
             victim = self.policy.victim()
-            if victim is None:
-                return
-            if victim is keep:
-                # The newest bundle alone exceeds the budget: it cannot be retained.
-                self._drop(victim)
-                self.counters.evictions += 1
+            if victim is None or victim is keep:
                 return
             self._drop(victim)
             self.counters.evictions += 1
+            self.counters.evictions_budget += 1
+
+    def _distinct_retained(self) -> list[BlockLike]:
+        seen: dict[int, BlockLike] = {}
+        for checkpoint in self.checkpoints():
+            for block in checkpoint.distinct_blocks():
+                seen.setdefault(block.block_id, block)
+        return list(seen.values())
+
+    def _is_retained(self, checkpoint: Checkpoint) -> bool:
+        key = checkpoint.key
+        return self._by_parent.get((key.parent, key.start), {}).get(key.tail) is checkpoint
 
     def _drop(self, checkpoint: Checkpoint) -> None:
         key = checkpoint.key
