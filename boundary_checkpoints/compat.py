@@ -27,6 +27,19 @@ Private internals (names and the behaviour relied on):
 * ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
   ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
   ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).
+* V1 ``GPUModelRunner`` (v1/worker/gpu_model_runner.py; the CPU engine's ``CPUModelRunner`` is a
+  subclass, Model Runner V2 is not): the plugin's workers re-class the runner instance they built
+  (:func:`reclass_instance`, ``__class__`` assignment) to a subclass that overrides ``_sample`` and
+  ``_bookkeeping_sync`` (``worker/seeded.py``). Relied on: ``_sample`` runs the sampler for the
+  step and ``_bookkeeping_sync`` runs after it in the same ``sample_tokens`` call;
+  ``discard_request_mask.np[:input_batch.num_reqs]`` marks the rows whose sampled token is
+  discarded (set before the forward); ``input_batch.generators`` maps a row to the request's
+  ``torch.Generator`` (seeded requests only) and is the dict the sampler draws from; and
+  ``_bookkeeping_sync`` rewinds the offset of the generators of discarded rows found in that dict
+  (``set_offset(get_offset() - 4)``, which raises on a CPU generator). Imported lazily
+  (:func:`v1_model_runner_class`): the scheduler process never loads the runner module.
+* ``CPUWorker.init_device`` builds ``self.model_runner``; ``Worker._make_model_runner`` (GPU)
+  returns it.
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -62,6 +75,8 @@ __all__ = [
     "VllmConfig",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
+    "reclass_instance",
+    "v1_model_runner_class",
 ]
 
 _HOOK_MARK = "_boundary_checkpoints_hook"
@@ -80,3 +95,17 @@ def install_vllm_config_hook(apply: Callable[[VllmConfig], None]) -> None:
 
     setattr(post_init, _HOOK_MARK, True)
     VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
+
+
+def v1_model_runner_class() -> type:
+    """vLLM's V1 ``GPUModelRunner`` (base of the CPU engine's runner); imported on first call."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def reclass_instance(obj: object, subclass: type) -> None:
+    """Give ``obj`` (built by vLLM) a plugin subclass of its own class; no vLLM function is replaced."""
+    if type(obj) not in subclass.__mro__[1:]:
+        raise TypeError(f"{subclass.__name__} does not extend {type(obj).__name__}")
+    obj.__class__ = subclass

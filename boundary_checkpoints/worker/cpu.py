@@ -1,9 +1,12 @@
-"""vLLM's CPU worker (V1 model runner) with boundary capture copies."""
+"""vLLM's CPU worker (V1 model runner) with boundary capture copies and exact seeded sampling."""
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
+from boundary_checkpoints.worker.seeded import with_exact_discarded_draws
 
 
 class BoundaryCPUWorker(CaptureCopyWorkerMixin, CPUWorker):
-    pass
+    def init_device(self):
+        super().init_device()  # builds self.model_runner (compat: CPUWorker.init_device)
+        with_exact_discarded_draws(self.model_runner)
