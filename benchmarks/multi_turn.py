@@ -846,6 +846,7 @@ def summary_table(result: dict, markdown: bool = False) -> str:
         row(f"throughput vs {stock}",
             lambda p, s: _ratio(safe_ratio(s["output_throughput_tok_s"], summ[stock]["output_throughput_tok_s"]), 3))  # fmt: skip
     row("retained checkpoint memory", lambda p, s: _bytes(result["servers"].get(p, {}).get("bytes_retained")))
+    row("preemptions (conversations)", lambda p, s: str(result["servers"].get(p, {}).get("preemptions", "-")))
     first = labels[0]
     if len(labels) > 1:
         row(f"answers same as {first}", lambda p, s: "-" if p == first else result["summary"]["same_answers"].get(p, "-"))
@@ -1044,6 +1045,19 @@ def flush_plugin_stats(target: Target, interval: float, salt: str) -> None:
     time.sleep(0.5)
 
 
+def scrape_preemptions(base_url: str) -> int | None:
+    """vLLM's ``vllm:num_preemptions`` counter from the server's ``/metrics`` (summed over its
+    label sets), or None when the endpoint or the counter is missing."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except (OSError, http.client.HTTPException):
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:num_preemptions_total")]  # fmt: skip
+    return int(sum(values)) if values else None
+
+
 def run_launch(args, workload: Workload, plans: list[ConversationPlan], run_salt: str):
     from boundary_checkpoints.bench.server import (
         ServerStartError, find_free_port, start_server, stop_server, wait_until_healthy,
@@ -1105,6 +1119,7 @@ def run_launch(args, workload: Workload, plans: list[ConversationPlan], run_salt
                 print("warning: block size unknown (no log line, no --block-size): floor skipped", file=sys.stderr)
             run.warm_up(args.warmup)
             run.run_conversations()
+            info["preemptions"] = scrape_preemptions(server.base_url)
             if policy != STOCK_POLICY and args.stats_log_interval > 0:
                 flush_plugin_stats(target, args.stats_log_interval, run.salt)
             run.run_floor()
