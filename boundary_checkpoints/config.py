@@ -20,11 +20,17 @@ Contract
 * ``log_decision_once(decision, logger)`` logs the one-line summary at INFO once per process per
   distinct summary.
 
-Nothing here imports vLLM, so the module is cheap to import in every process.
+* A configured ``scheduler_cls`` that subclasses the plugin's ``BoundaryCheckpointMixin`` (for
+  example a test's fault-injecting scheduler) is supported and kept; any other custom scheduler
+  class is a reason against boundary retention.
+
+Nothing here imports vLLM at import time (only ``extends_boundary_scheduler``, when a custom
+scheduler class is configured), so the module is cheap to import in every process.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import threading
@@ -231,6 +237,22 @@ WORKER_CLASSES = {
 }
 
 
+def extends_boundary_scheduler(scheduler_cls: Any) -> bool:
+    """True if ``scheduler_cls`` (a class, or its ``"module.Class"`` name) subclasses the plugin's
+    ``BoundaryCheckpointMixin``: such a user-given class is kept as it is. Imports the class (and
+    with it vLLM) only when called; a name that does not import counts as a foreign class."""
+    cls = scheduler_cls
+    if isinstance(scheduler_cls, str):
+        module, _, name = scheduler_cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+    from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
+
+    return isinstance(cls, type) and issubclass(cls, BoundaryCheckpointMixin)
+
+
 def unsupported_reasons(vllm_config: Any) -> list[str]:
     """One short reason per feature of ``vllm_config`` that boundary retention does not support,
     in a fixed order; empty when boundary retention is safe. Attribute access only."""
@@ -274,7 +296,8 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
         reasons.append("encoder-decoder models are not supported")
     scheduler_cls = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
     if scheduler_cls is not None and scheduler_cls not in SCHEDULER_CLASSES.values():
-        reasons.append(f"a custom scheduler class ({scheduler_cls}) is configured")
+        if not extends_boundary_scheduler(scheduler_cls):
+            reasons.append(f"a custom scheduler class ({scheduler_cls}) is configured")
     worker_cls = getattr(parallel, "worker_cls", None)
     if worker_cls is not None and worker_cls not in WORKER_CLASSES and worker_cls not in WORKER_CLASSES.values():
         reasons.append(f"worker class {worker_cls} has no boundary-checkpoint variant")

@@ -4,8 +4,10 @@ vLLM calls :func:`register` in every process it starts (API server, engine core,
 installs one config hook; whenever vLLM finalizes a ``VllmConfig``, :func:`apply_policy` reads
 ``additional_config["boundary_checkpoints"]`` (and ``VLLM_BOUNDARY_CHECKPOINTS_POLICY``), runs the
 policy gate, logs the decision once, and, when boundary retention is on, selects the plugin's
-scheduler class (sync or async, matching vLLM's own choice) and the matching worker class. ``aligned`` and every fallback leave
-the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
+scheduler class (sync or async, matching vLLM's own choice) and the matching worker class. A
+``scheduler_cls`` the user configured that subclasses ``BoundaryCheckpointMixin`` is kept instead
+(``--scheduler-cls``; the tests load a fault-injecting one this way). ``aligned`` and every
+fallback leave the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ def apply_policy(vllm_config) -> None:
     log_decision_once(decision, logger)
     if decision.boundaries_enabled:
         scheduler_config = vllm_config.scheduler_config
-        scheduler_config.scheduler_cls = SCHEDULER_CLASSES[bool(scheduler_config.async_scheduling)]
+        if scheduler_config.scheduler_cls is None or scheduler_config.scheduler_cls in SCHEDULER_CLASSES.values():
+            scheduler_config.scheduler_cls = SCHEDULER_CLASSES[bool(scheduler_config.async_scheduling)]
+        # else: a user-given subclass of the plugin's scheduler mixin (the gate accepted it): kept
         parallel_config = vllm_config.parallel_config
         parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
 

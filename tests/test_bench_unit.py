@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -232,44 +233,157 @@ def test_stop_server_kills_the_whole_group(tmp_path):
     server.stop_server(fake)  # idempotent
 
 
-def _row(**changes):
+# ---- exactness criteria (bench.probes) --------------------------------------------------------------
+
+
+def _answer(tokens, rows, cached=0):
+    from boundary_checkpoints.bench.probes import Answer
+
+    return Answer(cached, list(tokens), [dict(r) for r in rows])
+
+
+def _probe_row(prompt_len=145, answer_len=3, resend_cached=144, restored_cached=None, noise=0.0, first=None):
+    """A row whose runs share tokens; ``noise`` shifts every restored logprob, ``first`` only the first."""
     from boundary_checkpoints.bench.probes import ProbeRow
 
-    fields = dict(prompt_len=145, resend_cached=144, resend_same="identical", continuation_len=259, committed=208,
-                  continuation_cached=208, continuation_same="identical", cold_cached=0)
-    fields.update(changes)
-    return ProbeRow(**fields)
+    tokens = list(range(10, 10 + answer_len))
+    cold_rows = [{t: -1.0, t + 100: -2.0} for t in tokens]
+
+    def shifted(delta, first_delta):
+        out = [{k: v + delta for k, v in row.items()} for row in cold_rows]
+        out[0] = {k: v + first_delta for k, v in cold_rows[0].items()}
+        return out
+
+    restored_rows = shifted(noise, noise if first is None else first)
+    committed = prompt_len + answer_len - 1
+    return ProbeRow(
+        prompt_len,
+        producer=_answer(tokens, cold_rows),
+        resend=_answer(tokens, restored_rows, resend_cached),
+        restored=_answer(tokens, restored_rows, committed if restored_cached is None else restored_cached),
+        cold=_answer(tokens, cold_rows),
+        cold_again=_answer(tokens, shifted(noise / 2, noise / 2)),
+    )
 
 
-def test_probe_failures_accepts_exact_rows_with_a_few_late_near_tie_drifts():
+def test_position_deviation_bounds_missing_tokens_from_below():
+    from boundary_checkpoints.bench.probes import position_deviation
+
+    assert position_deviation({1: -1.0, 2: -2.0}, {1: -1.25, 2: -2.0}) == 0.25
+    # token 3 is missing from the second row: there it is <= -2.0, so it moved by >= 0.5
+    assert position_deviation({1: -1.0, 3: -1.5}, {1: -1.0, 2: -2.0}) == 0.5
+    assert position_deviation({1: -1.0}, {}) == math.inf
+
+
+def test_divergence_reports_the_cold_runs_preference():
+    from boundary_checkpoints.bench.probes import divergence
+
+    cold = _answer([1, 2, 3], [{1: -1.0}, {2: -1.0}, {3: -2.0, 4: -2.3}])
+    assert divergence(_answer([1, 2, 3], cold.logprobs), cold) is None
+    at, gap = divergence(_answer([1, 2, 4], cold.logprobs), cold)
+    assert at == 2 and gap == pytest.approx(0.3)
+    at, gap = divergence(_answer([1, 2, 7], cold.logprobs), cold)  # 7 not recorded: gap >= 3 vs 4
+    assert at == 2 and gap == pytest.approx(0.3)
+    assert divergence(_answer([1, 2], cold.logprobs), cold) == (2, math.inf)  # a shorter answer
+
+
+def test_calibrate_scales_the_largest_reference_deviation():
+    from boundary_checkpoints.bench.probes import BF16_STEP, MARGIN, calibrate
+
+    a = _answer([1, 2], [{1: -1.0, 5: -2.0}, {2: -1.0, 5: -3.0}])
+    b = _answer([1, 2], [{1: -1.1, 5: -2.0}, {2: -1.0, 5: -3.3}])
+    bounds = calibrate([(a, b), (a, a)])
+    assert bounds.reference_first_token == pytest.approx(0.1)
+    assert bounds.reference_profile == pytest.approx((0.1, 0.3))
+    assert bounds.first_token == pytest.approx(MARGIN * 0.1)
+    assert bounds.tie == pytest.approx((2 * MARGIN * 0.1, 2 * MARGIN * 0.3))  # noise grows with depth
+    assert bounds.tie_at(0) == bounds.tie[0] and bounds.tie_at(9) == bounds.tie[1]
+    assert bounds.references == 2
+    exact = calibrate([(a, a)])  # bit-identical references: the bf16 floor
+    assert exact.first_token == BF16_STEP and exact.tie == (BF16_STEP, BF16_STEP)
+    with pytest.raises(ValueError):
+        calibrate([])
+
+
+def test_deviation_profile_stops_after_the_first_difference():
+    from boundary_checkpoints.bench.probes import deviation_profile
+
+    a = _answer([1, 2, 3], [{1: -1.0}, {2: -1.0, 9: -1.1}, {3: -1.0}])
+    b = _answer([1, 9, 8], [{1: -1.0}, {9: -1.05, 2: -1.1}, {8: -9.0}])  # parts at 1; position 2 differs in context
+    assert deviation_profile(a, b) == pytest.approx([0.0, 0.1])
+
+
+def _bounds(first=0.05, tie=0.1):
+    from boundary_checkpoints.bench.probes import Bounds
+
+    return Bounds(first, (tie,), first / 3, (tie / 6,), 10)
+
+
+def test_probe_failures_accepts_exact_rows_within_the_bounds():
     from boundary_checkpoints.bench.probes import probe_failures
 
-    rows = [_row() for _ in range(18)] + [_row(continuation_same="different"), _row(resend_same="tie")]
-    rows.append(_row(resend_first_token_delta=0.47, resend_first_token_same="tie"))  # batch-variant noise
-    assert probe_failures(rows) == []
+    rows = [_probe_row(noise=0.04), _probe_row(prompt_len=1, resend_cached=0)]
+    assert probe_failures(rows, _bounds()) == []
+
+
+def test_probe_failures_accepts_a_divergence_at_a_near_tie_only():
+    from boundary_checkpoints.bench.probes import probe_failures, state_failures
+
+    row = _probe_row()
+    near = [{10: -1.0, 9: -3.0}, {11: -1.0, 12: -1.05}]  # the cold run prefers 11 over 12 by 0.05
+    row.producer = row.cold = _answer([10, 11], near)
+    row.resend = _answer([10, 11], near, 144)
+    row.restored = _answer([10, 12], [{10: -1.0, 9: -3.0}, {12: -1.0, 11: -1.04}], row.committed)
+    assert probe_failures([row], _bounds(tie=0.1)) == []
+    assert state_failures("c", row.restored, row.cold, _bounds(tie=0.01))  # 0.05 apart: not a tie
 
 
 @pytest.mark.parametrize("bad", [
     dict(resend_cached=143),  # a resend that missed P - 1
-    dict(continuation_cached=207),  # a continuation short of the committed length
-    dict(cold_cached=144),  # a cold control that restored something
-    dict(first_token_delta=0.2),  # a continuation's restored state is not the cold one
-    dict(first_token_delta=float("inf")),  # top-k sets disjoint
-    dict(resend_first_token_same="different"),  # a resend's first token is not the producer's
+    dict(resend_cached=145),  # more than P - 1: not the boundary
+    dict(restored_cached=146),  # a continuation short of the committed length (147)
+    dict(restored_cached=148),  # or beyond it
+    dict(first=0.2),  # restored first-token logprobs outside the bound
 ])
 def test_probe_failures_flags_any_inexact_row(bad):
     from boundary_checkpoints.bench.probes import probe_failures
 
-    failures = probe_failures([_row() for _ in range(9)] + [_row(**bad)])
-    assert len(failures) == 1
+    assert probe_failures([_probe_row(**bad)], _bounds())
 
 
-@pytest.mark.parametrize("field", ["resend_same", "continuation_same"])
-def test_probe_failures_flags_too_many_diverging_answers(field):
+def test_probe_failures_flags_cold_runs_that_hit_and_diverging_answers():
     from boundary_checkpoints.bench.probes import probe_failures
 
-    rows = [_row() for _ in range(8)] + [_row(**{field: "different"}) for _ in range(2)]  # 80% agree
-    assert [f for f in probe_failures(rows) if f.startswith(field)]
+    row = _probe_row()
+    row.cold_again.cached = 128
+    assert any("second cold control" in f for f in probe_failures([row], _bounds()))
+    row = _probe_row()
+    row.restored = _answer([10, 99, 12], row.cold.logprobs, row.committed)  # 99: not recorded by cold
+    assert any("leaves its cold control at token 1" in f for f in probe_failures([row], _bounds()))
+
+
+def test_reference_pairs_take_cold_pairs_stock_partial_hits_and_cold_runs_across_engines():
+    from boundary_checkpoints.bench.probes import reference_pairs
+
+    plugin = [_probe_row()]
+    stock = [_probe_row(resend_cached=128, restored_cached=0)]
+    pairs = reference_pairs(plugin, stock)
+    assert len(pairs) == 4  # two cold pairs, stock resend (cached 128 > 0), cold controls across engines
+    assert pairs[2] == (stock[0].resend, stock[0].producer)
+    assert pairs[3] == (plugin[0].cold, stock[0].cold)
+    stock[0].producer.tokens = [7, 7, 7]  # producers answered differently: continuations differ
+    assert len(reference_pairs(plugin, stock)) == 3
+    assert len(reference_pairs(plugin)) == 1
+    with pytest.raises(ValueError):
+        reference_pairs(plugin, [_probe_row(prompt_len=9)])
+
+
+def test_probe_row_round_trips_through_json():
+    from boundary_checkpoints.bench.probes import ProbeRow
+
+    row = _probe_row(noise=0.01)
+    again = ProbeRow.from_dict(json.loads(json.dumps(row.as_dict())))
+    assert again == row and again.committed == 147
 
 
 def test_same_greedy_output_tells_ties_from_differences():
@@ -280,7 +394,7 @@ def test_same_greedy_output_tells_ties_from_differences():
     assert same_greedy_output(a, a, tied, tied)[0] == "identical"
     assert same_greedy_output(a, b, tied, tied)[0] == "tie"
     apart = [{1: -1.0}, {2: -1.0}, {3: -2.0, 4: -2.5}]
-    assert same_greedy_output(a, b, apart, tied)[0] == "different"
-    missing = [{1: -1.0}, {2: -1.0}, {3: -2.0, 9: -2.01}]  # 4 not among the recorded candidates
-    verdict, detail = same_greedy_output(a, b, missing, tied)
-    assert verdict == "different" and detail.startswith("token 2:")
+    assert same_greedy_output(b, a, tied, apart)[0] == "different"
+    missing = [{1: -1.0}, {2: -1.0}, {3: -2.0, 9: -2.01}]  # 4 not among the cold run's candidates
+    verdict, detail = same_greedy_output(b, a, tied, missing)
+    assert verdict == "tie" and detail.startswith("token 2:")  # 4 <= -2.01: within 0.01 of 3

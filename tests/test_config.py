@@ -422,3 +422,65 @@ def test_log_decision_once_with_std_logging(fresh_log_memory, caplog):
     assert "\n" not in message
     for reason in decision.reasons:
         assert reason in message
+
+
+class CountingHandler(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_apply_policy_logs_its_decision_once_on_the_real_logger(fresh_log_memory):
+    """The plugin's own (vLLM) logger: one INFO record for any number of configs with the same
+    decision, one more for a different decision. (vLLM sets its loggers to INFO only when an
+    engine or server starts, so the level is set here.)"""
+    from boundary_checkpoints import plugin
+
+    def engine_config(policy, **overrides):
+        cfg = supported_fake(**overrides)
+        cfg.additional_config = {CONFIG_KEY: {"policy": policy}}
+        cfg.scheduler_config = SimpleNamespace(scheduler_cls=None, async_scheduling=False)
+        cfg.parallel_config.worker_cls = "vllm.v1.worker.cpu_worker.CPUWorker"
+        return cfg
+
+    handler = CountingHandler()
+    level = plugin.logger.level
+    plugin.logger.setLevel(logging.INFO)
+    plugin.logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            plugin.apply_policy(engine_config("auto"))
+        ours = [r for r in handler.records if r.getMessage().startswith(f"{CONFIG_KEY}: policy=")]
+        assert [(r.levelno, r.getMessage()) for r in ours] == [
+            (logging.INFO, f"{CONFIG_KEY}: policy=auto -> request_boundaries")
+        ]
+        plugin.apply_policy(engine_config("auto", lora_config=SimpleNamespace()))
+        ours = [r for r in handler.records if r.getMessage().startswith(f"{CONFIG_KEY}: policy=")]
+        assert len(ours) == 2 and "fallback: LoRA" in ours[1].getMessage()
+    finally:
+        plugin.logger.removeHandler(handler)
+        plugin.logger.setLevel(level)
+
+
+def test_a_custom_scheduler_extending_the_mixin_is_kept():
+    from boundary_checkpoints import plugin
+    from boundary_checkpoints.core.scheduler import BoundaryScheduler
+
+    class Custom(BoundaryScheduler):
+        pass
+
+    cfg = supported_fake()
+    cfg.additional_config = {CONFIG_KEY: {"policy": "request_boundaries"}}
+    cfg.scheduler_config = SimpleNamespace(scheduler_cls=Custom, async_scheduling=False)
+    cfg.parallel_config.worker_cls = "vllm.v1.worker.cpu_worker.CPUWorker"
+    plugin.apply_policy(cfg)
+    assert cfg.scheduler_config.scheduler_cls is Custom
+    assert cfg.parallel_config.worker_cls == "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
+    assert bc_config.extends_boundary_scheduler(f"{BoundaryScheduler.__module__}.BoundaryScheduler")
+    foreign = supported_fake(scheduler_config=SimpleNamespace(scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler"))
+    assert any("custom scheduler class" in r for r in unsupported_reasons(foreign))
+    assert any("custom scheduler class" in r for r in unsupported_reasons(supported_fake(
+        scheduler_config=SimpleNamespace(scheduler_cls="no_such_module.Scheduler"))))

@@ -8,10 +8,9 @@ config then takes ~2 s for the first and milliseconds after that.
 from __future__ import annotations
 
 import pytest
+import transformers  # a plain import: a broken install fails this module, it is never skipped
 
 from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError, decide_policy, unsupported_reasons
-
-transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +18,8 @@ def engine_args_cls():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+        from vllm.engine import arg_utils  # imported with the environment above; fails if vLLM is broken
+
         yield arg_utils.EngineArgs
 
 

@@ -1,0 +1,78 @@
+"""Negative control: boundary schedulers whose restores are wrong by exactly one token of state.
+
+Loaded into a real engine only by the tests, through vLLM's ``scheduler_cls`` (``--scheduler-cls
+corrupt_restore.CorruptAsyncScheduler`` for a server whose engine-core process finds this directory
+on ``PYTHONPATH``; ``scheduler_cls=`` for an in-process ``vllm.LLM``). The plugin keeps a configured
+scheduler class that extends its mixin (``config.unsupported_reasons``), so the corruption runs
+with everything else of the plugin unchanged. Two corruptions, one per boundary kind:
+
+* prompt checkpoint: the capture copies are held back one engine step, so the bundle keyed
+  ``P - 1`` holds the state after ``P`` tokens (the last prompt token ran in between). A resend
+  reports exactly ``P - 1`` cached tokens -- only the state criteria can catch it;
+* response checkpoint: keyed ``N - 1`` while its state and pages are those after ``N`` (the
+  committed length), so a continuation runs token ``N - 1`` a second time on top of it (its
+  cached count, ``N - 1``, is off by one as well). Skipped where ``N - 1`` is a multiple of a
+  group's block size (the bundle would have one block too many for ``N - 1``); the tests pick
+  lengths that avoid it.
+"""
+
+from __future__ import annotations
+
+from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
+from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
+
+
+class OneTokenCorruption:
+    """Mixin placed before the plugin's scheduler class (see the module docstring)."""
+
+    def _emit_pending_copies(self, output):
+        # Prompt captures planned by the previous schedule() would ride this step: keep them one more.
+        fresh = [p for p in self._pending if p.ready_seq is None and p.kind == PROMPT and not hasattr(p, "held")]
+        for pending in fresh:
+            pending.held = True
+        self._pending = [p for p in self._pending if all(p is not f for f in fresh)]
+        try:
+            return super()._emit_pending_copies(output)
+        finally:
+            self._pending.extend(fresh)
+
+    def _plan_capture(self, request, num_tokens, kind, adopt):
+        before = len(self._pending)
+        super()._plan_capture(request, num_tokens, kind, adopt)
+        if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
+            return
+        if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):
+            return
+        pending = self._pending[-1]
+        key = self._key(request, num_tokens - 1)
+        if key is None:
+            return
+        if key in self.checkpoint_store or any(p.key == key for p in self._pending[:-1]):
+            # Another request (an identical resend's answer) already holds the corrupted key: drop
+            # this exact bundle too, so no restore finds a correct checkpoint at N.
+            self._pending.pop()
+            self._discard(pending)
+        else:
+            pending.checkpoint.key = key
+
+
+class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):
+    """Synchronous scheduler with one-token-off restores."""
+
+
+class CorruptAsyncScheduler(OneTokenCorruption, BoundaryAsyncScheduler):
+    """Async scheduler with one-token-off restores."""
+
+
+def corrupted_pairs(prompt_len: int, committed: int, block_size: int) -> set[str]:
+    """Which restores of a probe row (``"resend"``, ``"continuation"``) these schedulers corrupt.
+
+    A prompt of ``P`` tokens with ``P - 1`` a multiple of the block keeps its ``P - 1`` state in a
+    block the last prompt token no longer writes (aligned mode moves on to the next block), so the
+    late copy is still exact; ``P = 1`` has no prompt checkpoint. Responses: see the docstring."""
+    out = set()
+    if prompt_len > 1 and (prompt_len - 1) % block_size:
+        out.add("resend")
+    if committed >= 2 and (committed - 1) % block_size:
+        out.add("continuation")
+    return out
