@@ -197,7 +197,7 @@ def test_chat_turns_resume_at_response_boundary(server, tokenizer):
             "keep-specials",
             seed=5,
             system_words=80,
-            request_args=lambda t: dict(skip_special_tokens=False, **({"logit_bias": {str(BOS_ID): 100}} if t == 2 else {})),
+            request_args=lambda t: dict(skip_special_tokens=False, logit_bias={str(BOS_ID): 100} if t == 2 else None),
         ),
     ]
     run_round_robin(sessions, server.base_url, tokenizer)

@@ -230,7 +230,7 @@ def _chat_top_logprobs(choice: dict) -> list[dict[int, float]]:
     """Per-position top logprobs of a chat choice keyed by token id (``return_tokens_as_token_ids``)."""
     content = (choice.get("logprobs") or {}).get("content") or []
     return [
-        {int(entry["token"].removeprefix("token_id:")): entry["logprob"] for entry in position.get("top_logprobs") or []}
+        {int(e["token"].removeprefix("token_id:")): e["logprob"] for e in position.get("top_logprobs") or []}
         for position in content
     ]
 
