@@ -147,16 +147,19 @@ def test_conversation_boundaries_follow_previous_turn(stub_url):
     assert all(r.vs_cold == "identical" for r in results)
 
 
-def test_table_marks_answers_that_differ_from_their_cold_control():
+def test_table_shows_what_the_cold_comparison_measured():
     row = dict(prompt_tokens=10, boundary=0, cached_tokens=0, ttft_s=0.1, latency_s=0.2, answer_ids=[1, 2])
     results = {
-        "request_boundaries": [demo.TurnResult(turn=1, vs_cold="different", **row)],
-        "aligned": [demo.TurnResult(turn=1, vs_cold="identical", **row)],
+        "request_boundaries": [demo.TurnResult(turn=1, vs_cold="tie", first_token_delta=0.0021, parts_at=7,
+                                               cold_gap=0.0312, **row)],  # fmt: skip
+        "aligned": [demo.TurnResult(turn=1, vs_cold="identical", first_token_delta=0.0, **row)],
     }
     table = demo.format_table(["request_boundaries", "aligned"], results)
     header, _, line = table.splitlines()
-    assert "cached plugin" in header and "TTFT ms stock" in header and "vs cold plugin" in header
-    assert line.split()[-2:] == ["DIFF", "same"]
+    assert "cached plugin" in header and "TTFT ms stock" in header
+    assert "dlp1 plugin" in header and "parts stock" in header and "vs cold" not in header
+    assert line.split()[-6:] == ["0.0021", "0.0000", "@7", "gap", "0.031", "-"]
+    assert "DIFF" not in table
 
 
 # ------------------------------------------------------------------------------------------------

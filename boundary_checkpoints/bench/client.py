@@ -1,4 +1,5 @@
-"""Minimal ``/v1/completions`` client for token-ID prompts (standard library only).
+"""Minimal OpenAI-server client: ``/v1/completions`` with token-ID or text prompts, and
+``/v1/chat/completions`` with messages (standard library only).
 
 Every call sends a token-ID prompt with greedy sampling, ``ignore_eos`` and ``return_token_ids``,
 so the caller gets the exact answer ids back and can build the next turn of a conversation from
@@ -8,6 +9,11 @@ must run with ``--enable-prompt-tokens-details``).
 ``complete`` makes one non-streaming request. ``stream_complete`` streams (with
 ``stream_options.include_usage`` so usage still arrives in the last chunk) and also measures
 TTFT: the time from sending the request to the first chunk that carries a choice.
+
+``chat`` sends a conversation as ``messages`` to ``/v1/chat/completions`` (greedy, with
+``return_token_ids``, so the answer ids and the rendered prompt ids come back too), streaming or not,
+and returns the same :class:`Completion`: ``text`` is the assistant message's content, to be sent
+back as the next turn's assistant message.
 """
 
 from __future__ import annotations
@@ -37,10 +43,12 @@ class Completion:
     ttft_s: float | None = None
     usage: dict = field(default_factory=dict)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # with logprobs=k requested
+    prompt_token_ids: list[int] = field(default_factory=list)  # chat: the rendered prompt (return_token_ids)
+    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended the answer
 
 
 def build_request(
-    prompt_ids: list[int],
+    prompt_ids: list[int] | str,
     *,
     model: str = "tiny",
     max_tokens: int = 32,
@@ -50,10 +58,10 @@ def build_request(
     stream: bool = False,
     **extra,
 ) -> dict:
-    """The JSON body of a token-ID completion request."""
+    """The JSON body of a completion request: token-ID prompt, or a text prompt given as ``str``."""
     body = {
         "model": model,
-        "prompt": [int(t) for t in prompt_ids],
+        "prompt": prompt_ids if isinstance(prompt_ids, str) else [int(t) for t in prompt_ids],
         "max_tokens": max_tokens,
         "temperature": temperature,
         "ignore_eos": ignore_eos,
@@ -68,9 +76,13 @@ def build_request(
     return body
 
 
-def _post(base_url: str, body: dict, timeout: float):
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _post(base_url: str, body: dict, timeout: float, path: str = COMPLETIONS_PATH):
     request = urllib.request.Request(
-        f"{base_url}/v1/completions",
+        f"{base_url}{path}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
         method="POST",
@@ -79,7 +91,7 @@ def _post(base_url: str, body: dict, timeout: float):
         return urllib.request.urlopen(request, timeout=timeout)
     except urllib.error.HTTPError as err:
         detail = err.read().decode("utf-8", errors="replace")[:2000]
-        raise CompletionError(f"HTTP {err.code} from {base_url}/v1/completions: {detail}") from err
+        raise CompletionError(f"HTTP {err.code} from {base_url}{path}: {detail}") from err
 
 
 def _top_logprobs(choice: dict) -> list[dict[int, float]]:
@@ -116,6 +128,7 @@ def complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **
             latency_s=latency,
             usage=usage,
             top_logprobs=_top_logprobs(choice),
+            stop_reason=choice.get("stop_reason"),
         )
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise CompletionError(f"unexpected completion body: {str(payload)[:2000]}") from err
@@ -144,7 +157,7 @@ def stream_complete(
     text_parts: list[str] = []
     usage: dict = {}
     top_logprobs: list[dict[int, float]] = []
-    finish_reason = None
+    finish_reason = stop_reason = None
     with _post(base_url, body, timeout) as resp:
         for event in iter_sse_events(resp):
             if "error" in event and "choices" not in event:
@@ -156,6 +169,8 @@ def stream_complete(
                 top_logprobs.extend(_top_logprobs(choice))
                 text_parts.append(choice.get("text") or "")
                 finish_reason = choice.get("finish_reason") or finish_reason
+                if choice.get("finish_reason"):
+                    stop_reason = choice.get("stop_reason")
             if event.get("usage"):
                 usage = event["usage"]
     latency = time.perf_counter() - start
@@ -170,4 +185,126 @@ def stream_complete(
         ttft_s=ttft,
         usage=usage,
         top_logprobs=top_logprobs,
+        stop_reason=stop_reason,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# /v1/chat/completions
+
+
+def build_chat_request(
+    messages: list[dict],
+    *,
+    model: str = "tiny",
+    max_tokens: int = 32,
+    cache_salt: str | None = None,
+    temperature: float = 0.0,
+    logprobs: int | None = None,
+    stream: bool = False,
+    **extra,
+) -> dict:
+    """The JSON body of a chat request: greedy by default, ``return_token_ids`` on, EOS honoured
+    (chat users rarely send ``ignore_eos``). ``logprobs=k`` asks for the top-k of every position
+    keyed by token id. ``extra`` (``logit_bias``, ``min_tokens``, ``chat_template``, ...) is
+    merged in last."""
+    body = {
+        "model": model,
+        "messages": list(messages),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "return_token_ids": True,
+    }
+    if logprobs:
+        body.update(logprobs=True, top_logprobs=logprobs, return_tokens_as_token_ids=True)
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    body.update(extra)
+    return body
+
+
+def _chat_top_logprobs(choice: dict) -> list[dict[int, float]]:
+    """Per-position top logprobs of a chat choice keyed by token id (``return_tokens_as_token_ids``)."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [
+        {int(e["token"].removeprefix("token_id:")): e["logprob"] for e in position.get("top_logprobs") or []}
+        for position in content
+    ]
+
+
+def chat(
+    base_url: str, messages: list[dict], *, stream: bool = False, timeout: float = 300.0, **kwargs
+) -> Completion:
+    """One chat completion; ``kwargs`` go to :func:`build_chat_request`.
+
+    ``text`` is the assistant content (joined deltas when streaming), ``token_ids`` the answer ids
+    (a stop token such as EOS included, as the engine committed them), ``prompt_token_ids`` the
+    prompt the server rendered, ``cached_tokens`` from ``usage.prompt_tokens_details``. Streaming
+    also measures TTFT (first chunk carrying content or token ids; the role-only first chunk does
+    not count)."""
+    body = build_chat_request(messages, stream=stream, **kwargs)
+    start = time.perf_counter()
+    if not stream:
+        with _post(base_url, body, timeout, CHAT_PATH) as resp:
+            payload = json.load(resp)
+        latency = time.perf_counter() - start
+        try:
+            choice = payload["choices"][0]
+            usage = payload.get("usage") or {}
+            return Completion(
+                token_ids=list(choice.get("token_ids") or []),
+                text=(choice.get("message") or {}).get("content") or "",
+                prompt_tokens=usage.get("prompt_tokens", 0),
+                completion_tokens=usage.get("completion_tokens", 0),
+                cached_tokens=_cached_tokens(usage),
+                finish_reason=choice.get("finish_reason"),
+                latency_s=latency,
+                usage=usage,
+                top_logprobs=_chat_top_logprobs(choice),
+                prompt_token_ids=list(payload.get("prompt_token_ids") or []),
+                stop_reason=choice.get("stop_reason"),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as err:
+            raise CompletionError(f"unexpected chat completion body: {str(payload)[:2000]}") from err
+    ttft = None
+    token_ids: list[int] = []
+    prompt_token_ids: list[int] = []
+    text_parts: list[str] = []
+    usage: dict = {}
+    top_logprobs: list[dict[int, float]] = []
+    finish_reason = stop_reason = None
+    with _post(base_url, body, timeout, CHAT_PATH) as resp:
+        for event in iter_sse_events(resp):
+            if "error" in event and "choices" not in event:
+                raise CompletionError(f"stream error: {event['error']}")
+            prompt_token_ids = event.get("prompt_token_ids") or prompt_token_ids
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if ttft is None and (delta.get("content") or choice.get("token_ids")):
+                    ttft = time.perf_counter() - start
+                token_ids.extend(choice.get("token_ids") or [])
+                top_logprobs.extend(_chat_top_logprobs(choice))
+                text_parts.append(delta.get("content") or "")
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+                    stop_reason = choice.get("stop_reason")
+            if event.get("usage"):
+                usage = event["usage"]
+    latency = time.perf_counter() - start
+    return Completion(
+        token_ids=token_ids,
+        text="".join(text_parts),
+        prompt_tokens=usage.get("prompt_tokens", len(prompt_token_ids)),
+        completion_tokens=usage.get("completion_tokens", len(token_ids)),
+        cached_tokens=_cached_tokens(usage),
+        finish_reason=finish_reason,
+        latency_s=latency,
+        ttft_s=ttft,
+        usage=usage,
+        top_logprobs=top_logprobs,
+        prompt_token_ids=prompt_token_ids,
+        stop_reason=stop_reason,
     )
