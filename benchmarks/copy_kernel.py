@@ -213,7 +213,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['name']:20} {r['block_size']:5d} {r['bytes_per_snapshot'] / 2**20:6.1f} | "
-            f"{'':14} {r['plugin_GBps']:7.0f} {r['vllm_cow_GBps']:5.0f} {r['d2d_GBps']:6.0f} {r['plugin_vs_d2d']:5.2f} | "
+            f"{'':14} {r['plugin_GBps']:7.0f} {r['vllm_cow_GBps']:5.0f} {r['d2d_GBps']:6.0f} "
+            f"{r['plugin_vs_d2d']:5.2f} | "
             f"{'':18} {r['plugin_b2b_GBps']:7.0f} {r['plugin_kernel_b2b_GBps']:7.0f} {r['vllm_cow_b2b_GBps']:5.0f} "
             f"{r['d2d_b2b_GBps']:6.0f} {r['plugin_b2b_vs_d2d']:5.2f} {r['plugin_kernel_b2b_vs_d2d']:6.2f} | "
             f"{r['plugin_host_us']:.0f}"

@@ -828,11 +828,13 @@ def summary_table(result: dict, markdown: bool = False) -> str:
     row("cached-token ratio", lambda p, s: _ratio(s["cached_ratio"], 3))
     row("prefill tokens computed", lambda p, s: str(s["prefill_tokens"]))
     if stock:
-        row(f"prefill vs {stock}", lambda p, s: _ratio(safe_ratio(s["prefill_tokens"], summ[stock]["prefill_tokens"]), 3))
+        row(f"prefill vs {stock}",
+            lambda p, s: _ratio(safe_ratio(s["prefill_tokens"], summ[stock]["prefill_tokens"]), 3))  # fmt: skip
     row("prefill tokens, turns >= 2", lambda p, s: str(s["prefill_cont_tokens"]))
     if stock:
         row(f"prefill turns >= 2 vs {stock}",
-            lambda p, s: _ratio(safe_ratio(s["prefill_cont_tokens"], summ[stock]["prefill_cont_tokens"]), 3))  # fmt: skip
+            lambda p, s: _ratio(safe_ratio(s["prefill_cont_tokens"], summ[stock]["prefill_cont_tokens"]),
+                                3))  # fmt: skip
     row("exact hits (turns >= 2)", lambda p, s: f"{s['exact_hits']}/{s['later_turns']}")
     row("TTFT p50 / p95 ms, all turns", lambda p, s: f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p95_s'])}")
     row("TTFT p50 / p95 ms, turns >= 2", lambda p, s: f"{_ms(s['ttft_cont_p50_s'])} / {_ms(s['ttft_cont_p95_s'])}")
@@ -844,12 +846,14 @@ def summary_table(result: dict, markdown: bool = False) -> str:
     row("output throughput tok/s", lambda p, s: _ratio(s["output_throughput_tok_s"], 1))
     if stock:
         row(f"throughput vs {stock}",
-            lambda p, s: _ratio(safe_ratio(s["output_throughput_tok_s"], summ[stock]["output_throughput_tok_s"]), 3))  # fmt: skip
+            lambda p, s: _ratio(safe_ratio(s["output_throughput_tok_s"], summ[stock]["output_throughput_tok_s"]),
+                                3))  # fmt: skip
     row("retained checkpoint memory", lambda p, s: _bytes(result["servers"].get(p, {}).get("bytes_retained")))
     row("preemptions (conversations)", lambda p, s: str(result["servers"].get(p, {}).get("preemptions", "-")))
     first = labels[0]
     if len(labels) > 1:
-        row(f"answers same as {first}", lambda p, s: "-" if p == first else result["summary"]["same_answers"].get(p, "-"))
+        same = result["summary"]["same_answers"]
+        row(f"answers same as {first}", lambda p, s: "-" if p == first else same.get(p, "-"))
     text = format_table(["metric"] + labels, rows, markdown)
     if floor:
         text += (
@@ -1060,16 +1064,21 @@ def scrape_preemptions(base_url: str) -> int | None:
 
 def run_launch(args, workload: Workload, plans: list[ConversationPlan], run_salt: str):
     from boundary_checkpoints.bench.server import (
-        ServerStartError, find_free_port, start_server, stop_server, wait_until_healthy,
+        ServerStartError,
+        build_command,
+        find_free_port,
+        start_server,
+        stop_server,
+        wait_until_healthy,
     )  # fmt: skip
-    from boundary_checkpoints.bench.server import build_command
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bc-multi-turn-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"server logs: {log_dir}")
     server_args = _split_server_args(args.server_arg)
     env: dict[str, str] = dict(item.split("=", 1) for item in args.server_env)
-    if args.plugin_log_config and "VLLM_LOGGING_CONFIG_PATH" not in env and not os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+    log_config_set = "VLLM_LOGGING_CONFIG_PATH" in env or os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if args.plugin_log_config and not log_config_set:
         cfg_path = Path(tempfile.mkdtemp(prefix="bc-multi-turn-logging-")) / "logging_config.json"
         cfg_path.write_text(json.dumps(plugin_logging_config(), indent=2) + "\n")
         env["VLLM_LOGGING_CONFIG_PATH"] = str(cfg_path)

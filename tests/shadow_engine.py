@@ -3,8 +3,8 @@
 The scheduler, KV cache manager, block pool and coordinator are vLLM's own (with or without the
 plugin's subclass). Only the model runner is replaced by :class:`ShadowWorker`, which mirrors what
 vLLM's V1 runner (behind the plugin's worker) does with a ``SchedulerOutput`` in "align" mode --
-apply the plugin's capture copies, zero new attention blocks, apply ``kv_cache_block_copies``, then per request read the recurrent state from the block of the
-previous step (``(num_computed - 1) // B`` for a new or resumed request), advance it through the
+apply the plugin's capture copies, zero new attention blocks, apply ``kv_cache_block_copies``,
+then per request read the recurrent state from the block of the previous step (``(num_computed - 1) // B`` for a new or resumed request), advance it through the
 scheduled tokens, write it into block ``ceil(end / B) - 1`` and write attention rows -- except
 that the "state" is a hash of the token prefix. Every read is checked against the hash recomputed
 from the request's tokens, so any wrong restore, missing copy, or block reused too early shows up
@@ -273,7 +273,9 @@ def build_scheduler(
 _REQUEST_COUNTER = iter(range(10**9))
 
 
-def make_request(prompt: list[int], *, max_tokens: int = 8, salt: str | None = None, stop_token_ids=None, hash_block_size: int = 16):
+def make_request(
+    prompt: list[int], *, max_tokens: int = 8, salt: str | None = None, stop_token_ids=None, hash_block_size: int = 16
+):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

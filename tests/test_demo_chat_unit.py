@@ -125,7 +125,7 @@ def test_demo_chat_conversation_sends_the_answers_back(chat_url):
     assert all(len(m) == 1 and m[0]["role"] == "user" for m in plan.turn_messages[1:])
     results = demo.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
     sent = [r for r in _ChatStub.requests if r.get("cache_salt") == "conv"]
-    for prev, nxt, res in zip(sent, sent[1:], results):
+    for prev, nxt in zip(sent, sent[1:]):
         assert nxt["messages"][: len(prev["messages"])] == prev["messages"]
         assert nxt["messages"][len(prev["messages"])]["role"] == "assistant"
         assert nxt["skip_special_tokens"] is False and nxt["stream"]

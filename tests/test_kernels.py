@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from boundary_checkpoints.worker.kernels import (
-    PAIRS_PER_LAUNCH, TILE_WORDS, PageCopier, copy_pages, pair_code, split_regions, uses_triton,
+    PAIRS_PER_LAUNCH,
+    TILE_WORDS,
+    PageCopier,
+    copy_pages,
+    pair_code,
+    split_regions,
+    uses_triton,
 )
 
 NUM_BLOCKS = 7
@@ -114,7 +120,8 @@ def test_copy_pages_cpu_under_triton_interpreter():
     """Re-runs the CPU cases in a fresh process with TRITON_INTERPRET=1 (set before Triton loads)."""
     env = dict(os.environ, TRITON_INTERPRET="1", BC_EXPECT_TRITON="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "(test_copy_pages_cpu or many_pairs) and not interpreter"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "(test_copy_pages_cpu or many_pairs) and not interpreter"],  # fmt: skip
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -310,7 +310,8 @@ def test_cli_argument_checks(capsys):
     args = mt.parse_args(["--launch", "d", "--server-arg=--load-format dummy", "--server-arg=--no-enforce-eager"])
     assert args.policies == ["aligned", "request_boundaries"] and args.floor is None
     assert mt._split_server_args(args.server_arg) == ["--load-format", "dummy", "--no-enforce-eager"]
-    args = mt.parse_args(["--launch", "d", "--variant", 'fast={"policy": "request_boundaries", "prompt_checkpoints": false}'])
+    variant = 'fast={"policy": "request_boundaries", "prompt_checkpoints": false}'
+    args = mt.parse_args(["--launch", "d", "--variant", variant])
     assert args.policies == ["aligned", "request_boundaries", "fast"]
     assert args.sections["fast"] == {"policy": "request_boundaries", "prompt_checkpoints": False}
     assert args.sections["aligned"] == {"policy": "aligned"}
@@ -340,7 +341,8 @@ def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, a
             "linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]  # fmt: skip
         assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 2, 256)
         assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, 32)
-        assert (config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (128, 128, 4)
+        dims = (config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim)
+        assert dims == (128, 128, 4)
         assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (512, 10, 512)
         assert config.shared_expert_intermediate_size == 512
     else:

@@ -46,7 +46,6 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
-
 from shadow_engine import EMPTY_STATE, Driver, advance, build_scheduler, make_request, sample, write_model_dir
 
 BLOCK = 16

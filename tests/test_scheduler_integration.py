@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, write_model_dir
 
 BLOCK = 16
@@ -195,9 +194,10 @@ def test_plugin_picks_its_scheduler_class_through_vllm_config(model_dir):
         ).create_engine_config()
         return config.scheduler_config.get_scheduler_cls()
 
-    from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
+
+    from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 
     assert issubclass(scheduler_cls("request_boundaries"), BoundaryCheckpointMixin)
     assert issubclass(scheduler_cls("auto"), BoundaryCheckpointMixin)
@@ -209,6 +209,7 @@ def test_a_long_conversation_keeps_only_its_latest_turn(model_dir):
     driver = Driver(scheduler, worker)
     rng = random.Random(8)
     prompt = tokens(rng, 20)
+    previous_committed = 0
     for turn in range(6):
         request = make_request(prompt, max_tokens=5, salt="chat")
         [answer] = driver.run([request])

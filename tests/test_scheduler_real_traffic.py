@@ -11,9 +11,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from vllm.v1.request import RequestStatus
-
 from shadow_engine import Driver, build_scheduler, make_request, write_model_dir
+from vllm.v1.request import RequestStatus
 
 BLOCK = 16
 
@@ -250,7 +249,7 @@ def test_every_live_branch_keeps_its_latest_turn(model_dir, lag, lengths):
     # Two siblings of turn 2 with different lengths (like n=2 with different stops).
     siblings = [make_request(turn2, salt="s", max_tokens=n) for n in lengths]
     sibling_answers = driver.run(siblings)
-    for sibling, sibling_answer in zip(siblings, sibling_answers):
+    for sibling in siblings:
         assert driver.cached_tokens[sibling.request_id] == len(prompt) + len(answer) - 1
     # Each branch continues; both restore their own response boundary.
     for sibling_answer in sibling_answers:

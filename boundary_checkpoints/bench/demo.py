@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boundary_checkpoints.bench.client import Completion, chat, complete, stream_complete
-from boundary_checkpoints.bench.probes import first_token_delta, same_greedy_output
+from boundary_checkpoints.bench.probes import Answer, first_token_deviation, same_greedy_output
 from boundary_checkpoints.bench.server import (
     ServerProcess,
     ServerStartError,
@@ -136,7 +136,7 @@ def compare_with_cold(out: Completion, cold: Completion) -> dict:
     """What the comparison with the cold control measured (the ``TurnResult`` fields)."""
     delta = None
     if out.top_logprobs and cold.top_logprobs:
-        delta = first_token_delta(out.top_logprobs, cold.top_logprobs)
+        delta = first_token_deviation(Answer(0, [], out.top_logprobs), Answer(0, [], cold.top_logprobs))
     if out.token_ids == cold.token_ids:
         return dict(vs_cold="identical", first_token_delta=delta, parts_at=None, cold_gap=None)
     pairs = zip(out.token_ids, cold.token_ids)

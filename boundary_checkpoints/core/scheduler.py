@@ -196,7 +196,8 @@ def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], lis
 def prompt_checkpoint_mode(config: BoundaryConfig) -> str:
     """How prompts are stopped at ``P - 1``, for the startup log line."""
     if config.prompt_checkpoint_min_tokens:
-        return f"on (prefills stop at P - 1 when their last step computes >= {config.prompt_checkpoint_min_tokens} tokens)"
+        minimum = config.prompt_checkpoint_min_tokens
+        return f"on (prefills stop at P - 1 when their last step computes >= {minimum} tokens)"
     return "on (prefills stop at P - 1)"
 
 
@@ -475,7 +476,8 @@ class BoundaryCheckpointMixin:
                     # prompt_checkpoint_min_tokens) owns the response it resumed from: that is
                     # where a resend of its prompt restores.
                     own_prompt = any(
-                        c.kind == PROMPT and c.producer == pending.request_id for c in self.checkpoint_store.checkpoints()
+                        c.kind == PROMPT and c.producer == pending.request_id
+                        for c in self.checkpoint_store.checkpoints()
                     )
                     if not own_prompt:
                         self.checkpoint_store.adopt(source, pending.request_id)

@@ -139,7 +139,8 @@ if _HAS_TRITON:
         if rest > 0 and split == full % splits:
             start = full * TILE
             mask = lanes < rest
-            tl.store(anchor + dst_page + start + lanes, tl.load(anchor + src_page + start + lanes, mask=mask), mask=mask)
+            words = tl.load(anchor + src_page + start + lanes, mask=mask)
+            tl.store(anchor + dst_page + start + lanes, words, mask=mask)
 
 
 # Triton decides at decoration time whether kernels are interpreted, so read the flag once.
@@ -157,8 +158,8 @@ class PageCopier:
     Everything about the storages (which are page regions, their word offsets from one anchor
     address and their page sizes) is uploaded to the device once, here. A step's copy passes its
     block id pairs to the kernel by value (``PAIRS_PER_LAUNCH`` per launch: nothing to upload, no
-    host synchronisation) and launches once per alignment class: 16-byte accesses where every page and base is a multiple of 16 bytes
-    (every vLLM layout), 8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes
+    host synchronisation) and launches once per alignment class: 16-byte accesses where every
+    page and base is a multiple of 16 bytes (every vLLM layout), 8-byte accesses otherwise; pages whose size is not a multiple of 8 bytes
     use a torch copy. ``programs_per_sm`` caps a launch's grid at that many programs per
     multiprocessor (each program then copies several tiles of its page); ``None`` gives every tile
     its own program.
