@@ -160,9 +160,9 @@ class PageCopier:
     block id pairs to the kernel by value (``PAIRS_PER_LAUNCH`` per launch: nothing to upload, no
     host synchronisation) and launches once per alignment class: 16-byte accesses where every
     page and base is a multiple of 16 bytes (every vLLM layout), 8-byte accesses otherwise; pages
-    whose size is not a multiple of 8 bytes use a torch copy. ``programs_per_sm`` caps a launch's grid at that many programs per
-    multiprocessor (each program then copies several tiles of its page); ``None`` gives every tile
-    its own program.
+    whose size is not a multiple of 8 bytes use a torch copy. ``programs_per_sm`` caps a launch's
+    grid at that many programs per multiprocessor (each program then copies several tiles of its
+    page); ``None`` gives every tile its own program.
     """
 
     def __init__(
