@@ -3,13 +3,13 @@
 The scheduler, KV cache manager, block pool and coordinator are vLLM's own (with or without the
 plugin's subclass). Only the model runner is replaced by :class:`ShadowWorker`, which mirrors what
 vLLM's V1 runner (behind the plugin's worker) does with a ``SchedulerOutput`` in "align" mode --
-apply the plugin's capture copies, zero new attention blocks, apply ``kv_cache_block_copies``,
-then per request read the recurrent state from the block of the previous step
-(``(num_computed - 1) // B`` for a new or resumed request), advance it through the scheduled
-tokens, write it into block ``ceil(end / B) - 1`` and write attention rows -- except that the "state" is a hash of the token prefix. Every read is checked against the hash recomputed
-from the request's tokens, so any wrong restore, missing copy, or block reused too early shows up
-as a :class:`ShadowMismatch`. Greedy "sampling" is a function of the state, so a wrong state also
-changes the tokens.
+apply the plugin's capture copies, zero new attention blocks, apply ``kv_cache_block_copies``, then
+per request read the recurrent state from the block of the previous step (``(num_computed - 1) //
+B`` for a new or resumed request), advance it through the scheduled tokens, write it into block
+``ceil(end / B) - 1`` and write attention rows -- except that the "state" is a hash of the token
+prefix. Every read is checked against the hash recomputed from the request's tokens, so any wrong
+restore, missing copy, or block reused too early shows up as a :class:`ShadowMismatch`. Greedy
+"sampling" is a function of the state, so a wrong state also changes the tokens.
 """
 
 from __future__ import annotations
