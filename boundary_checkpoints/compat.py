@@ -40,6 +40,13 @@ Private internals (names and the behaviour relied on):
   (:func:`v1_model_runner_class`): the scheduler process never loads the runner module.
 * ``CPUWorker.init_device`` builds ``self.model_runner``; ``Worker._make_model_runner`` (GPU)
   returns it.
+* KV cache coordinator (v1/core/kv_cache_coordinator.py): the scheduler re-classes the manager's
+  coordinator to a subclass whose ``get_num_blocks_to_allocate`` remembers its last answer, so a
+  refused allocation's shortfall is known (``core/scheduler.py``); relied on: ``allocate_slots``
+  asks it for the block count it compares with ``block_pool.get_num_free_blocks()`` (plus
+  ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
+  the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
+  a retained block's release frees it.
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -48,6 +55,7 @@ Private internals (names and the behaviour relied on):
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 from vllm.config import VllmConfig
@@ -75,6 +83,7 @@ __all__ = [
     "VllmConfig",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
+    "interface_mismatches",
     "reclass_instance",
     "v1_model_runner_class",
 ]
@@ -109,3 +118,49 @@ def reclass_instance(obj: object, subclass: type) -> None:
     if type(obj) not in subclass.__mro__[1:]:
         raise TypeError(f"{subclass.__name__} does not extend {type(obj).__name__}")
     obj.__class__ = subclass
+
+
+# Methods the plugin overrides or calls, with the leading parameters it relies on (after self).
+_EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (Scheduler, "schedule", ()),
+    (Scheduler, "update_from_output", ("scheduler_output", "model_runner_output")),
+    (Scheduler, "_get_local_prefix_cache_hit", ("request",)),
+    (Scheduler, "_mamba_block_aligned_split",
+     ("request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")),
+    (Scheduler, "_free_request", ("request", "delay_free_blocks")),
+    (Scheduler, "_preempt_request", ("request",)),
+    (Scheduler, "reset_prefix_cache", ("reset_running_requests",)),
+    (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
+    (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
+)
+_EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
+    (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),
+)
+_EXPECTED_FIELDS = ("kv_cache_block_copies", "new_block_ids_to_zero", "num_scheduled_tokens",
+                    "total_num_scheduled_tokens")  # fmt: skip
+
+
+def interface_mismatches() -> list[str]:
+    """How the installed vLLM differs from the 0.32.0 internals this module describes (empty when
+    it matches). Checked before boundary retention is turned on, so a different vLLM falls back
+    to stock retention (or refuses ``request_boundaries``) at startup instead of failing at the
+    first request."""
+    problems: list[str] = []
+    for cls, name, expected in _EXPECTED_PARAMETERS:
+        method = getattr(cls, name, None)
+        if method is None:
+            problems.append(f"{cls.__name__}.{name} is missing")
+            continue
+        found = tuple(inspect.signature(method).parameters)[1:]
+        if found[: len(expected)] != expected:
+            problems.append(f"{cls.__name__}.{name}{expected} expected, found {found}")
+    for cls, name, keywords in _EXPECTED_KEYWORDS:
+        method = getattr(cls, name, None)
+        missing = [k for k in keywords if method is None or k not in inspect.signature(method).parameters]
+        if missing:
+            problems.append(f"{cls.__name__}.{name} has no parameter(s) {', '.join(missing)}")
+    fields = getattr(SchedulerOutput, "__dataclass_fields__", {})
+    missing_fields = [f for f in _EXPECTED_FIELDS if f not in fields]
+    if missing_fields:
+        problems.append(f"SchedulerOutput has no field(s) {', '.join(missing_fields)}")
+    return problems

@@ -34,7 +34,7 @@ import importlib
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -277,6 +277,10 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
             "speculative decoding (MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported "
             "by boundary capture yet"
         )
+    tensor_parallel = _size(parallel, "tensor_parallel_size")
+    if tensor_parallel > 1:
+        # Capture copies run on every rank; untested until measured on several GPUs.
+        reasons.append(f"tensor parallel size {tensor_parallel} is not validated yet (measured on one GPU only)")
     for attr, label in (
         ("pipeline_parallel_size", "pipeline parallel"),
         ("data_parallel_size", "data parallel"),
@@ -304,12 +308,13 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
-def decide_policy(config: BoundaryConfig, vllm_config: Any) -> GateDecision:
-    """Apply the requested policy to ``vllm_config`` (see the module docstring)."""
+def decide_policy(config: BoundaryConfig, vllm_config: Any, extra_reasons: Sequence[str] = ()) -> GateDecision:
+    """Apply the requested policy to ``vllm_config`` (see the module docstring); ``extra_reasons``
+    (e.g. vLLM internals that differ from the pinned version) count like unsupported features."""
     requested = config.policy
     if requested == "aligned":
         return GateDecision(requested, False, ())
-    reasons = tuple(unsupported_reasons(vllm_config))
+    reasons = tuple(unsupported_reasons(vllm_config)) + tuple(extra_reasons)
     if not reasons:
         return GateDecision(requested, True, ())
     if requested == "request_boundaries":

@@ -27,8 +27,11 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 
 def apply_policy(vllm_config) -> None:
     """Gate the policy for ``vllm_config`` and install the scheduler class it needs."""
+    from boundary_checkpoints.compat import interface_mismatches
+
     config = BoundaryConfig.from_additional_config(vllm_config.additional_config)
-    decision = decide_policy(config, vllm_config)
+    mismatches = interface_mismatches() if config.policy != "aligned" else []
+    decision = decide_policy(config, vllm_config, [f"installed vLLM differs from 0.32.0: {m}" for m in mismatches])
     log_decision_once(decision, logger)
     if decision.boundaries_enabled:
         scheduler_config = vllm_config.scheduler_config

@@ -191,6 +191,7 @@ def supported_fake(**overrides) -> SimpleNamespace:
         ),
         cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="align"),
         parallel_config=SimpleNamespace(
+            tensor_parallel_size=1,
             pipeline_parallel_size=1,
             data_parallel_size=1,
             prefill_context_parallel_size=1,
@@ -216,6 +217,7 @@ UNSUPPORTED = [
     ("mamba_mode_none", {"cache_config__mamba_cache_mode": "none"}, "mamba_cache_mode is 'none'"),
     ("kv_connector", {"kv_transfer_config": SimpleNamespace(kv_connector="X")}, "KV connector"),
     ("spec_decode", {"speculative_config": SimpleNamespace(method="mtp")}, "speculative decoding"),
+    ("tp", {"parallel_config__tensor_parallel_size": 2}, "tensor parallel size 2 is not validated"),
     ("pp", {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallel size 2"),
     ("dp", {"parallel_config__data_parallel_size": 4}, "data parallel size 4"),
     ("pcp", {"parallel_config__prefill_context_parallel_size": 2}, "prefill context parallel size 2"),
@@ -484,3 +486,30 @@ def test_a_custom_scheduler_extending_the_mixin_is_kept():
     assert any("custom scheduler class" in r for r in unsupported_reasons(foreign))
     assert any("custom scheduler class" in r for r in unsupported_reasons(supported_fake(
         scheduler_config=SimpleNamespace(scheduler_cls="no_such_module.Scheduler"))))
+
+
+def test_vllm_interface_mismatches_block_boundaries():
+    """A vLLM whose internals differ from 0.32.0 falls back under auto and is refused under
+    request_boundaries, naming the difference (``compat.interface_mismatches``)."""
+    mismatch = ["installed vLLM differs from 0.32.0: Scheduler._free_request is missing"]
+    fallback = decide_policy(BoundaryConfig(policy="auto"), supported_fake(), mismatch)
+    assert not fallback.boundaries_enabled and fallback.reasons == tuple(mismatch)
+    with pytest.raises(BoundaryConfigError, match="_free_request is missing"):
+        decide_policy(BoundaryConfig(policy="request_boundaries"), supported_fake(), mismatch)
+
+
+def test_installed_vllm_matches_the_pinned_interface():
+    from boundary_checkpoints.compat import interface_mismatches
+
+    assert interface_mismatches() == []
+
+
+def test_interface_check_reports_a_changed_signature(monkeypatch):
+    from boundary_checkpoints import compat
+
+    def changed(self, req, something_else=False):  # renamed parameters
+        return None
+
+    monkeypatch.setattr(compat.Scheduler, "_free_request", changed)
+    problems = compat.interface_mismatches()
+    assert len(problems) == 1 and "Scheduler._free_request" in problems[0] and "something_else" in problems[0]
