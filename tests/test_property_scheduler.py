@@ -2,7 +2,8 @@
 
 Hypothesis draws a block-pool configuration and a stream of operations -- add a fresh request,
 resend an earlier prompt (same or another salt), branch off an earlier prompt, send the next
-turn of a conversation, abort an unfinished request, run a few engine steps -- and plays it on
+turn of a conversation, abort an unfinished request, run a few engine steps, reset the prefix
+cache with running requests (as POST /reset_prefix_cache, pause and sleep do) -- and plays it on
 vLLM's real scheduler with the plugin (sync, and async with one step in flight) against
 :class:`shadow_engine.ShadowWorker`. The pools are small, so preemptions and checkpoint
 evictions happen all the time.
@@ -151,6 +152,12 @@ class Steps:
     k: int
 
 
+@dataclass(frozen=True)
+class Reset:
+    """``reset_prefix_cache(reset_running_requests=True)`` (POST /reset_prefix_cache, pause,
+    sleep): running requests are preempted, every checkpoint and pending capture dropped."""
+
+
 prompt_lengths = st.one_of(
     st.integers(1, 70), st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65])
 )
@@ -165,8 +172,11 @@ branch = st.builds(Branch, picks, st.integers(1, 70), st.integers(0, 20), seeds,
 continuation = st.builds(Continue, picks, st.integers(0, 20), seeds, max_tokens, stops)
 abort = st.builds(Abort, picks)
 steps = st.builds(Steps, st.integers(1, 5))
+reset = st.builds(Reset)
 # one_of picks its branches uniformly: repeating one weights it.
-operations = st.one_of(fresh, fresh, resend, resend, branch, continuation, continuation, abort, steps, steps, steps)
+operations = st.one_of(
+    fresh, fresh, resend, resend, branch, continuation, continuation, abort, steps, steps, steps, reset
+)
 # Every stream starts with a fresh request, so that the other operations have something to use.
 streams = st.builds(
     lambda first, rest: [first, *rest], fresh, st.lists(operations, min_size=MIN_OPS - 1, max_size=MAX_OPS - 1)
@@ -222,6 +232,7 @@ class Totals:
     preemptions: int = 0
     captures_dropped: int = 0
     aborts: int = 0
+    resets: int = 0
     stopped_early: int = 0
     seconds: float = 0.0
 
@@ -315,6 +326,11 @@ class Stream:
         for _ in range(op.k):
             self.driver.step()
             self.totals.steps += 1
+
+    def _op_reset(self, op: Reset) -> None:
+        assert self.scheduler.reset_prefix_cache(reset_running_requests=True), "vLLM's reset failed"
+        assert len(self.scheduler.checkpoint_store) == 0 and not self.scheduler._pending
+        self.totals.resets += 1
 
     def _step_until(self, done) -> None:
         for _ in range(STEP_LIMIT):
@@ -450,6 +466,7 @@ def test_operation_streams_keep_every_contract(model_dir, mode):
     assert totals.evictions > 0, totals
     assert totals.preemptions > 0, totals
     assert totals.aborts > 0 and totals.captures_dropped > 0, totals
+    assert totals.resets > 0, totals
     assert totals.stopped_early > 0, totals
     if TARGET_OPS:
         assert totals.operations >= math.ceil(TARGET_OPS / len(MODES)), totals

@@ -114,6 +114,16 @@ def _last_stats(server) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in lines[-1].split(", "))}
 
 
+def _wait_for_counter(server, name: str, minimum: int, rng: random.Random) -> dict[str, int]:
+    """The latest counters once ``name`` >= ``minimum`` (short requests keep the scheduler busy, so
+    the line is logged), or after 60 s; the caller asserts."""
+    deadline = time.monotonic() + 60
+    while _last_stats(server).get(name, 0) < minimum and time.monotonic() < deadline:
+        complete(server.base_url, _ids(rng, 20), cache_salt=_salt(), max_tokens=2)
+        time.sleep(0.5)
+    return _last_stats(server)
+
+
 def _resets_logged(server) -> list[tuple[int, int]]:
     """(checkpoints, pending captures) dropped by every plugin reset so far."""
     return [(int(a), int(b)) for a, b in RESET_RE.findall(_log_text(server))]
@@ -154,9 +164,7 @@ class StreamingRequest(threading.Thread):
 
 def _start_long_requests(base_url: str, rng: random.Random, count: int = 3) -> list[StreamingRequest]:
     """``count`` long requests (max_tokens 200, ignore_eos), each generating before this returns."""
-    requests = [
-        StreamingRequest(base_url, _ids(rng, 300), max_tokens=200, cache_salt=_salt()) for _ in range(count)
-    ]
+    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=200, cache_salt=_salt()) for _ in range(count)]
     for r in requests:
         r.start()
     for r in requests:
@@ -347,11 +355,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     assert cost == 4
 
     # The plugin counted the aborted response (counters line, logged every second while busy).
-    deadline = time.monotonic() + 60
-    while _last_stats(server).get("responses_aborted", 0) < 1 and time.monotonic() < deadline:
-        complete(base, _ids(rng, 20), cache_salt=_salt(), max_tokens=2)  # keep the scheduler busy
-        time.sleep(0.5)
-    stats = _last_stats(server)
+    stats = _wait_for_counter(server, "responses_aborted", 1, rng)
     assert stats.get("responses_aborted", 0) >= 1, stats
     print(
         f"[stop string] stop word {stop_word!r}; answer tokens returned {len(choice['token_ids'])}; "
@@ -425,6 +429,7 @@ def test_pause_with_clear_cache_then_resume(server, mode):
     rng = random.Random(5000 + len(mode))
     old = _retained_prompt(base, rng)
     resets_before = len(_resets_logged(server))
+    aborted_before = _last_stats(server).get("responses_aborted", 0)
     long_requests = _start_long_requests(base, rng)
     status, body = _call(base, "POST", f"/pause?mode={mode}&clear_cache=true")
     assert status == 200 and json.loads(body) == {"status": "paused"}, body
@@ -445,6 +450,9 @@ def test_pause_with_clear_cache_then_resume(server, mode):
     resets = _resets_logged(server)[resets_before:]
     assert len(resets) == 1 and resets[0][0] >= 1, resets
     _check_cache_emptied_then_working(base, rng, old)
+    if mode == "abort":  # the three aborted long requests are counted
+        stats = _wait_for_counter(server, "responses_aborted", aborted_before + 3, rng)
+        assert stats.get("responses_aborted", 0) >= aborted_before + 3, stats
     outcomes = [(len(r.token_ids), r.finish_reason, r.error) for r in long_requests]
     print(f"[pause {mode}] plugin drops={resets} long requests={outcomes}")
 
@@ -460,6 +468,7 @@ def test_sleep_level1_then_wake_up(server):
     rng = random.Random(6000)
     old = _retained_prompt(base, rng)
     resets_before = len(_resets_logged(server))
+    aborted_before = _last_stats(server).get("responses_aborted", 0)
     long_requests = _start_long_requests(base, rng)
     status, body = _call(base, "POST", "/sleep?level=1")
     if status != 200:
@@ -478,5 +487,7 @@ def test_sleep_level1_then_wake_up(server):
     assert len(resets) == 1 and resets[0][0] >= 1, resets
     cpu_answer = "sleep mode is not supported on CPU, ignore it." in _log_text(server)
     _check_cache_emptied_then_working(base, rng, old)
+    stats = _wait_for_counter(server, "responses_aborted", aborted_before + 3, rng)
+    assert stats.get("responses_aborted", 0) >= aborted_before + 3, stats
     outcomes = [(len(r.token_ids), r.finish_reason, r.error) for r in long_requests]
     print(f"[sleep] plugin drops={resets} CPU worker warning logged={cpu_answer} long requests={outcomes}")
