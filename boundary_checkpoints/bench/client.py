@@ -151,40 +151,52 @@ def stream_complete(
 ) -> Completion:
     """One streaming completion: answer ids, usage (last chunk) and TTFT."""
     body = build_request(prompt_ids, stream=True, **kwargs)
+    return _read_stream(base_url, body, timeout, COMPLETIONS_PATH, len(prompt_ids), chat=False)
+
+
+def _read_stream(base_url: str, body: dict, timeout: float, path: str, prompt_len: int, chat: bool) -> Completion:
+    """Send a streaming request and collect its chunks into a :class:`Completion`.
+
+    TTFT is the time to the first chunk that carries output: any choice for completions; content
+    or token ids for chat (whose first chunk carries only the role). Usage comes in the last chunk
+    (``stream_options.include_usage``)."""
     start = time.perf_counter()
     ttft = None
     token_ids: list[int] = []
+    prompt_token_ids: list[int] = []
     text_parts: list[str] = []
     usage: dict = {}
     top_logprobs: list[dict[int, float]] = []
     finish_reason = stop_reason = None
-    with _post(base_url, body, timeout) as resp:
+    with _post(base_url, body, timeout, path) as resp:
         for event in iter_sse_events(resp):
             if "error" in event and "choices" not in event:
                 raise CompletionError(f"stream error: {event['error']}")
+            prompt_token_ids = event.get("prompt_token_ids") or prompt_token_ids
             for choice in event.get("choices") or []:
-                if ttft is None:
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                if ttft is None and (not chat or text or choice.get("token_ids")):
                     ttft = time.perf_counter() - start
                 token_ids.extend(choice.get("token_ids") or [])
-                top_logprobs.extend(_top_logprobs(choice))
-                text_parts.append(choice.get("text") or "")
-                finish_reason = choice.get("finish_reason") or finish_reason
+                top_logprobs.extend(_chat_top_logprobs(choice) if chat else _top_logprobs(choice))
+                text_parts.append(text or "")
                 if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
                     stop_reason = choice.get("stop_reason")
             if event.get("usage"):
                 usage = event["usage"]
-    latency = time.perf_counter() - start
     return Completion(
         token_ids=token_ids,
         text="".join(text_parts),
-        prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
+        prompt_tokens=usage.get("prompt_tokens", len(prompt_token_ids) or prompt_len),
         completion_tokens=usage.get("completion_tokens", len(token_ids)),
         cached_tokens=_cached_tokens(usage),
         finish_reason=finish_reason,
-        latency_s=latency,
+        latency_s=time.perf_counter() - start,
         ttft_s=ttft,
         usage=usage,
         top_logprobs=top_logprobs,
+        prompt_token_ids=prompt_token_ids,
         stop_reason=stop_reason,
     )
 
@@ -269,42 +281,4 @@ def chat(
             )
         except (KeyError, IndexError, TypeError, ValueError) as err:
             raise CompletionError(f"unexpected chat completion body: {str(payload)[:2000]}") from err
-    ttft = None
-    token_ids: list[int] = []
-    prompt_token_ids: list[int] = []
-    text_parts: list[str] = []
-    usage: dict = {}
-    top_logprobs: list[dict[int, float]] = []
-    finish_reason = stop_reason = None
-    with _post(base_url, body, timeout, CHAT_PATH) as resp:
-        for event in iter_sse_events(resp):
-            if "error" in event and "choices" not in event:
-                raise CompletionError(f"stream error: {event['error']}")
-            prompt_token_ids = event.get("prompt_token_ids") or prompt_token_ids
-            for choice in event.get("choices") or []:
-                delta = choice.get("delta") or {}
-                if ttft is None and (delta.get("content") or choice.get("token_ids")):
-                    ttft = time.perf_counter() - start
-                token_ids.extend(choice.get("token_ids") or [])
-                top_logprobs.extend(_chat_top_logprobs(choice))
-                text_parts.append(delta.get("content") or "")
-                if choice.get("finish_reason"):
-                    finish_reason = choice["finish_reason"]
-                    stop_reason = choice.get("stop_reason")
-            if event.get("usage"):
-                usage = event["usage"]
-    latency = time.perf_counter() - start
-    return Completion(
-        token_ids=token_ids,
-        text="".join(text_parts),
-        prompt_tokens=usage.get("prompt_tokens", len(prompt_token_ids)),
-        completion_tokens=usage.get("completion_tokens", len(token_ids)),
-        cached_tokens=_cached_tokens(usage),
-        finish_reason=finish_reason,
-        latency_s=latency,
-        ttft_s=ttft,
-        usage=usage,
-        top_logprobs=top_logprobs,
-        prompt_token_ids=prompt_token_ids,
-        stop_reason=stop_reason,
-    )
+    return _read_stream(base_url, body, timeout, CHAT_PATH, 0, chat=True)
