@@ -38,3 +38,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A config-only hybrid model directory for the scheduler tests on the shadow engine."""
+    from shadow_engine import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))

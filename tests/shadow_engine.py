@@ -270,6 +270,15 @@ def build_scheduler(
     return scheduler, worker
 
 
+def tokens(rng, n: int) -> list[int]:
+    """``n`` random token ids of the synthetic vocabulary (ids 4..999), drawn from ``rng``."""
+    return [rng.randrange(4, 1000) for _ in range(n)]
+
+
+def free_blocks(scheduler) -> int:
+    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
 _REQUEST_COUNTER = iter(range(10**9))
 
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
-from shadow_engine import EMPTY_STATE, Driver, advance, build_scheduler, make_request, sample, write_model_dir
+from shadow_engine import EMPTY_STATE, Driver, advance, build_scheduler, make_request, sample
 
 BLOCK = 16
 SALTS = (None, "a", "b")
@@ -410,11 +410,6 @@ class Stream:
 
 
 # ---- the tests --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
-
-
 @pytest.fixture(autouse=True)
 def quiet_vllm(monkeypatch):
     """vLLM logs every scheduler it builds at INFO; hundreds of examples would drown the output.

@@ -9,22 +9,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, write_model_dir
+from shadow_engine import Driver, ShadowMismatch, build_scheduler, free_blocks, make_request, tokens
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 1000) for _ in range(n)]
-
-
-def free_blocks(scheduler) -> int:
-    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])

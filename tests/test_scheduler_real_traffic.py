@@ -11,23 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, make_request, write_model_dir
+from shadow_engine import Driver, build_scheduler, free_blocks, make_request, tokens
 from vllm.v1.request import RequestStatus
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 1000) for _ in range(n)]
-
-
-def free_blocks(scheduler) -> int:
-    return scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def run_until(driver: Driver, condition, limit: int = 200) -> None:
