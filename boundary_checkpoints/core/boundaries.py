@@ -7,6 +7,10 @@ Boundaries (all exact token counts, no alignment):
 * prompt boundary ``P - 1``: the scheduler ends a prefill chunk there, so the state after ``P - 1``
   prompt tokens exists for one step; an exact resend then reports ``P - 1`` cached tokens and
   recomputes only the last prompt token to get its logits (vLLM never reports ``P`` of ``P``);
+* instruction boundary ``N_i`` (``core/instruction.py``): the token count of the request's leading
+  instructions, when the request carries a valid one; the scheduler ends a prefill chunk there, so
+  the state after ``N_i`` tokens exists for one step, and many conversations that share those
+  instructions restore there (kind :data:`INSTRUCTION`, evicted last, never retired by lineage);
 * response boundary: the committed length when a request finishes STOPPED or LENGTH_CAPPED, i.e.
   every token whose KV and recurrent state were computed (``num_tokens - 1``, or ``num_tokens``
   when async scheduling already had the last sampled token in flight).
@@ -29,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from boundary_checkpoints.core.store import INSTRUCTION as INSTRUCTION  # defined there: eviction orders by kind
 from boundary_checkpoints.core.store import BlockLike
 
 PROMPT = "prompt"

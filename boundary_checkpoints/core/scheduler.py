@@ -55,6 +55,20 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    (``miss_<reason>`` in the counters, a debug log line each); a response that ends in an abort
    (a client abort, or a stop string: vLLM matches those in the frontend, which aborts the request
    in the engine) keeps no checkpoint and is counted as ``responses_aborted``.
+10. Instruction boundary: a request whose ``sampling_params.extra_args`` holds
+   ``boundary_checkpoints_instruction_tokens = N_i`` (``vllm_xargs`` on the OpenAI server; the
+   plugin's frontend validates it, and computes it for chat requests from their leading
+   system/developer messages, see ``frontend/serving.py``) has a prefill chunk end exactly at
+   ``N_i`` (before the ``P - 1`` stop; no stop when a bundle with that key is already retained or
+   pending) and a bundle of kind ``instruction`` captured there like a prompt bundle (items 2, 4).
+   Later requests with the same first ``N_i`` tokens and salt restore there through the usual
+   longest-prefix lookup (item 6), so a longer prompt or response checkpoint still wins. An
+   instruction bundle is never retired by lineage (item 5) and is evicted after every other kind
+   (budget and pressure, item 7); an instruction boundary at ``P - 1`` makes the prompt bundle
+   there an instruction bundle. A value that is not an int (or is a bool) or not in ``0 < N_i <
+   P`` is ignored with a warning and counted (``instruction_ignored_<reason>``); the engine never
+   fails the request for it. Counters: ``instruction_requests``, ``instruction_stops``,
+   ``instruction_hits``.
 """
 
 from __future__ import annotations
@@ -78,6 +92,7 @@ from boundary_checkpoints.compat import (
 )
 from boundary_checkpoints.config import WORKER_CLASSES, BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.boundaries import (
+    INSTRUCTION,
     PROMPT,
     RESPONSE,
     BundlePlan,
@@ -87,6 +102,7 @@ from boundary_checkpoints.core.boundaries import (
     prompt_boundary,
     response_boundary,
 )
+from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
@@ -246,6 +262,8 @@ class BoundaryCheckpointMixin:
         self._counted_requests: set[str] = set()
         self._restored_from: dict[str, Checkpoint] = {}
         self._tainted: set[str] = set()
+        self._instruction_targets: dict[str, int | None] = {}  # request id -> valid N_i or None
+        self._instruction_counts: dict[str, int] = {}
         self._sched_seq = 0
         self._processed_seq = 0
         self._last_stats_log = time.monotonic()
@@ -277,6 +295,28 @@ class BoundaryCheckpointMixin:
     def _request_blocks(self, request_id: str):
         managers = self.kv_cache_manager.coordinator.single_type_managers
         return [manager.req_to_blocks.get(request_id, []) for manager in managers]
+
+    def _instruction_target(self, request: Request) -> int | None:
+        """The request's valid instruction boundary N_i, or None; validated and counted once."""
+        request_id = request.request_id
+        if request_id in self._instruction_targets:
+            return self._instruction_targets[request_id]
+        extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
+        target, reason = instruction_boundary(extra_args, request.num_prompt_tokens)
+        if reason:
+            self._count_instruction(f"instruction_ignored_{reason}")
+            logger.warning(
+                "boundary_checkpoints: request %s: instruction boundary %r ignored (%s; prompt of %d tokens)",
+                request_id, extra_args.get(INSTRUCTION_TOKENS_KEY), reason,
+                request.num_prompt_tokens,
+            )
+        elif target is not None:
+            self._count_instruction("instruction_requests")
+        self._instruction_targets[request_id] = target
+        return target
+
+    def _count_instruction(self, name: str) -> None:
+        self._instruction_counts[name] = self._instruction_counts.get(name, 0) + 1
 
     # ---- restore --------------------------------------------------------------------------
     def _get_local_prefix_cache_hit(self, request: Request):
@@ -326,6 +366,8 @@ class BoundaryCheckpointMixin:
             return
         self._counted_requests.add(request.request_id)
         self.checkpoint_store.record_lookup(hit, reason)
+        if hit is not None and hit.kind == INSTRUCTION:
+            self._count_instruction("instruction_hits")
         if hit is None:
             logger.debug(
                 "boundary_checkpoints: request %s (%d tokens) restores no checkpoint: %s (block-grid hit %d)",
@@ -356,9 +398,17 @@ class BoundaryCheckpointMixin:
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
-        if not self._prompt_captures_on or not request_is_eligible(request):
+        if not self.boundaries_active or not request_is_eligible(request):
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        instruction = self._instruction_target(request)
+        if instruction is not None and start < instruction < start + num_new_tokens:
+            key = self._key(request, instruction)
+            if key is not None and key not in self.checkpoint_store and not any(p.key == key for p in self._pending):
+                self._count_instruction("instruction_stops")
+                return instruction - start
+        if not self._prompt_captures_on:
+            return num_new_tokens
         stop = prompt_boundary(request.num_prompt_tokens)
         long_enough = stop - start >= self.boundary_config.prompt_checkpoint_min_tokens
         if start < stop < start + num_new_tokens and long_enough:
@@ -375,8 +425,7 @@ class BoundaryCheckpointMixin:
         copies = self._emit_pending_copies(output)
         if copies:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
-        if self._prompt_captures_on:
-            self._plan_prompt_captures(output)
+        self._plan_chunk_captures(output)
         if self._lookup_pins:
             self._block_pool.free_blocks(self._lookup_pins)
             self._lookup_pins = []
@@ -392,10 +441,18 @@ class BoundaryCheckpointMixin:
         return outputs
 
     # ---- capture --------------------------------------------------------------------------
-    def _plan_prompt_captures(self, output: SchedulerOutput) -> None:
+    def _plan_chunk_captures(self, output: SchedulerOutput) -> None:
+        """Plan instruction and prompt captures of the prefill chunks that ended at one."""
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens
+            if end - num_scheduled < request.num_prompt_tokens and request_is_eligible(request):
+                instruction = self._instruction_target(request)
+                if instruction is not None and end == instruction:
+                    self._plan_capture(request, instruction, INSTRUCTION, adopt=False)
+                    continue  # an instruction boundary at P - 1 is kept as the lasting kind
+            if not self._prompt_captures_on:
+                continue
             target = prompt_boundary(request.num_prompt_tokens)
             if target == 0 or end != target or end - num_scheduled >= target:
                 continue
@@ -406,10 +463,17 @@ class BoundaryCheckpointMixin:
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
-        if key is None or key in self.checkpoint_store:
+        if key is None:
             return
-        if any(p.key == key for p in self._pending):
+        if key in self.checkpoint_store:
+            if kind == INSTRUCTION:  # a prompt checkpoint at the same prefix becomes lasting
+                self.checkpoint_store.make_lasting(key)
             return
+        for pending in self._pending:
+            if pending.key == key:
+                if kind == INSTRUCTION:
+                    pending.checkpoint.kind = INSTRUCTION
+                return
         plan = plan_bundle(
             self._geometries, self._request_blocks(request.request_id), num_tokens, self._block_pool.null_block
         )
@@ -502,6 +566,7 @@ class BoundaryCheckpointMixin:
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         if self.boundaries_active:
             self._counted_requests.discard(request.request_id)
+            self._instruction_targets.pop(request.request_id, None)
             if request.status not in _FINISHED_WITH_CHECKPOINT:
                 self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
@@ -564,6 +629,7 @@ class BoundaryCheckpointMixin:
         stats["blocks_retained"] = self.checkpoint_store.retained_blocks
         stats["bytes_retained"] = self.checkpoint_store.retained_bytes
         stats["captures_pending"] = len(self._pending)
+        stats.update(sorted(self._instruction_counts.items()))
         return stats
 
     def _maybe_log_stats(self) -> None:

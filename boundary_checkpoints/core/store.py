@@ -13,17 +13,23 @@ Contract
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
-  the seam for a cost-aware replacement. The retained budget counts distinct blocks. A newcomer
-  that alone exceeds the budget is refused without evicting anything; otherwise the oldest bundles
-  go until the budget holds. Pressure relief (:meth:`evict_to_free`) evicts only bundles that
-  give at least one block back to the pool (``is_free(block)`` after the release), one at a time,
-  so the caller can stop as soon as its allocation fits.
+  the seam for a cost-aware replacement. *Lasting* bundles (kind :data:`INSTRUCTION`: a shared
+  system prompt, restored by many conversations) come after every other bundle in eviction order
+  (budget and pressure alike), least recently used first among themselves. The retained budget
+  counts distinct blocks. A newcomer that alone exceeds the budget is refused without evicting
+  anything; otherwise bundles go in eviction order until the budget holds (the newcomer itself
+  only once every other bundle left is lasting and it is not). Pressure relief
+  (:meth:`evict_to_free`) evicts only bundles that give at least one block back to the pool
+  (``is_free(block)`` after the release), one at a time, so the caller can stop as soon as its
+  allocation fits.
 * Lineage (DESIGN contract 7: a few states per conversation, not one per turn): every bundle has
   a set of *owners*, the turns (request ids) that keep it alive; its producer first. When a turn
   moves on (:meth:`retire`: the next turn of that conversation published its response), the turn
   leaves every owner set, and a bundle with no owner left is dropped. A bundle that is still a
   live turn's resend restore point gains that turn as an owner (:meth:`adopt`), so every live
-  branch of a conversation (n > 1, edits of a turn) keeps its latest turn.
+  branch of a conversation (n > 1, edits of a turn) keeps its latest turn. Lasting bundles are
+  shared by many conversations and never retired by lineage: only eviction and :meth:`clear`
+  drop them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from boundary_checkpoints.core.keys import CheckpointKey
+
+INSTRUCTION = "instruction"  # kind of a bundle at a request's instruction boundary (core/instruction.py)
+LASTING_KINDS = frozenset({INSTRUCTION})  # evicted after every other kind, never retired by lineage
 
 
 class BlockLike(Protocol):
@@ -57,6 +66,10 @@ class Checkpoint:
     @property
     def num_tokens(self) -> int:
         return self.key.num_tokens
+
+    @property
+    def lasting(self) -> bool:
+        return self.kind in LASTING_KINDS
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
@@ -100,7 +113,7 @@ class StoreCounters:
 
 
 class LruEvictionPolicy:
-    """Least recently published or restored bundle first."""
+    """Least recently published or restored bundle first; lasting bundles after all others."""
 
     def __init__(self) -> None:
         self._order: OrderedDict[int, Checkpoint] = OrderedDict()
@@ -115,11 +128,12 @@ class LruEvictionPolicy:
         self._order.pop(id(checkpoint), None)
 
     def victim(self) -> Checkpoint | None:
-        return next(iter(self._order.values()), None)
+        return next(iter(self.in_order()), None)
 
     def in_order(self) -> list[Checkpoint]:
         """Every bundle, the next victim first."""
-        return list(self._order.values())
+        ordered = list(self._order.values())
+        return [c for c in ordered if not c.lasting] + [c for c in ordered if c.lasting]
 
 
 @dataclass
@@ -220,6 +234,8 @@ class CheckpointStore:
         """
         victims = []
         for checkpoint in self.checkpoints():
+            if checkpoint.lasting:
+                continue  # shared by many conversations: never retired by one of them
             if turn in checkpoint.owners:
                 checkpoint.owners.discard(turn)
                 if not checkpoint.owners:
@@ -234,6 +250,15 @@ class CheckpointStore:
         if not self._is_retained(checkpoint):
             return False
         checkpoint.owners.add(turn)
+        return True
+
+    def make_lasting(self, key: CheckpointKey, kind: str = INSTRUCTION) -> bool:
+        """Give the retained bundle at ``key`` the lasting ``kind`` (a prompt checkpoint that is
+        also an instruction boundary); False if none is retained."""
+        checkpoint = self._by_parent.get((key.parent, key.start), {}).get(key.tail)
+        if checkpoint is None:
+            return False
+        checkpoint.kind = kind
         return True
 
     def freeable_blocks(self, is_free: Callable[[BlockLike], bool]) -> int:
@@ -301,8 +326,10 @@ class CheckpointStore:
             return
         while self.retained_blocks > self.max_blocks:
             victim = self.policy.victim()
-            if victim is None or victim is keep:
+            if victim is None:
                 return
+            # ``keep`` is reached only when every other bundle left is lasting and ``keep`` is
+            # not: it goes before them (counted as a budget eviction).
             self._drop(victim)
             self.counters.evictions += 1
             self.counters.evictions_budget += 1

@@ -1,0 +1,60 @@
+"""vLLM endpoint-plugin entry point (``vllm.endpoint_plugins`` -> ``boundary_checkpoints``).
+
+vLLM loads endpoint plugins in the API server process only, and only those named in the
+``VLLM_PLUGINS`` allowlist: ``VLLM_PLUGINS=boundary_checkpoints`` enables this one together with
+the general plugin of the same name (an allowlist also filters general plugins, so name it
+there). Without it the engine still honours a valid instruction boundary sent in ``vllm_xargs``
+and ignores (and counts) a bad one, but nothing answers a bad value with HTTP 400 and chat
+requests get no boundary computed.
+
+:meth:`BoundaryEndpointPlugin.init_state` re-classes the server's completion and chat serving
+objects to the subclasses in ``frontend/serving.py`` (``__class__`` assignment, as the scheduler
+does for vLLM's KV cache manager; no vLLM function is replaced), so vLLM's own routes, handlers
+and error responses stay in place. It adds one route, ``GET
+/v1/boundary_checkpoints/instruction_stats`` (the frontend's counters as JSON).
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+STATS_PATH = "/v1/boundary_checkpoints/instruction_stats"
+
+
+class BoundaryEndpointPlugin:
+    name = "boundary_checkpoints"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        from fastapi.responses import JSONResponse
+
+        from boundary_checkpoints.frontend.serving import instruction_stats
+
+        async def stats() -> JSONResponse:
+            return JSONResponse(dict(sorted(instruction_stats.items())))
+
+        app.add_api_route(STATS_PATH, stats, methods=["GET"])
+
+    async def init_state(self, engine_client, state, args) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+        from boundary_checkpoints.frontend.serving import InstructionServingChat, InstructionServingCompletion
+
+        for attr, stock, ours in (
+            ("openai_serving_completion", OpenAIServingCompletion, InstructionServingCompletion),
+            ("openai_serving_chat", OpenAIServingChat, InstructionServingChat),
+        ):
+            serving = getattr(state, attr, None)
+            if serving is None:
+                continue
+            if type(serving) is not stock:
+                logger.warning(
+                    "boundary_checkpoints: %s is a %s, not vLLM's %s: instruction boundaries are not "
+                    "validated there", attr, type(serving).__name__, stock.__name__,
+                )
+                continue
+            serving.__class__ = ours  # a subclass with no new state: vLLM's handler, extended
+        logger.info("boundary_checkpoints: frontend validates and computes instruction boundaries")

@@ -1,0 +1,161 @@
+"""End to end: the instruction boundary on the real OpenAI server (CPU engine, tiny Qwen3-Next).
+
+Many conversations share one system prompt and differ after it. With the plugin's endpoint plugin
+loaded (``VLLM_PLUGINS=boundary_checkpoints``), a chat request's leading system message is
+rendered on its own; its token count goes to the engine as the instruction boundary, the first
+conversation's prefill stops there and keeps a checkpoint, and every later conversation's FIRST
+turn restores exactly there. Stock retention (``{"policy": "aligned"}``) on the same traffic
+hits only on its 256-token block grid (or not at all below one block). ``/v1/completions`` takes
+the boundary as ``vllm_xargs``; bad values are answered with HTTP 400 naming the field.
+
+The installed package metadata in a development checkout may predate the endpoint-plugin entry
+point, so the servers get a throwaway ``*.dist-info`` that declares it (what ``pip install``
+writes from pyproject.toml) on their ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from boundary_checkpoints.bench.client import CompletionError, chat, complete
+from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, REQUEST_FIELD
+from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
+from boundary_checkpoints.frontend.plugin import STATS_PATH
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 256  # the CPU engine's block for the tiny model
+CONVERSATIONS = 16
+SHORT_CONVERSATIONS = 8
+# A template whose system block depends on later messages (it prints the message count in every
+# block): the system-only rendering is not a prefix of the full prompt.
+COUNTING_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['role'] }} w{{ messages|length + 10 }} "
+    "{{ message['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<s> assistant {% endif %}"
+)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(f"w{rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE)}" for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def plugin_env(tmp_path_factory) -> dict[str, str]:
+    """Environment that makes the servers discover the endpoint plugin and allowlist it."""
+    site = tmp_path_factory.mktemp("entry_points")
+    dist = site / "bc_instruction_frontend-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bc-instruction-frontend\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[vllm.endpoint_plugins]\n"
+        "boundary_checkpoints = boundary_checkpoints.frontend.plugin:BoundaryEndpointPlugin\n"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (str(site), repo, os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "VLLM_PLUGINS": "boundary_checkpoints"}
+
+
+def server(tiny_model_dir, tmp_path_factory, env, policy: str, extra_args=()):
+    log_path = tmp_path_factory.mktemp("server") / f"server_instruction_{policy}.log"
+    return RunningServer(
+        tiny_model_dir, log_path, additional_config=policy_config(policy), env=env,
+        extra_args=list(extra_args), timeout=300,
+    )  # fmt: skip
+
+
+def get_json(base_url: str, path: str) -> dict:
+    with urllib.request.urlopen(f"{base_url}{path}", timeout=30) as resp:
+        return json.load(resp)
+
+
+def first_turns(base_url: str, system: str, users: list[str], salt: str) -> list[tuple[int, int | None]]:
+    """(prompt tokens, cached tokens) of each conversation's first turn, one after the other."""
+    results = []
+    for user in users:
+        out = chat(base_url, [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                   max_tokens=4, cache_salt=salt)  # fmt: skip
+        results.append((out.prompt_tokens, out.cached_tokens))
+    return results
+
+
+def test_chat_conversations_restore_at_the_shared_system_prompt(tiny_model_dir, tmp_path_factory, plugin_env):
+    rng = random.Random(14)
+    # The template renders "<s> system CONTENT </s> ": N_i = words + 3.
+    long_system, short_system = words(rng, 297), words(rng, 97)
+    long_users = [words(rng, 20 + i) for i in range(CONVERSATIONS)]
+    short_users = [words(rng, 30 + i) for i in range(SHORT_CONVERSATIONS)]
+    measured: dict[str, dict[str, list]] = {}
+    for policy in ("request_boundaries", "aligned"):
+        salt = f"{policy}-{uuid.uuid4().hex}"
+        with server(tiny_model_dir, tmp_path_factory, plugin_env, policy) as running:
+            measured[policy] = {
+                "long": first_turns(running.base_url, long_system, long_users, salt),
+                "short": first_turns(running.base_url, short_system, short_users, salt),
+            }
+            stats = get_json(running.base_url, STATS_PATH)
+        assert stats.get("chat_boundary_set") == CONVERSATIONS + SHORT_CONVERSATIONS, stats
+    print("\ninstruction boundary, first turns (prompt tokens, cached tokens):")
+    for policy, runs in measured.items():
+        for size, turns in runs.items():
+            print(f"  {policy:18s} {size:5s} {[cached for _, cached in turns]}")
+
+    plugin, stock = measured["request_boundaries"], measured["aligned"]
+    for size, n_i in (("long", 300), ("short", 100)):
+        assert [cached for _, cached in plugin[size]] == [0] + [n_i] * (len(plugin[size]) - 1)
+        stock_cached = [cached for _, cached in stock[size]]
+        assert all(cached % BLOCK == 0 and cached < n_i for cached in stock_cached), stock_cached
+        if size == "short":
+            assert stock_cached == [0] * len(stock_cached)  # below one block stock never hits
+
+
+def test_completions_vllm_xargs_and_chat_templates(tiny_model_dir, tmp_path_factory, plugin_env):
+    rng = random.Random(15)
+    shared = [rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE) for _ in range(150)]
+    salt = uuid.uuid4().hex
+
+    def prompt(n_user: int) -> list[int]:
+        return shared + [rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE) for _ in range(n_user)]
+
+    extra_args = ["--trust-request-chat-template"]
+    with server(tiny_model_dir, tmp_path_factory, plugin_env, "request_boundaries", extra_args) as running:
+        url = running.base_url
+        xargs = {"vllm_xargs": {INSTRUCTION_TOKENS_KEY: 150}}
+        cached = [complete(url, prompt(40 + i), max_tokens=4, cache_salt=salt, **xargs).cached_tokens
+                  for i in range(4)]  # fmt: skip
+        assert cached == [0, 150, 150, 150]
+
+        p = prompt(40)
+        for bad in (0, -1, len(p), len(p) + 7, "150", 2.5, [150]):
+            with pytest.raises(CompletionError) as err:
+                complete(url, p, max_tokens=4, cache_salt=salt, vllm_xargs={INSTRUCTION_TOKENS_KEY: bad})
+            assert "HTTP 400" in str(err.value) and REQUEST_FIELD in str(err.value), str(err.value)
+        # A text prompt is validated against its own token count (3 or 4 tokens).
+        with pytest.raises(CompletionError, match="HTTP 400"):
+            complete(url, "w10 w11 w12", max_tokens=4, vllm_xargs={INSTRUCTION_TOKENS_KEY: 50})
+        # Explicit values on chat are validated the same way.
+        with pytest.raises(CompletionError, match=REQUEST_FIELD.replace(".", r"\.")):
+            chat(url, [{"role": "user", "content": "w10 w11"}], max_tokens=4,
+                 vllm_xargs={INSTRUCTION_TOKENS_KEY: 99})  # fmt: skip
+        # The server keeps serving, and the checkpoint is still there.
+        assert complete(url, prompt(33), max_tokens=4, cache_salt=salt, **xargs).cached_tokens == 150
+
+        # A template whose system block depends on later messages: no boundary, counted.
+        system = words(rng, 120)
+        for user in (words(rng, 20), words(rng, 21)):
+            out = chat(url, [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                       max_tokens=4, cache_salt=salt, chat_template=COUNTING_TEMPLATE)  # fmt: skip
+            assert out.cached_tokens == 0
+        # No system message, or nothing after it: nothing to do.
+        chat(url, [{"role": "user", "content": words(rng, 10)}], max_tokens=4, cache_salt=salt)
+        stats = get_json(url, STATS_PATH)
+        assert stats.get("chat_skipped_not_a_prefix") == 2, stats
+        assert stats.get("rejected_out_of_range", 0) >= 5 and stats.get("rejected_not_an_integer") == 3, stats
+        assert "chat_boundary_set" not in stats, stats
