@@ -47,6 +47,19 @@ Private internals (names and the behaviour relied on):
   ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
   the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
   a retained block's release frees it.
+* ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
+  to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
+  result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
+  ``SchedulerStats`` fields only), and ``SchedulerStats.num_kv_fetch_reqs_by_stage`` is a fresh
+  ``dict[str, int]`` per call whose stock readers (Prometheus and logging stat loggers) look up
+  only their own stage keys once this plugin's logger removed its entries (``metrics.py``).
+* ``AggregateStatLoggerBase`` (v1/metrics/loggers.py) and the ``vllm.stat_logger_plugins`` entry
+  point group: subclassed by the plugin's stat logger. Relied on: ``StatLoggerManager`` builds
+  plugin loggers before vLLM's logging and Prometheus loggers and calls ``record`` on them in
+  that order with the same stats object; ``log_engine_initialized`` runs after every logger is
+  built; ``PrometheusStatLogger.__init__`` unregisters every default-registry collector whose name
+  starts with ``vllm:``; ``/metrics`` serves ``prometheus_client``'s default registry.
+  ``vllm.envs.VLLM_PLUGINS`` (:func:`allowed_vllm_plugins`) filters plugins by name.
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -65,10 +78,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
 __all__ = [
+    "AggregateStatLoggerBase",
     "AsyncScheduler",
     "FullAttentionManager",
     "KVCacheBlock",
@@ -81,6 +96,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "VllmConfig",
+    "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
     "interface_mismatches",
@@ -104,6 +120,13 @@ def install_vllm_config_hook(apply: Callable[[VllmConfig], None]) -> None:
 
     setattr(post_init, _HOOK_MARK, True)
     VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
+
+
+def allowed_vllm_plugins() -> list[str] | None:
+    """``VLLM_PLUGINS``: the plugin names vLLM loads (None: all)."""
+    import vllm.envs as envs
+
+    return envs.VLLM_PLUGINS
 
 
 def v1_model_runner_class() -> type:
@@ -130,6 +153,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (Scheduler, "_free_request", ("request", "delay_free_blocks")),
     (Scheduler, "_preempt_request", ("request",)),
     (Scheduler, "reset_prefix_cache", ("reset_running_requests",)),
+    (Scheduler, "make_stats", ("spec_decoding_stats",)),
     (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
     (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
 )

@@ -105,6 +105,7 @@ from boundary_checkpoints.core.boundaries import (
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -425,6 +426,7 @@ class BoundaryCheckpointMixin:
         copies = self._emit_pending_copies(output)
         if copies:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
+            self._record_capture_cost(copies)
         self._plan_chunk_captures(output)
         if self._lookup_pins:
             self._block_pool.free_blocks(self._lookup_pins)
@@ -642,6 +644,25 @@ class BoundaryCheckpointMixin:
             "boundary_checkpoints: %s",
             ", ".join(f"{name}={value}" for name, value in self.boundary_stats().items()),
         )
+
+    def _record_capture_cost(self, copies: list) -> None:
+        """Count a step's capture copies (``(source, destination)`` block ids) and their bytes."""
+        sizes: dict[int, int] = {}
+        for pending in self._pending:
+            sizes.update(pending.checkpoint.block_bytes())
+        counters = self.checkpoint_store.counters
+        counters.capture_steps += 1
+        counters.capture_copies += len(copies)
+        counters.capture_copy_bytes += sum(sizes.get(destination, 0) for _, destination in copies)
+
+    def make_stats(self, *args, **kwargs):
+        """vLLM's per-step ``SchedulerStats`` plus this step's boundary counters, on their way to
+        the frontend's ``/metrics`` (``boundary_checkpoints/metrics.py``)."""
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None and self.boundaries_active:
+            reporter = self.__dict__.setdefault("_step_counter_reporter", StepCounterReporter())
+            reporter.attach(stats, self.boundary_stats())
+        return stats
 
 
 class BoundaryScheduler(BoundaryCheckpointMixin, Scheduler):

@@ -103,11 +103,16 @@ class StoreCounters:
     superseded: int = 0
     captures_dropped: int = 0
     responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
+    capture_steps: int = 0  # steps that carried capture copies
+    capture_copies: int = 0  # block copies those steps ran for captures
+    capture_copy_bytes: int = 0  # bytes those copies moved
     misses_by_reason: dict[str, int] = field(default_factory=dict)
+    hits_by_kind: dict[str, int] = field(default_factory=dict)  # by the restored checkpoint's kind
 
     def as_dict(self) -> dict[str, int]:
-        """Flat counters; misses by reason as ``miss_<reason>``."""
-        flat = {name: value for name, value in self.__dict__.items() if name != "misses_by_reason"}
+        """Flat counters; hits by kind as ``hit_<kind>``, misses by reason as ``miss_<reason>``."""
+        flat = {name: value for name, value in self.__dict__.items() if not isinstance(value, dict)}
+        flat.update({f"hit_{kind}": n for kind, n in sorted(self.hits_by_kind.items())})
         flat.update({f"miss_{reason}": n for reason, n in sorted(self.misses_by_reason.items())})
         return flat
 
@@ -315,6 +320,7 @@ class CheckpointStore:
             self.counters.misses_by_reason[reason] = self.counters.misses_by_reason.get(reason, 0) + 1
         else:
             self.counters.hits += 1
+            self.counters.hits_by_kind[hit.kind] = self.counters.hits_by_kind.get(hit.kind, 0) + 1
             self.counters.tokens_restored += hit.num_tokens
 
     # ---- internals -----------------------------------------------------------------------

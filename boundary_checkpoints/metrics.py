@@ -1,0 +1,278 @@
+"""Prometheus metrics for boundary checkpoints, on the server's own ``/metrics`` endpoint.
+
+Path of the numbers (vLLM 0.32, no second endpoint, no vLLM function patched):
+
+1. Engine core. The plugin's scheduler counts into ``CheckpointStore.counters`` (``StoreCounters``)
+   and, once per step, vLLM calls ``Scheduler.make_stats`` for the ``SchedulerStats`` it sends
+   to the frontend. The plugin's override (``BoundaryCheckpointMixin.make_stats``) adds this
+   step's counter *deltas* (and the current gauge values) through :class:`StepCounterReporter`.
+2. Transport. ``SchedulerStats`` rides ``EngineCoreOutputs`` through vLLM's msgpack channel,
+   whose decoder is typed: it rebuilds a plain ``SchedulerStats`` and drops any field a subclass
+   adds, and ``SchedulerStats`` has no field reserved for plugins (``kv_connector_stats`` and
+   ``ec_connector_stats`` are handed to the configured connector's stats class, which a server
+   without a connector does not have). So the payload rides the one ``dict[str, int]`` field
+   whose stock readers look up only their own keys, ``num_kv_fetch_reqs_by_stage``, as
+   ``boundary_checkpoints:<counter>`` entries (:data:`CARRIER_FIELD`, :data:`PAYLOAD_PREFIX`).
+   The engine core adds them only when the frontend will take them out again (the stat logger
+   below is installed and not filtered by ``VLLM_PLUGINS``: :func:`frontend_collects`).
+3. Frontend. ``vllm.stat_logger_plugins`` entry point ``boundary_checkpoints`` ->
+   :class:`BoundaryCheckpointStatLogger`. vLLM builds plugin stat loggers before its own logging
+   and Prometheus loggers and records every step into them in that order, so this logger pops
+   the ``boundary_checkpoints:`` entries (:func:`take_payload`) before vLLM's loggers read the
+   dict, turns them into samples (:func:`to_samples`) and applies them to ``prometheus_client``
+   counters and gauges in the default registry, which vLLM's ``/metrics`` serves (also in
+   multi-process mode: the gauges are ``mostrecent`` like vLLM's). Labels ``model_name`` (the
+   served model name) and ``engine`` (the engine index), as on vLLM's own metrics.
+
+Deltas, not totals, travel: with several API servers each step's stats reach exactly one of them,
+so a delta is counted once wherever it lands. The metrics are registered in
+``log_engine_initialized`` because vLLM's Prometheus logger, built after this one, unregisters
+every collector whose name starts with ``vllm:``.
+
+Metric names: see :data:`COUNTER_HELP`, :data:`GAUGE_HELP` (and README "Metrics").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints.compat import AggregateStatLoggerBase
+
+logger = init_logger(f"vllm.{__name__}")
+
+STAT_LOGGER_NAME = "boundary_checkpoints"  # entry point name; same as the general plugin's
+STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"
+CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
+PAYLOAD_PREFIX = "boundary_checkpoints:"
+
+# Values sent as they are (gauges); every other counter travels as a delta.
+GAUGE_KEYS = ("checkpoints_retained", "blocks_retained", "bytes_retained", "captures_pending")
+
+HITS = "vllm:boundary_checkpoint_hits"
+MISSES = "vllm:boundary_checkpoint_misses"
+EVICTIONS = "vllm:boundary_checkpoint_evictions"
+
+COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
+    HITS: ("Lookups that restored a boundary checkpoint, by the checkpoint's kind.", ("kind",)),
+    MISSES: ("Eligible lookups that restored no boundary checkpoint, by reason.", ("reason",)),
+    "vllm:boundary_checkpoint_restored_tokens": ("Prompt tokens restored from boundary checkpoints.", ()),
+    EVICTIONS: ("Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: "
+                "an allocation did not fit).", ("cause",)),
+    "vllm:boundary_checkpoint_refused_oversize": ("Checkpoints not retained: alone larger than the budget.", ()),
+    "vllm:boundary_checkpoint_captures_published": ("Checkpoints published into the store.", ()),
+    "vllm:boundary_checkpoint_captures_dropped": ("Planned captures dropped (no free blocks, no plan).", ()),
+    "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
+    "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
+    "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
+    "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),
+}  # fmt: skip
+GAUGE_HELP: dict[str, str] = {
+    "vllm:boundary_checkpoints_retained": "Boundary checkpoints retained.",
+    "vllm:boundary_checkpoint_retained_blocks": "KV cache blocks held by retained boundary checkpoints.",
+    "vllm:boundary_checkpoint_retained_bytes": "Bytes of KV cache held by retained boundary checkpoints.",
+    "vllm:boundary_checkpoint_captures_pending": "Captures planned and not yet published.",
+}
+
+# Payload key -> (metric, label value) for the counters with one fixed series.
+_COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "tokens_restored": ("vllm:boundary_checkpoint_restored_tokens", ()),
+    "evictions_budget": (EVICTIONS, ("budget",)),
+    "evictions_pressure": (EVICTIONS, ("pressure",)),
+    "refused_oversize": ("vllm:boundary_checkpoint_refused_oversize", ()),
+    "published": ("vllm:boundary_checkpoint_captures_published", ()),
+    "captures_dropped": ("vllm:boundary_checkpoint_captures_dropped", ()),
+    "responses_aborted": ("vllm:boundary_checkpoint_responses_aborted", ()),
+    "capture_steps": ("vllm:boundary_checkpoint_capture_steps", ()),
+    "capture_copies": ("vllm:boundary_checkpoint_capture_copies", ()),
+    "capture_copy_bytes": ("vllm:boundary_checkpoint_capture_copy_bytes", ()),
+}
+_GAUGE_KEYS: dict[str, str] = {
+    "checkpoints_retained": "vllm:boundary_checkpoints_retained",
+    "blocks_retained": "vllm:boundary_checkpoint_retained_blocks",
+    "bytes_retained": "vllm:boundary_checkpoint_retained_bytes",
+    "captures_pending": "vllm:boundary_checkpoint_captures_pending",
+}
+# Series shown (at 0) from startup; other kinds and reasons appear when first counted.
+KNOWN_KINDS = ("prompt", "response")
+KNOWN_MISS_REASONS = ("no_checkpoint", "diverged", "block_grid_as_long", "ineligible", "cache_bypassed")
+KNOWN_EVICTION_CAUSES = ("budget", "pressure")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One update: ``counter`` samples are increments, ``gauge`` samples are values."""
+
+    metric: str
+    labels: tuple[str, ...]  # values of the metric's own label names (after model_name, engine)
+    value: int
+    type: str  # "counter" or "gauge"
+
+
+def to_samples(payload: Mapping[str, int]) -> list[Sample]:
+    """Metric samples for one step's payload (counter deltas and gauge values by counter name,
+    as in ``BoundaryCheckpointMixin.boundary_stats``). ``hit_<kind>`` and ``miss_<reason>`` map
+    to a labelled series each; counters with a zero delta and unknown names give no sample."""
+    samples: list[Sample] = []
+    for name, value in payload.items():
+        if name in _GAUGE_KEYS:
+            samples.append(Sample(_GAUGE_KEYS[name], (), value, "gauge"))
+        elif value <= 0:
+            continue
+        elif name in _COUNTER_KEYS:
+            metric, labels = _COUNTER_KEYS[name]
+            samples.append(Sample(metric, labels, value, "counter"))
+        elif name.startswith("hit_"):
+            samples.append(Sample(HITS, (name[len("hit_"):],), value, "counter"))
+        elif name.startswith("miss_"):
+            samples.append(Sample(MISSES, (name[len("miss_"):],), value, "counter"))
+    return samples
+
+
+# ---- engine core ---------------------------------------------------------------------------
+_frontend_collects: bool | None = None
+
+
+def frontend_collects() -> bool:
+    """Whether the frontend runs :class:`BoundaryCheckpointStatLogger` (its entry point is
+    installed and ``VLLM_PLUGINS`` does not leave it out); both processes share the environment.
+    Checked once per process."""
+    global _frontend_collects
+    if _frontend_collects is None:
+        from importlib.metadata import entry_points
+
+        from boundary_checkpoints.compat import allowed_vllm_plugins
+
+        allowed = allowed_vllm_plugins()
+        names = {ep.name for ep in entry_points(group=STAT_LOGGER_GROUP)}
+        _frontend_collects = STAT_LOGGER_NAME in names and (allowed is None or STAT_LOGGER_NAME in allowed)
+        if not _frontend_collects:
+            logger.info(
+                "boundary_checkpoints: stat logger entry point %s:%s not active; no /metrics series "
+                "(reinstall the package to register it)", STAT_LOGGER_GROUP, STAT_LOGGER_NAME,
+            )
+    return _frontend_collects
+
+
+class StepCounterReporter:
+    """Engine-core side: puts the counters' change since the last report (and the gauges'
+    current values) into a step's ``SchedulerStats``."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self._reported: dict[str, int] = {}
+        self._enabled = enabled
+
+    def payload(self, current: Mapping[str, int]) -> dict[str, int]:
+        """Gauges as they are, counters as deltas; unchanged counters are left out."""
+        out: dict[str, int] = {}
+        for name, value in current.items():
+            if name in GAUGE_KEYS:
+                out[name] = value
+                continue
+            delta = value - self._reported.get(name, 0)
+            self._reported[name] = value
+            if delta > 0:
+                out[name] = delta
+        return out
+
+    def attach(self, stats: Any, current: Mapping[str, int]) -> None:
+        if self._enabled is None:
+            self._enabled = frontend_collects()
+        if not self._enabled:
+            return
+        carrier = getattr(stats, CARRIER_FIELD, None)
+        if not isinstance(carrier, dict):
+            return
+        carrier.update({PAYLOAD_PREFIX + name: value for name, value in self.payload(current).items()})
+
+
+# ---- frontend ------------------------------------------------------------------------------
+def take_payload(scheduler_stats: Any) -> dict[str, int]:
+    """Remove the plugin's entries from ``scheduler_stats`` (so vLLM's loggers never see them)
+    and return them by counter name."""
+    carrier = getattr(scheduler_stats, CARRIER_FIELD, None)
+    if not isinstance(carrier, dict):
+        return {}
+    keys = [key for key in carrier if isinstance(key, str) and key.startswith(PAYLOAD_PREFIX)]
+    return {key[len(PAYLOAD_PREFIX):]: carrier.pop(key) for key in keys}
+
+
+_registered: list[Any] = []  # this process's collectors, unregistered before registering anew
+
+
+class BoundaryCheckpointPrometheus:
+    """The ``prometheus_client`` counters and gauges, one series per engine (and label)."""
+
+    def __init__(self, model_name: str, engine_indexes: Iterable[int], registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        self.registry = REGISTRY if registry is None else registry
+        for collector in _registered:
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass  # already unregistered (vLLM's Prometheus logger)
+        _registered.clear()
+        self.model_name = model_name
+        base = ["model_name", "engine"]
+        self.metrics: dict[str, Any] = {}
+        for name, (documentation, labels) in COUNTER_HELP.items():
+            self.metrics[name] = Counter(name, documentation, [*base, *labels], registry=self.registry)
+        for name, documentation in GAUGE_HELP.items():
+            self.metrics[name] = Gauge(
+                name, documentation, base, registry=self.registry, multiprocess_mode="mostrecent"
+            )
+        _registered.extend(self.metrics.values())
+        known = {HITS: KNOWN_KINDS, MISSES: KNOWN_MISS_REASONS, EVICTIONS: KNOWN_EVICTION_CAUSES}
+        for engine in engine_indexes:  # every known series from the start, at 0
+            for name, (_, labels) in COUNTER_HELP.items():
+                for value in known[name] if labels else [None]:
+                    self._series(name, engine, () if value is None else (value,))
+            for name in GAUGE_HELP:
+                self._series(name, engine, ())
+
+    def _series(self, metric: str, engine: int, labels: tuple[str, ...]):
+        return self.metrics[metric].labels(self.model_name, str(engine), *labels)
+
+    def observe(self, payload: Mapping[str, int], engine: int) -> None:
+        for sample in to_samples(payload):
+            series = self._series(sample.metric, engine, sample.labels)
+            if sample.type == "gauge":
+                series.set(sample.value)
+            else:
+                series.inc(sample.value)
+
+
+class BoundaryCheckpointStatLogger(AggregateStatLoggerBase):
+    """vLLM stat logger plugin (``vllm.stat_logger_plugins``): boundary checkpoint counters from
+    every engine core's ``SchedulerStats`` to Prometheus. Inactive (it only strips its entries)
+    when the configured scheduler is not the plugin's."""
+
+    def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+        from boundary_checkpoints.config import extends_boundary_scheduler
+
+        self.engine_indexes = list(engine_indexes or [0])
+        self.model_name = vllm_config.model_config.served_model_name
+        scheduler_cls = vllm_config.scheduler_config.scheduler_cls
+        self.active = scheduler_cls is not None and extends_boundary_scheduler(scheduler_cls)
+        self.prometheus: BoundaryCheckpointPrometheus | None = None
+
+    def _ensure_prometheus(self) -> BoundaryCheckpointPrometheus:
+        if self.prometheus is None:
+            self.prometheus = BoundaryCheckpointPrometheus(self.model_name, self.engine_indexes)
+        return self.prometheus
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if scheduler_stats is None:
+            return
+        payload = take_payload(scheduler_stats)
+        if payload and self.active:
+            self._ensure_prometheus().observe(payload, engine_idx)
+
+    def log_engine_initialized(self) -> None:
+        # After vLLM's Prometheus logger was built (it unregisters "vllm:" collectors).
+        if self.active:
+            self._ensure_prometheus()

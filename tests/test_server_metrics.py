@@ -1,0 +1,126 @@
+"""End to end: the plugin's Prometheus series on a real vLLM OpenAI server's ``/metrics`` (CPU
+engine, tiny Qwen3-Next): a prompt, its resend (prompt-kind hit), a continuation (response-kind
+hit) and an unrelated prompt (no_checkpoint miss), then exact counter values for this model.
+
+The server reads entry points from package metadata. The metadata of the installed (editable)
+package is written at install time, so the test puts metadata generated from this checkout's
+``pyproject.toml`` first on the server's ``PYTHONPATH``: the server sees the entry points this
+source tree declares, whatever was installed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from boundary_checkpoints.bench.client import complete
+from boundary_checkpoints.bench.server import RunningServer, policy_config
+
+pytestmark = pytest.mark.slow
+
+MODEL_NAME = "tiny-metrics"
+MAX_TOKENS = 16
+REPO = Path(__file__).parents[1]
+
+
+def write_metadata(target: Path) -> Path:
+    """A ``.dist-info`` with this checkout's name, version and entry points."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    dist = target / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+    lines = []
+    for group, entries in project["entry-points"].items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {value}" for name, value in entries.items()]
+        lines.append("")
+    (dist / "entry_points.txt").write_text("\n".join(lines))
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("metrics")
+    metadata = write_metadata(root / "metadata")
+    path = os.pathsep.join(p for p in (str(metadata), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    with RunningServer(
+        tiny_model_dir,
+        root / "server.log",
+        additional_config=policy_config("request_boundaries"),
+        served_model_name=MODEL_NAME,
+        env={"PYTHONPATH": path},
+        timeout=300,
+    ) as running:
+        yield running
+
+
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(metrics, name: str, **labels) -> float | None:
+    labels = {"model_name": MODEL_NAME, "engine": "0", **labels}
+    return metrics.get((name, tuple(sorted(labels.items()))))
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 1024) for _ in range(n)]
+
+
+def test_metrics_count_hits_by_kind_misses_by_reason_and_restored_tokens(server):
+    rng = random.Random(7)
+    prompt = _ids(rng, 600)
+    args = {"max_tokens": MAX_TOKENS, "cache_salt": "metrics", "model": MODEL_NAME}
+    first = complete(server.base_url, prompt, **args)  # no_checkpoint miss: nothing retained yet
+    resend = complete(server.base_url, prompt, **args)  # prompt-kind hit at P - 1
+    continuation = complete(server.base_url, prompt + first.token_ids + _ids(rng, 40), **args)  # response kind
+    unrelated = complete(server.base_url, _ids(random.Random(8), 500), max_tokens=MAX_TOKENS, cache_salt="other",
+                         model=MODEL_NAME)
+    responses = [first, resend, continuation, unrelated]
+    assert resend.cached_tokens == 599
+    assert continuation.cached_tokens == 600 + MAX_TOKENS - 1
+    assert first.cached_tokens == 0 and unrelated.cached_tokens == 0
+
+    hits = "vllm:boundary_checkpoint_hits_total"
+    misses = "vllm:boundary_checkpoint_misses_total"
+    deadline = time.monotonic() + 30
+    while True:  # the frontend records a step's stats right after handing out its outputs
+        metrics = scrape(server.base_url)
+        counted = [value(metrics, hits, kind=k) for k in ("prompt", "response")]
+        counted += [value(metrics, misses, reason="no_checkpoint")]
+        if sum(v or 0 for v in counted) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+
+    assert value(metrics, hits, kind="prompt") == 1
+    assert value(metrics, hits, kind="response") == 1
+    assert value(metrics, misses, reason="no_checkpoint") == 2
+    for reason in ("diverged", "block_grid_as_long", "ineligible", "cache_bypassed"):
+        assert value(metrics, misses, reason=reason) == 0, reason
+    restored = value(metrics, "vllm:boundary_checkpoint_restored_tokens_total")
+    assert restored == sum(r.cached_tokens for r in responses) == 599 + 615
+    for gauge in ("vllm:boundary_checkpoints_retained", "vllm:boundary_checkpoint_retained_blocks",
+                  "vllm:boundary_checkpoint_retained_bytes"):  # fmt: skip
+        assert value(metrics, gauge) > 0, gauge
+    assert value(metrics, "vllm:boundary_checkpoint_captures_published_total") > 0
+    assert value(metrics, "vllm:boundary_checkpoint_capture_copies_total") > 0
+    assert value(metrics, "vllm:boundary_checkpoint_capture_copy_bytes_total") > 0
+    for cause in ("budget", "pressure"):
+        assert value(metrics, "vllm:boundary_checkpoint_evictions_total", cause=cause) == 0
+    assert value(metrics, "vllm:boundary_checkpoint_responses_aborted_total") == 0
+    # vLLM's own series for the same model are still there, next to the plugin's.
+    assert value(metrics, "vllm:prefix_cache_queries_total") is not None
+    # The payload never reached vLLM's logging stat logger (it would log a "KV fetch" part).
+    assert "KV fetch" not in Path(server.log_path).read_text()
