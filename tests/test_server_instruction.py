@@ -7,20 +7,16 @@ conversation's prefill stops there and keeps a checkpoint, and every later conve
 turn restores exactly there. Stock retention (``{"policy": "aligned"}``) on the same traffic
 hits only on its 256-token block grid (or not at all below one block). ``/v1/completions`` takes
 the boundary as ``vllm_xargs``; bad values are answered with HTTP 400 naming the field.
-
-The installed package metadata in a development checkout may predate the endpoint-plugin entry
-point, so the servers get a throwaway ``*.dist-info`` that declares it (what ``pip install``
-writes from pyproject.toml) on their ``PYTHONPATH``.
+The endpoint plugin's entry point comes from the installed package metadata
+(``scripts/install.sh`` reinstalls whenever pyproject.toml changes).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -48,19 +44,9 @@ def words(rng: random.Random, n: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def plugin_env(tmp_path_factory) -> dict[str, str]:
-    """Environment that makes the servers discover the endpoint plugin and allowlist it."""
-    site = tmp_path_factory.mktemp("entry_points")
-    dist = site / "bc_instruction_frontend-0.0.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: bc-instruction-frontend\nVersion: 0.0.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.endpoint_plugins]\n"
-        "boundary_checkpoints = boundary_checkpoints.frontend.plugin:BoundaryEndpointPlugin\n"
-    )
-    repo = str(Path(__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (str(site), repo, os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "VLLM_PLUGINS": "boundary_checkpoints"}
+def plugin_env() -> dict[str, str]:
+    """vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` names them (general plugins too)."""
+    return {"VLLM_PLUGINS": "boundary_checkpoints"}
 
 
 def server(tiny_model_dir, tmp_path_factory, env, policy: str, extra_args=()):

@@ -1,19 +1,14 @@
 """End to end: the plugin's Prometheus series on a real vLLM OpenAI server's ``/metrics`` (CPU
 engine, tiny Qwen3-Next): a prompt, its resend (prompt-kind hit), a continuation (response-kind
 hit) and an unrelated prompt (no_checkpoint miss), then exact counter values for this model.
-
-The server reads entry points from package metadata. The metadata of the installed (editable)
-package is written at install time, so the test puts metadata generated from this checkout's
-``pyproject.toml`` first on the server's ``PYTHONPATH``: the server sees the entry points this
-source tree declares, whatever was installed.
+The stat-logger entry point comes from the installed package metadata (``scripts/install.sh``
+reinstalls whenever pyproject.toml changes).
 """
 
 from __future__ import annotations
 
-import os
 import random
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,35 +22,16 @@ pytestmark = pytest.mark.slow
 
 MODEL_NAME = "tiny-metrics"
 MAX_TOKENS = 16
-REPO = Path(__file__).parents[1]
-
-
-def write_metadata(target: Path) -> Path:
-    """A ``.dist-info`` with this checkout's name, version and entry points."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    dist = target / f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
-    lines = []
-    for group, entries in project["entry-points"].items():
-        lines.append(f"[{group}]")
-        lines += [f"{name} = {value}" for name, value in entries.items()]
-        lines.append("")
-    (dist / "entry_points.txt").write_text("\n".join(lines))
-    return target
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("metrics")
-    metadata = write_metadata(root / "metadata")
-    path = os.pathsep.join(p for p in (str(metadata), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     with RunningServer(
         tiny_model_dir,
         root / "server.log",
         additional_config=policy_config("request_boundaries"),
         served_model_name=MODEL_NAME,
-        env={"PYTHONPATH": path},
         timeout=300,
     ) as running:
         yield running
