@@ -60,6 +60,14 @@ Private internals (names and the behaviour relied on):
   built; ``PrometheusStatLogger.__init__`` unregisters every default-registry collector whose name
   starts with ``vllm:``; ``/metrics`` serves ``prometheus_client``'s default registry.
   ``vllm.envs.VLLM_PLUGINS`` (:func:`allowed_vllm_plugins`) filters plugins by name.
+* OpenAI frontend (API server process only; imported lazily by :func:`openai_serving_classes`):
+  ``OpenAIServingCompletion`` and ``OpenAIServingChat`` (the endpoint plugin re-classes the
+  instances at ``state.openai_serving_completion`` / ``state.openai_serving_chat`` to subclasses
+  in ``frontend/serving.py``), whose ``render_completion_request(request)`` and
+  ``render_chat_request(request)`` return the engine inputs (or an ``ErrorResponse``), with
+  ``_extract_prompt_len``, ``_extract_prompt_components``, ``create_error_response`` and
+  ``online_renderer.render_chat``; ``ErrorResponse``. :func:`frontend_interface_mismatches`
+  checks these before the plugin installs its subclasses.
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -99,7 +107,9 @@ __all__ = [
     "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
+    "frontend_interface_mismatches",
     "interface_mismatches",
+    "openai_serving_classes",
     "reclass_instance",
     "v1_model_runner_class",
 ]
@@ -188,3 +198,26 @@ def interface_mismatches() -> list[str]:
     if missing_fields:
         problems.append(f"SchedulerOutput has no field(s) {', '.join(missing_fields)}")
     return problems
+
+
+def openai_serving_classes():
+    """``(OpenAIServingCompletion, OpenAIServingChat, ErrorResponse)`` of vLLM's OpenAI frontend,
+    imported on first call (only the API server process needs them)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    return OpenAIServingCompletion, OpenAIServingChat, ErrorResponse
+
+
+def frontend_interface_mismatches() -> list[str]:
+    """How vLLM's OpenAI frontend differs from the 0.32.0 methods the endpoint plugin extends."""
+    completion, chat, _ = openai_serving_classes()
+    expected = (
+        (completion, "render_completion_request"),
+        (chat, "render_chat_request"),
+        (completion, "_extract_prompt_len"),
+        (chat, "_extract_prompt_components"),
+        (chat, "create_error_response"),
+    )
+    return [f"{cls.__name__}.{name} is missing" for cls, name in expected if not callable(getattr(cls, name, None))]

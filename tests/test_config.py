@@ -513,3 +513,17 @@ def test_interface_check_reports_a_changed_signature(monkeypatch):
     monkeypatch.setattr(compat.Scheduler, "_free_request", changed)
     problems = compat.interface_mismatches()
     assert len(problems) == 1 and "Scheduler._free_request" in problems[0] and "something_else" in problems[0]
+
+
+def test_installed_vllm_frontend_matches_the_pinned_interface():
+    from boundary_checkpoints.compat import frontend_interface_mismatches
+
+    assert frontend_interface_mismatches() == []
+
+
+def test_frontend_interface_check_reports_a_missing_method(monkeypatch):
+    from boundary_checkpoints import compat
+
+    completion, _, _ = compat.openai_serving_classes()
+    monkeypatch.delattr(completion, "render_completion_request")
+    assert compat.frontend_interface_mismatches() == ["OpenAIServingCompletion.render_completion_request is missing"]

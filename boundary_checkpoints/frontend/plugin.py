@@ -38,10 +38,18 @@ class BoundaryEndpointPlugin:
         app.add_api_route(STATS_PATH, stats, methods=["GET"])
 
     async def init_state(self, engine_client, state, args) -> None:
-        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+        from boundary_checkpoints.compat import frontend_interface_mismatches, openai_serving_classes
 
+        mismatches = frontend_interface_mismatches()
+        if mismatches:
+            logger.warning(
+                "boundary_checkpoints: vLLM's OpenAI frontend differs from 0.32.0 (%s): instruction "
+                "boundaries are neither validated nor computed in the frontend", "; ".join(mismatches),
+            )
+            return
         from boundary_checkpoints.frontend.serving import InstructionServingChat, InstructionServingCompletion
+
+        OpenAIServingCompletion, OpenAIServingChat, _ = openai_serving_classes()
 
         for attr, stock, ours in (
             ("openai_serving_completion", OpenAIServingCompletion, InstructionServingCompletion),

@@ -32,11 +32,9 @@ import copy
 from collections import Counter
 from typing import Any
 
-from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.logger import init_logger
 
+from boundary_checkpoints.compat import openai_serving_classes
 from boundary_checkpoints.core.instruction import (
     INSTRUCTION_TOKENS_KEY,
     REQUEST_FIELD,
@@ -45,6 +43,7 @@ from boundary_checkpoints.core.instruction import (
 )
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+OpenAIServingCompletion, OpenAIServingChat, ErrorResponse = openai_serving_classes()
 
 INSTRUCTION_ROLES = ("system", "developer")
 instruction_stats: Counter[str] = Counter()
