@@ -38,8 +38,12 @@ Private internals (names and the behaviour relied on):
   ``_bookkeeping_sync`` rewinds the offset of the generators of discarded rows found in that dict
   (``set_offset(get_offset() - 4)``, which raises on a CPU generator). Imported lazily
   (:func:`v1_model_runner_class`): the scheduler process never loads the runner module.
-* ``CPUWorker.init_device`` builds ``self.model_runner``; ``Worker._make_model_runner`` (GPU)
-  returns it.
+* Worker base classes (imported lazily, in worker processes only: :func:`gpu_worker_class`,
+  :func:`cpu_worker_class`): ``vllm.v1.worker.gpu_worker.Worker`` and
+  ``vllm.v1.worker.cpu_worker.CPUWorker``, subclassed by ``worker/gpu.py`` and ``worker/cpu.py``
+  (``execute_model(scheduler_output, ...)`` overridden; ``model_runner.kv_caches`` and
+  ``model_runner.kv_cache_config.num_blocks`` read). ``CPUWorker.init_device`` builds
+  ``self.model_runner``; ``Worker._make_model_runner`` (GPU) returns it.
 * KV cache coordinator (v1/core/kv_cache_coordinator.py): the scheduler re-classes the manager's
   coordinator to a subclass whose ``get_num_blocks_to_allocate`` remembers its last answer, so a
   refused allocation's shortfall is known (``core/scheduler.py``); relied on: ``allocate_slots``
@@ -107,7 +111,9 @@ __all__ = [
     "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
+    "cpu_worker_class",
     "frontend_interface_mismatches",
+    "gpu_worker_class",
     "interface_mismatches",
     "openai_serving_classes",
     "reclass_instance",
@@ -221,3 +227,17 @@ def frontend_interface_mismatches() -> list[str]:
         (chat, "create_error_response"),
     )
     return [f"{cls.__name__}.{name} is missing" for cls, name in expected if not callable(getattr(cls, name, None))]
+
+
+def gpu_worker_class() -> type:
+    """vLLM's GPU ``Worker`` (Model Runner V2 or V1); imported on first call."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def cpu_worker_class() -> type:
+    """vLLM's ``CPUWorker``; imported on first call."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return CPUWorker

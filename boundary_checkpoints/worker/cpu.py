@@ -1,9 +1,10 @@
 """vLLM's CPU worker (V1 model runner) with boundary capture copies and exact seeded sampling."""
 
-from vllm.v1.worker.cpu_worker import CPUWorker
-
+from boundary_checkpoints.compat import cpu_worker_class
 from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
 from boundary_checkpoints.worker.seeded import with_exact_discarded_draws
+
+CPUWorker = cpu_worker_class()
 
 
 class BoundaryCPUWorker(CaptureCopyWorkerMixin, CPUWorker):

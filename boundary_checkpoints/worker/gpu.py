@@ -4,10 +4,11 @@ Model Runner V2 (the default) samples seeded requests statelessly and needs no c
 is re-classed for exact seeded sampling across partial-prefill steps (``worker/seeded.py``).
 """
 
-from vllm.v1.worker.gpu_worker import Worker
-
+from boundary_checkpoints.compat import gpu_worker_class
 from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
 from boundary_checkpoints.worker.seeded import with_exact_discarded_draws
+
+Worker = gpu_worker_class()
 
 
 class BoundaryGPUWorker(CaptureCopyWorkerMixin, Worker):
