@@ -13,10 +13,13 @@ Contract
 * ``unsupported_reasons(vllm_config)`` is a pure function of a ``VllmConfig``-like object (attribute
   access only, missing or ``None`` attributes are tolerated): it lists, in a fixed order, one short
   human clause per feature that boundary retention does not support.
+  ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
+  measured on (tensor parallel, decode context parallel).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
-  applies and otherwise falls back to ``aligned`` with the reasons, ``request_boundaries`` enables it
-  or raises ``BoundaryConfigError`` listing every reason.
+  of either kind applies and otherwise falls back to ``aligned`` with the reasons,
+  ``request_boundaries`` raises ``BoundaryConfigError`` listing every unsupported reason and
+  otherwise enables it, also on an unvalidated layout (named in the decision line).
 * ``log_decision_once(decision, logger)`` logs the one-line summary at INFO once per process per
   distinct summary.
 
@@ -198,11 +201,14 @@ def _read_section(additional_config: Any) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class GateDecision:
-    """What the gate chose: ``boundaries_enabled`` and, when it is off, why."""
+    """What the gate chose: ``boundaries_enabled``; when it is off, why (``reasons``); when it is on
+    for a layout not yet validated on hardware (explicit ``request_boundaries`` only), which
+    (``unvalidated``)."""
 
     requested: str
     boundaries_enabled: bool
     reasons: tuple[str, ...] = ()
+    unvalidated: tuple[str, ...] = ()
 
     def summary(self) -> str:
         """One log line: the requested policy, the effective one, and every fallback reason."""
@@ -210,6 +216,8 @@ class GateDecision:
         line = f"{CONFIG_KEY}: policy={self.requested} -> {effective}"
         if self.reasons:
             line += f" (fallback: {'; '.join(self.reasons)})"
+        if self.unvalidated:
+            line += f" (on a layout not validated yet: {'; '.join(self.unvalidated)})"
         return " ".join(line.split())  # one line whatever the reasons contain
 
 
@@ -277,15 +285,10 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
             "speculative decoding (MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported "
             "by boundary capture yet"
         )
-    tensor_parallel = _size(parallel, "tensor_parallel_size")
-    if tensor_parallel > 1:
-        # Capture copies run on every rank; untested until measured on several GPUs.
-        reasons.append(f"tensor parallel size {tensor_parallel} is not validated yet (measured on one GPU only)")
     for attr, label in (
         ("pipeline_parallel_size", "pipeline parallel"),
         ("data_parallel_size", "data parallel"),
         ("prefill_context_parallel_size", "prefill context parallel"),
-        ("decode_context_parallel_size", "decode context parallel"),
     ):
         size = _size(parallel, attr)
         if size > 1:
@@ -308,6 +311,25 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
+def unvalidated_reasons(vllm_config: Any) -> list[str]:
+    """Layouts boundary retention is built for but has not been measured on yet: ``auto`` falls
+    back for them, an explicit ``request_boundaries`` runs on them (the decision line says so).
+
+    Tensor and decode context parallelism: capture and restore copy whole scheduler blocks on
+    every rank, which is exact for replicated recurrent state and, under DCP, for the sharded
+    attention pages too (``worker/geometry.py``: a boundary's partial virtual page is one block
+    id on every rank), but neither has run on several GPUs yet."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    reasons = []
+    tensor_parallel = _size(parallel, "tensor_parallel_size")
+    if tensor_parallel > 1:
+        reasons.append(f"tensor parallel size {tensor_parallel} is not validated yet (measured on one GPU only)")
+    decode_context_parallel = _size(parallel, "decode_context_parallel_size")
+    if decode_context_parallel > 1:
+        reasons.append(f"decode context parallel size {decode_context_parallel} is not validated yet")
+    return reasons
+
+
 def decide_policy(config: BoundaryConfig, vllm_config: Any, extra_reasons: Sequence[str] = ()) -> GateDecision:
     """Apply the requested policy to ``vllm_config`` (see the module docstring); ``extra_reasons``
     (e.g. vLLM internals that differ from the pinned version) count like unsupported features."""
@@ -315,15 +337,18 @@ def decide_policy(config: BoundaryConfig, vllm_config: Any, extra_reasons: Seque
     if requested == "aligned":
         return GateDecision(requested, False, ())
     reasons = tuple(unsupported_reasons(vllm_config)) + tuple(extra_reasons)
-    if not reasons:
+    unvalidated = tuple(unvalidated_reasons(vllm_config))
+    if not reasons and not unvalidated:
         return GateDecision(requested, True, ())
+    if not reasons and requested == "request_boundaries":
+        return GateDecision(requested, True, (), unvalidated)
     if requested == "request_boundaries":
         raise BoundaryConfigError(
             f"{_qualified('policy')}=request_boundaries is not supported with this configuration: "
             f"{'; '.join(reasons)}. Use policy 'auto' to fall back to 'aligned' automatically "
             f"(allowed policies: {', '.join(POLICIES)})."
         )
-    return GateDecision(requested, False, reasons)
+    return GateDecision(requested, False, reasons + unvalidated)
 
 
 _logged_summaries: set[str] = set()

@@ -163,15 +163,18 @@ class ShadowWorker:
         return [token]
 
 
-def write_model_dir(path: Path) -> Path:
-    """A config-only hybrid model directory (no weights, no tokenizer) for VllmConfig."""
+def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
+    """A config-only hybrid model directory (no weights, no tokenizer) for VllmConfig.
+
+    vLLM allows decode context parallelism up to ``tensor_parallel / num_kv_heads``: one KV head
+    makes DCP 8 legal at TP 8."""
     from transformers import Qwen3NextConfig
 
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "config.json").exists():
         cfg = Qwen3NextConfig(
             vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-            full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            full_attention_interval=4, num_attention_heads=8, num_key_value_heads=num_kv_heads, head_dim=64,
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
             linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
@@ -199,11 +202,22 @@ def build_scheduler(
     prompt_checkpoints: bool = True,
     prompt_checkpoint_min_tokens: int = 0,
     scheduler_reserve_full_isl: bool = True,
+    dcp: int = 1,
+    interleave: int = 1,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
     ``scheduler_reserve_full_isl=False`` (vLLM's ``--no-scheduler-reserve-full-isl``) admits a
     request when its first chunk fits, so chunked prefills can run the pool dry and preempt.
+
+    ``dcp > 1``: decode context parallelism at tensor parallel ``dcp`` (the model directory needs
+    one KV head for 8), ``cp_kv_cache_interleave_size`` ``interleave``. The attention group's
+    scheduler block is then a virtual page of ``block_size * dcp`` tokens (vLLM's manager
+    multiplies the per-rank spec block by the DCP size); the recurrent groups, replicated on every
+    rank, use that virtual page as their block so that align mode keeps one state per page. The
+    shadow worker keeps one row per token of a virtual page: a whole-block copy on every rank
+    moves every rank's rows of that page (``worker/geometry.py``), so a page is the unit it
+    checks.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -223,14 +237,19 @@ def build_scheduler(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=dcp,
+        decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave,
+        distributed_executor_backend="mp" if dcp > 1 else None,
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
             "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
         }},
     ).create_engine_config()
     cache = vllm_config.cache_config
+    page = block_size * dcp  # the scheduler's block (a virtual page under DCP)
     cache.block_size = block_size
-    cache.mamba_block_size = block_size
+    cache.mamba_block_size = page
     cache.num_gpu_blocks = num_blocks
     vllm_config.scheduler_config.async_scheduling = async_scheduling
     vllm_config.scheduler_config.scheduler_reserve_full_isl = scheduler_reserve_full_isl
@@ -245,7 +264,7 @@ def build_scheduler(
         groups.append(
             KVCacheGroupSpec(
                 [f"ssm.{g}"],
-                MambaSpec(block_size=block_size, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align"),
+                MambaSpec(block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align"),
             )
         )
     kv_cache_config = KVCacheConfig(
@@ -264,9 +283,7 @@ def build_scheduler(
         hash_block_size=hash_block_size,
         log_stats=True,
     )
-    worker = ShadowWorker(
-        ["attention"] + ["recurrent"] * num_recurrent_groups, [block_size] * (1 + num_recurrent_groups)
-    )
+    worker = ShadowWorker(["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups))
     return scheduler, worker
 
 

@@ -217,11 +217,9 @@ UNSUPPORTED = [
     ("mamba_mode_none", {"cache_config__mamba_cache_mode": "none"}, "mamba_cache_mode is 'none'"),
     ("kv_connector", {"kv_transfer_config": SimpleNamespace(kv_connector="X")}, "KV connector"),
     ("spec_decode", {"speculative_config": SimpleNamespace(method="mtp")}, "speculative decoding"),
-    ("tp", {"parallel_config__tensor_parallel_size": 2}, "tensor parallel size 2 is not validated"),
     ("pp", {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallel size 2"),
     ("dp", {"parallel_config__data_parallel_size": 4}, "data parallel size 4"),
     ("pcp", {"parallel_config__prefill_context_parallel_size": 2}, "prefill context parallel size 2"),
-    ("dcp", {"parallel_config__decode_context_parallel_size": 2}, "decode context parallel size 2"),
     ("lora", {"lora_config": SimpleNamespace(max_loras=1)}, "LoRA"),
     ("prompt_embeds", {"model_config__enable_prompt_embeds": True}, "prompt embeddings"),
     ("multimodal", {"model_config__is_multimodal_model": True}, "multimodal inputs are not keyed"),
@@ -527,3 +525,29 @@ def test_frontend_interface_check_reports_a_missing_method(monkeypatch):
     completion, _, _ = compat.openai_serving_classes()
     monkeypatch.delattr(completion, "render_completion_request")
     assert compat.frontend_interface_mismatches() == ["OpenAIServingCompletion.render_completion_request is missing"]
+
+
+@pytest.mark.parametrize(
+    "overrides, text",
+    [
+        ({"parallel_config__tensor_parallel_size": 2}, "tensor parallel size 2 is not validated yet"),
+        ({"parallel_config__decode_context_parallel_size": 4}, "decode context parallel size 4 is not validated yet"),
+    ],
+    ids=["tp2", "dcp4"],
+)
+def test_unvalidated_layouts_fall_back_under_auto_and_run_when_asked_for(overrides, text):
+    """Tensor and decode context parallelism are built for (whole-block copies on every rank) but
+    not measured: auto falls back naming why, an explicit request_boundaries runs and says so."""
+    fake = supported_fake(**overrides)
+    assert unsupported_reasons(fake) == []
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and len(auto.reasons) == 1 and text in auto.reasons[0]
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    assert explicit.boundaries_enabled and explicit.reasons == () and text in explicit.unvalidated[0]
+    assert "not validated yet" in explicit.summary() and "-> request_boundaries" in explicit.summary()
+
+
+def test_an_unsupported_feature_still_refuses_request_boundaries_on_an_unvalidated_layout():
+    fake = supported_fake(parallel_config__decode_context_parallel_size=2, lora_config=SimpleNamespace())
+    with pytest.raises(BoundaryConfigError, match="LoRA"):
+        decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
