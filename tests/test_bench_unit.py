@@ -7,11 +7,11 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from http_stub import serve
 
 from boundary_checkpoints.bench import client, demo, server
 
@@ -86,12 +86,8 @@ class _StubHandler(BaseHTTPRequestHandler):
 def stub_url():
     _StubHandler.seen = {}
     _StubHandler.requests = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _StubHandler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(_StubHandler) as url:
+        yield url
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,10 +4,10 @@ stand-in ``/v1/chat/completions`` server (no vLLM engine)."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from http_stub import serve
 
 from boundary_checkpoints.bench import client, demo
 from boundary_checkpoints.bench.client import Completion
@@ -85,12 +85,8 @@ class _ChatStub(BaseHTTPRequestHandler):
 def chat_url():
     _ChatStub.seen = {}
     _ChatStub.requests = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ChatStub)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with serve(_ChatStub) as url:
+        yield url
 
 
 def test_chat_request_body():

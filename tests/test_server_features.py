@@ -15,15 +15,13 @@ that could see that extra step (one CPU server with the plugin for the whole mod
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import urllib.request
 import uuid
 
 import pytest
 
-from boundary_checkpoints.bench.client import build_request, complete
+from boundary_checkpoints.bench.client import complete, complete_json
 from boundary_checkpoints.bench.server import RunningServer, policy_config
 
 pytestmark = pytest.mark.slow
@@ -48,19 +46,6 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _salt() -> str:
     return uuid.uuid4().hex
-
-
-def _raw(base_url: str, prompt: list[int], **kwargs) -> dict:
-    """The whole JSON body of a completion (for fields the bench client does not keep)."""
-    body = build_request(prompt, **kwargs)
-    request = urllib.request.Request(
-        f"{base_url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return json.load(resp)
 
 
 def _cached(payload: dict) -> int:
@@ -120,8 +105,8 @@ def test_prompt_logprobs_all_values_and_never_restored(server):
     prompt = _prompt(num, seed=31)
     salt = _salt()
     kwargs = dict(max_tokens=4, prompt_logprobs=1, return_tokens_as_token_ids=True)
-    first = _raw(server.base_url, prompt, cache_salt=salt, **kwargs)
-    again = _raw(server.base_url, prompt, cache_salt=salt, **kwargs)
+    first = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
+    again = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
     assert _cached(first) == 0 and _cached(again) == 0  # never restored, not even at P - 1
 
     values = first["choices"][0]["prompt_logprobs"]
@@ -138,7 +123,7 @@ def test_prompt_logprobs_all_values_and_never_restored(server):
 
     # The P - 1 stop moves no value: the prompt with one more token stops at P instead (its
     # last chunk holds position P - 1), and its first P values agree up to bf16 noise.
-    longer = _raw(server.base_url, prompt + [prompt[0]], cache_salt=_salt(), **kwargs)
+    longer = complete_json(server.base_url, prompt + [prompt[0]], cache_salt=_salt(), **kwargs)
     longer_values = longer["choices"][0]["prompt_logprobs"][:num]
     worst = 0.0
     for entry, other in zip(values[1:], longer_values[1:]):
@@ -218,8 +203,8 @@ def test_seeded_n2_children_match_resend(server):
     prompt = _prompt(150, seed=36)
     salt = _salt()
     kwargs = dict(max_tokens=8, temperature=0.8, seed=5, n=2)
-    first = _raw(server.base_url, prompt, cache_salt=salt, **kwargs)
-    resend = _raw(server.base_url, prompt, cache_salt=salt, **kwargs)
+    first = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
+    resend = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
     assert _cached(first) == 0 and _cached(resend) > 0
     by_index = lambda payload: {c["index"]: c["token_ids"] for c in payload["choices"]}  # noqa: E731
     assert by_index(first) == by_index(resend)

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from boundary_checkpoints.bench.client import build_request, complete, iter_sse_events
+from boundary_checkpoints.bench.client import build_request, complete, complete_json, iter_sse_events
 from boundary_checkpoints.bench.server import RunningServer, is_healthy
 
 pytestmark = pytest.mark.slow
@@ -69,19 +69,6 @@ def _words(rng: random.Random, n: int) -> str:
 
 def _salt() -> str:
     return uuid.uuid4().hex
-
-
-def _raw(base_url: str, prompt, **kwargs) -> dict:
-    """The whole JSON body of a non-streaming completion (``n``, per-choice ids, stop fields)."""
-    body = build_request(prompt, **kwargs)
-    request = urllib.request.Request(
-        f"{base_url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    with urllib.request.urlopen(request, timeout=300) as resp:
-        return json.load(resp)
 
 
 def _cached(payload: dict) -> int:
@@ -233,7 +220,7 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     def conversation(salt: str, **turn2_kwargs) -> tuple[list[int], list[int], dict]:
         first = complete(base, turn1, cache_salt=salt, max_tokens=8)
         turn2 = turn1 + first.token_ids + new2
-        return first.token_ids, turn2, _raw(base, turn2, cache_salt=salt, **branch_kwargs, **turn2_kwargs)
+        return first.token_ids, turn2, complete_json(base, turn2, cache_salt=salt, **branch_kwargs, **turn2_kwargs)
 
     # Probe under its own salt: the two seeded answers, and a stop token for the early child.
     for seed in range(7, 40):
@@ -326,7 +313,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     rng = random.Random(3000)
     for _ in range(20):  # a prompt whose greedy answer is plain words with a clean stop word at 3
         prompt = _words(rng, 300)
-        probe = _raw(base, prompt, cache_salt=_salt(), max_tokens=12)["choices"][0]
+        probe = complete_json(base, prompt, cache_salt=_salt(), max_tokens=12)["choices"][0]
         words = probe["text"].split()
         if len(words) != len(probe["token_ids"]) or len(words) < 4:
             continue
@@ -339,7 +326,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
 
     salt = _salt()
     # max_tokens 200: the engine is still generating when the frontend's abort arrives.
-    payload = _raw(base, prompt, cache_salt=salt, max_tokens=200, stop=[stop_word])
+    payload = complete_json(base, prompt, cache_salt=salt, max_tokens=200, stop=[stop_word])
     choice = payload["choices"][0]
     num_prompt = len(choice["prompt_token_ids"])
     assert num_prompt == 300 and _cached(payload) == 0
@@ -347,7 +334,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_word)
 
     nxt_prompt = f"{prompt} {choice['text'].strip()} {_words(rng, 20)}"
-    nxt = _raw(base, nxt_prompt, cache_salt=salt, max_tokens=4)
+    nxt = complete_json(base, nxt_prompt, cache_salt=salt, max_tokens=4)
     assert len(nxt["choices"][0]["prompt_token_ids"]) == num_prompt + 3 + 20
     response_boundary = num_prompt + 3  # where a kept response checkpoint would have restored
     assert _cached(nxt) == num_prompt - 1  # the prompt checkpoint, not the response boundary

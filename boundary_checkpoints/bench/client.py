@@ -6,9 +6,10 @@ so the caller gets the exact answer ids back and can build the next turn of a co
 ids alone. ``cached_tokens`` is read from ``usage.prompt_tokens_details.cached_tokens`` (the server
 must run with ``--enable-prompt-tokens-details``).
 
-``complete`` makes one non-streaming request. ``stream_complete`` streams (with
-``stream_options.include_usage`` so usage still arrives in the last chunk) and also measures
-TTFT: the time from sending the request to the first chunk that carries a choice.
+``complete`` makes one non-streaming request (``complete_json`` returns its whole body).
+``stream_complete`` streams (with ``stream_options.include_usage`` so usage still arrives in the
+last chunk) and also measures TTFT: the time from sending the request to the first chunk that
+carries a choice.
 
 ``chat`` sends a conversation as ``messages`` to ``/v1/chat/completions`` (greedy, with
 ``return_token_ids``, so the answer ids and the rendered prompt ids come back too), streaming or not,
@@ -132,6 +133,13 @@ def complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **
         )
     except (KeyError, IndexError, TypeError, ValueError) as err:
         raise CompletionError(f"unexpected completion body: {str(payload)[:2000]}") from err
+
+
+def complete_json(base_url: str, prompt_ids: list[int] | str, *, timeout: float = 300.0, **kwargs) -> dict:
+    """The whole JSON body of one non-streaming completion (``n`` choices, per-choice ids, stop
+    fields: what :class:`Completion` does not keep); ``kwargs`` go to :func:`build_request`."""
+    with _post(base_url, build_request(prompt_ids, **kwargs), timeout) as resp:
+        return json.load(resp)
 
 
 def iter_sse_events(resp):
