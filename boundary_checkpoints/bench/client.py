@@ -68,6 +68,15 @@ def build_request(
         "ignore_eos": ignore_eos,
         "return_token_ids": True,
     }
+    return _with_options(body, cache_salt, stream, extra)
+
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+
+
+def _with_options(body: dict, cache_salt: str | None, stream: bool, extra: dict) -> dict:
+    """``body`` with the salt, streaming with usage in the last chunk, and ``extra`` merged last."""
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     if stream:
@@ -75,10 +84,6 @@ def build_request(
         body["stream_options"] = {"include_usage": True}
     body.update(extra)
     return body
-
-
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_PATH = "/v1/chat/completions"
 
 
 def _post(base_url: str, body: dict, timeout: float, path: str = COMPLETIONS_PATH):
@@ -237,13 +242,7 @@ def build_chat_request(
     }
     if logprobs:
         body.update(logprobs=True, top_logprobs=logprobs, return_tokens_as_token_ids=True)
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    body.update(extra)
-    return body
+    return _with_options(body, cache_salt, stream, extra)
 
 
 def _chat_top_logprobs(choice: dict) -> list[dict[int, float]]:
