@@ -14,7 +14,8 @@ Contract
   access only, missing or ``None`` attributes are tolerated): it lists, in a fixed order, one short
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
-  measured on (tensor parallel, decode context parallel).
+  measured on (model architectures other than the measured ones, tensor parallel, decode context
+  parallel).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
   of either kind applies and otherwise falls back to ``aligned`` with the reasons,
@@ -311,9 +312,17 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
+# Model architectures whose boundaries have been measured end to end (docs/compatibility.md).
+VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+
+
 def unvalidated_reasons(vllm_config: Any) -> list[str]:
     """Layouts boundary retention is built for but has not been measured on yet: ``auto`` falls
     back for them, an explicit ``request_boundaries`` runs on them (the decision line says so).
+
+    Model families: the scheduler accepts any layout of full-attention and align-mode recurrent
+    groups (``core/scheduler.py``: ``describe_layout``), but only the architectures in
+    :data:`VALIDATED_ARCHITECTURES` have been measured.
 
     Tensor and decode context parallelism: capture and restore copy whole scheduler blocks on
     every rank, which is exact for replicated recurrent state and, under DCP, for the sharded
@@ -321,6 +330,12 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     id on every rank), but neither has run on several GPUs yet."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
+    architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+    if architectures and not set(architectures) & set(VALIDATED_ARCHITECTURES):
+        reasons.append(
+            f"model architecture {', '.join(architectures)} is not validated yet "
+            f"(measured: {', '.join(VALIDATED_ARCHITECTURES)}; see docs/compatibility.md)"
+        )
     tensor_parallel = _size(parallel, "tensor_parallel_size")
     if tensor_parallel > 1:
         reasons.append(f"tensor parallel size {tensor_parallel} is not validated yet (measured on one GPU only)")
