@@ -63,6 +63,8 @@ COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     EVICTIONS: ("Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: "
                 "an allocation did not fit).", ("cause",)),
     "vllm:boundary_checkpoint_refused_oversize": ("Checkpoints not retained: alone larger than the budget.", ()),
+    "vllm:boundary_checkpoint_refused_protected": ("Checkpoints not retained: the bundle they would evict is "
+                                                   "likely reused sooner.", ()),
     "vllm:boundary_checkpoint_captures_published": ("Checkpoints published into the store.", ()),
     "vllm:boundary_checkpoint_captures_dropped": ("Planned captures dropped (no free blocks, no plan).", ()),
     "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
@@ -83,6 +85,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "evictions_budget": (EVICTIONS, ("budget",)),
     "evictions_pressure": (EVICTIONS, ("pressure",)),
     "refused_oversize": ("vllm:boundary_checkpoint_refused_oversize", ()),
+    "refused_protected": ("vllm:boundary_checkpoint_refused_protected", ()),
     "published": ("vllm:boundary_checkpoint_captures_published", ()),
     "captures_dropped": ("vllm:boundary_checkpoint_captures_dropped", ()),
     "responses_aborted": ("vllm:boundary_checkpoint_responses_aborted", ()),
@@ -97,8 +100,8 @@ _GAUGE_KEYS: dict[str, str] = {
     "captures_pending": "vllm:boundary_checkpoint_captures_pending",
 }
 # Series shown (at 0) from startup; other kinds and reasons appear when first counted.
-KNOWN_KINDS = ("prompt", "response")
-KNOWN_MISS_REASONS = ("no_checkpoint", "diverged", "block_grid_as_long", "ineligible", "cache_bypassed")
+KNOWN_KINDS = ("prompt", "response", "instruction")
+KNOWN_MISS_REASONS = ("no_checkpoint", "diverged", "evicted", "block_grid_as_long", "ineligible", "cache_bypassed")
 KNOWN_EVICTION_CAUSES = ("budget", "pressure")
 
 

@@ -13,7 +13,9 @@ Contract
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
-  the seam for a cost-aware replacement. *Lasting* bundles (kind :data:`INSTRUCTION`: a shared
+  the seam for a cost-aware replacement. Under the budget, a bundle younger than twice the
+  observed reuse distance is protected: the newcomer is refused instead (``core/reuse.py``;
+  counted as ``refused_protected``). *Lasting* bundles (kind :data:`INSTRUCTION`: a shared
   system prompt, restored by many conversations) come after every other bundle in eviction order
   (budget and pressure alike), least recently used first among themselves. The retained budget
   counts distinct blocks. A newcomer that alone exceeds the budget is refused without evicting
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from boundary_checkpoints.core.keys import CheckpointKey
+from boundary_checkpoints.core.reuse import ReuseTracker
 
 INSTRUCTION = "instruction"  # kind of a bundle at a request's instruction boundary (core/instruction.py)
 LASTING_KINDS = frozenset({INSTRUCTION})  # evicted after every other kind, never retired by lineage
@@ -58,6 +61,7 @@ class Checkpoint:
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
     producer: str = ""  # id of the request that produced it
     owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
+    published_at: int = 0  # the store's publication count when it was retained (core/reuse.py)
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -100,6 +104,7 @@ class StoreCounters:
     evictions_budget: int = 0  # the retained share would exceed max_retained_fraction
     evictions_pressure: int = 0  # an allocation did not fit in the free pool
     refused_oversize: int = 0  # a newcomer alone larger than the budget
+    refused_protected: int = 0  # a newcomer refused: the bundle it would evict is likely reused soon
     superseded: int = 0
     captures_dropped: int = 0
     responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
@@ -149,6 +154,7 @@ class CheckpointStore:
     max_blocks: int
     policy: LruEvictionPolicy = field(default_factory=LruEvictionPolicy)
     counters: StoreCounters = field(default_factory=StoreCounters)
+    reuse: ReuseTracker = field(default_factory=ReuseTracker)
 
     def __post_init__(self) -> None:
         if self.max_blocks < 0:
@@ -205,6 +211,8 @@ class CheckpointStore:
                     best = ckpt
             if best is not None:
                 self.policy.touch(best)
+                if not best.lasting:  # a shared system prompt's distances say nothing of turns
+                    self.reuse.record_hit(best.published_at)
                 return best
         return None
 
@@ -224,6 +232,7 @@ class CheckpointStore:
             self.counters.duplicates += 1
             return False
         tails[key.tail] = checkpoint
+        checkpoint.published_at = self.reuse.stamp()
         for block_id, size in checkpoint.block_bytes().items():
             self._block_users[block_id] = self._block_users.get(block_id, 0) + 1
             self._block_bytes[block_id] = size
@@ -278,8 +287,7 @@ class CheckpointStore:
         """
         for victim in self.policy.in_order():
             if any(self._block_users[b.block_id] == 1 and is_free(b) for b in victim.distinct_blocks()):
-                self._drop(victim)
-                self.counters.evictions += 1
+                self._evict(victim)
                 self.counters.evictions_pressure += 1
                 return True
         return False
@@ -298,12 +306,16 @@ class CheckpointStore:
         parents: Callable[[int], Hashable | None],
         hash_block_size: int,
     ) -> str:
-        """Why :meth:`lookup` found nothing for ``tokens``: ``diverged`` when a retained bundle
-        shares a prefix with them beyond a common hash block (or, under the root, at least the
-        first token) but parts before its own end (an edited or re-rendered turn, a truncated
-        answer, a shorter prompt), else ``no_checkpoint``."""
+        """Why :meth:`lookup` found nothing for ``tokens``: ``evicted`` when a bundle evicted
+        earlier would have served them (a regret: its reuse distance is recorded, see
+        ``core/reuse.py``); ``diverged`` when a retained bundle shares a prefix with them beyond a
+        common hash block (or, under the root, at least the first token) but parts before its own
+        end (an edited or re-rendered turn, a truncated answer, a shorter prompt); else
+        ``no_checkpoint``."""
         if max_tokens <= 0:
             return "no_checkpoint"
+        if self.reuse.regret(tokens, max_tokens, parents, hash_block_size):
+            return "evicted"
         for start in range(0, (max_tokens - 1) // hash_block_size * hash_block_size + 1, hash_block_size):
             parent = parents(start)
             tails = self._by_parent.get((parent, start)) if parent is not None else None
@@ -334,11 +346,21 @@ class CheckpointStore:
             victim = self.policy.victim()
             if victim is None:
                 return
+            if victim is not keep and victim.lasting == keep.lasting and self.reuse.protects(victim.published_at):
+                # Likely reused before the newcomer would be (core/reuse.py): refuse the newcomer.
+                self._drop(keep)
+                self.counters.refused_protected += 1
+                return
             # ``keep`` is reached only when every other bundle left is lasting and ``keep`` is
             # not: it goes before them (counted as a budget eviction).
-            self._drop(victim)
-            self.counters.evictions += 1
+            self._evict(victim)
             self.counters.evictions_budget += 1
+
+    def _evict(self, victim: Checkpoint) -> None:
+        """Drop ``victim`` to make room, remembering its key to notice a regret later."""
+        self._drop(victim)
+        self.reuse.remember_evicted(victim.key, victim.published_at)
+        self.counters.evictions += 1
 
     def _distinct_retained(self) -> list[BlockLike]:
         seen: dict[int, BlockLike] = {}
