@@ -61,7 +61,7 @@ class Checkpoint:
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
     producer: str = ""  # id of the request that produced it
     owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
-    published_at: int = 0  # publication count when retained (core/reuse.py); 0: not published yet
+    published_at: int = 0  # the store's publication count when it was retained (core/reuse.py)
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -168,7 +168,7 @@ class CheckpointStore:
         return sum(len(tails) for tails in self._by_parent.values())
 
     def __contains__(self, key: CheckpointKey) -> bool:
-        return self._retained_at(key) is not None
+        return key.tail in self._by_parent.get((key.parent, key.start), {})
 
     @property
     def retained_blocks(self) -> int:
@@ -211,6 +211,8 @@ class CheckpointStore:
                     best = ckpt
             if best is not None:
                 self.policy.touch(best)
+                if not best.lasting:  # a shared system prompt's distances say nothing of turns
+                    self.reuse.record_hit(best.published_at)
                 return best
         return None
 
@@ -267,7 +269,7 @@ class CheckpointStore:
     def make_lasting(self, key: CheckpointKey, kind: str = INSTRUCTION) -> bool:
         """Give the retained bundle at ``key`` the lasting ``kind`` (a prompt checkpoint that is
         also an instruction boundary); False if none is retained."""
-        checkpoint = self._retained_at(key)
+        checkpoint = self._by_parent.get((key.parent, key.start), {}).get(key.tail)
         if checkpoint is None:
             return False
         checkpoint.kind = kind
@@ -332,10 +334,6 @@ class CheckpointStore:
             self.counters.hits += 1
             self.counters.hits_by_kind[hit.kind] = self.counters.hits_by_kind.get(hit.kind, 0) + 1
             self.counters.tokens_restored += hit.num_tokens
-            # One reuse distance per restoring request. A shared system prompt's distances say
-            # nothing of turns; a pending bundle (published_at 0) has none yet.
-            if not hit.lasting and hit.published_at:
-                self.reuse.record_hit(hit.published_at)
 
     # ---- internals -----------------------------------------------------------------------
     def _enforce_budget(self, keep: Checkpoint) -> None:
@@ -371,17 +369,15 @@ class CheckpointStore:
                 seen.setdefault(block.block_id, block)
         return list(seen.values())
 
-    def _retained_at(self, key: CheckpointKey) -> Checkpoint | None:
-        return self._by_parent.get((key.parent, key.start), {}).get(key.tail)
-
     def _is_retained(self, checkpoint: Checkpoint) -> bool:
-        return self._retained_at(checkpoint.key) is checkpoint
+        key = checkpoint.key
+        return self._by_parent.get((key.parent, key.start), {}).get(key.tail) is checkpoint
 
     def _drop(self, checkpoint: Checkpoint) -> None:
-        if not self._is_retained(checkpoint):
-            return
         key = checkpoint.key
-        tails = self._by_parent[(key.parent, key.start)]
+        tails = self._by_parent.get((key.parent, key.start), {})
+        if tails.get(key.tail) is not checkpoint:
+            return
         del tails[key.tail]
         if not tails:
             del self._by_parent[(key.parent, key.start)]
