@@ -51,7 +51,12 @@ RESET_RE = re.compile(r"prefix cache reset dropped (\d+) checkpoints and (\d+) p
 def server(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server_traffic.log"
     with RunningServer(
-        tiny_model_dir, log_path, additional_config=CONFIG, env={"VLLM_SERVER_DEV_MODE": "1"}, timeout=300
+        tiny_model_dir,
+        log_path,
+        additional_config=CONFIG,
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        extra_args=["--enable-log-requests"],  # "Added request" lines: see _send_together
+        timeout=300,
     ) as running:
         yield running
 
@@ -114,6 +119,29 @@ def _wait_for_counter(server, name: str, minimum: int, rng: random.Random) -> di
 def _resets_logged(server) -> list[tuple[int, int]]:
     """(checkpoints, pending captures) dropped by every plugin reset so far."""
     return [(int(a), int(b)) for a, b in RESET_RE.findall(_log_text(server))]
+
+
+def _send_together(server, requests: list[dict]) -> list:
+    """Send ``requests`` (``complete`` keyword arguments) so that the scheduler looks them all up in
+    one step: the engine is paused (``mode=keep`` keeps every cache) until the frontend has logged
+    each as added, then resumed. Sent merely from threads, a loaded machine can finish the first
+    before the second reaches the engine -- and a finished edit of a turn retires that turn
+    (lineage), so the late one would rightly miss."""
+    added = _log_text(server).count("Added request")
+    status, body = _call(server.base_url, "POST", "/pause?mode=keep&clear_cache=false")
+    assert status == 200, body
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            futures = [pool.submit(complete, server.base_url, **kwargs) for kwargs in requests]
+            deadline = time.monotonic() + 60
+            while _log_text(server).count("Added request") < added + len(requests):
+                assert time.monotonic() < deadline, "the paused engine never received every request"
+                time.sleep(0.05)
+            status, body = _call(server.base_url, "POST", "/resume")
+            assert status == 200, body
+            return [future.result() for future in futures]
+    finally:
+        _call(server.base_url, "POST", "/resume")
 
 
 class StreamingRequest(threading.Thread):
@@ -254,11 +282,10 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
         assert reply.cached_tokens == len(turn2) + len(branch) - 1
         turn3s.append((turn3, reply.token_ids))
 
-    # Two edits of branch 0's turn 3, sent concurrently; each continues on its own.
+    # Two edits of branch 0's turn 3, in flight together; each continues on its own.
     turn3, answer3 = turn3s[0]
     edits = [turn3 + answer3 + _ids(rng, 20) for _ in range(2)]
-    with ThreadPoolExecutor(2) as pool:
-        replies = list(pool.map(lambda p: complete(base, p, cache_salt=salt, max_tokens=8), edits))
+    replies = _send_together(server, [dict(prompt_ids=p, cache_salt=salt, max_tokens=8) for p in edits])
     for reply in replies:
         assert reply.cached_tokens == len(turn3) + len(answer3) - 1
     for edit, reply in zip(edits, replies):
