@@ -339,18 +339,17 @@ class BoundaryCheckpointMixin:
         pending = self._scheduled_pending_hit(request)
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
-        if hit is None:
-            reason = self.checkpoint_store.miss_reason(
-                request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
-            )
-            self._count_lookup(request, None, reason, num_hit)
-        elif hit.num_tokens <= num_hit:
-            self._count_lookup(request, None, "block_grid_as_long", num_hit)
-        else:
-            self._count_lookup(request, hit, "", num_hit)
         if hit is None or hit.num_tokens <= num_hit:
+            # A request that waits for room is looked up every step; classify its miss once (the
+            # classification records a regret, see CheckpointStore.miss_reason).
+            if request.request_id not in self._counted_requests:
+                reason = "block_grid_as_long" if hit is not None else self.checkpoint_store.miss_reason(
+                    request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+                )
+                self._count_lookup(request, None, reason, num_hit)
             self._restored_from.pop(request.request_id, None)
             return blocks, num_hit, shared_boundary, diverged
+        self._count_lookup(request, hit, "", num_hit)
         self._restored_from[request.request_id] = hit
         pins = hit.distinct_blocks()
         self._block_pool.touch(pins)

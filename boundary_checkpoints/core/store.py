@@ -61,7 +61,7 @@ class Checkpoint:
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
     producer: str = ""  # id of the request that produced it
     owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
-    published_at: int = 0  # the store's publication count when it was retained (core/reuse.py)
+    published_at: int = 0  # publication count when retained (core/reuse.py); 0: not published yet
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -211,8 +211,6 @@ class CheckpointStore:
                     best = ckpt
             if best is not None:
                 self.policy.touch(best)
-                if not best.lasting:  # a shared system prompt's distances say nothing of turns
-                    self.reuse.record_hit(best.published_at)
                 return best
         return None
 
@@ -334,6 +332,10 @@ class CheckpointStore:
             self.counters.hits += 1
             self.counters.hits_by_kind[hit.kind] = self.counters.hits_by_kind.get(hit.kind, 0) + 1
             self.counters.tokens_restored += hit.num_tokens
+            # One reuse distance per restoring request. A shared system prompt's distances say
+            # nothing of turns; a pending bundle (published_at 0) has none yet.
+            if not hit.lasting and hit.published_at:
+                self.reuse.record_hit(hit.published_at)
 
     # ---- internals -----------------------------------------------------------------------
     def _enforce_budget(self, keep: Checkpoint) -> None:
