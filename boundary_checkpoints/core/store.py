@@ -168,7 +168,7 @@ class CheckpointStore:
         return sum(len(tails) for tails in self._by_parent.values())
 
     def __contains__(self, key: CheckpointKey) -> bool:
-        return key.tail in self._by_parent.get((key.parent, key.start), {})
+        return self._retained_at(key) is not None
 
     @property
     def retained_blocks(self) -> int:
@@ -267,7 +267,7 @@ class CheckpointStore:
     def make_lasting(self, key: CheckpointKey, kind: str = INSTRUCTION) -> bool:
         """Give the retained bundle at ``key`` the lasting ``kind`` (a prompt checkpoint that is
         also an instruction boundary); False if none is retained."""
-        checkpoint = self._by_parent.get((key.parent, key.start), {}).get(key.tail)
+        checkpoint = self._retained_at(key)
         if checkpoint is None:
             return False
         checkpoint.kind = kind
@@ -371,15 +371,17 @@ class CheckpointStore:
                 seen.setdefault(block.block_id, block)
         return list(seen.values())
 
+    def _retained_at(self, key: CheckpointKey) -> Checkpoint | None:
+        return self._by_parent.get((key.parent, key.start), {}).get(key.tail)
+
     def _is_retained(self, checkpoint: Checkpoint) -> bool:
-        key = checkpoint.key
-        return self._by_parent.get((key.parent, key.start), {}).get(key.tail) is checkpoint
+        return self._retained_at(checkpoint.key) is checkpoint
 
     def _drop(self, checkpoint: Checkpoint) -> None:
-        key = checkpoint.key
-        tails = self._by_parent.get((key.parent, key.start), {})
-        if tails.get(key.tail) is not checkpoint:
+        if not self._is_retained(checkpoint):
             return
+        key = checkpoint.key
+        tails = self._by_parent[(key.parent, key.start)]
         del tails[key.tail]
         if not tails:
             del self._by_parent[(key.parent, key.start)]
