@@ -406,6 +406,25 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+def test_turn1_only_run_reports_the_first_turn_tax_only(tmp_path, capsys):
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    out_json = tmp_path / "turn1.json"
+    with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
+        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
+                "--vocab-size", "1024", "--turn1-only", "-N", "3", "-S", "40", "-U", "8", "-A", "2", "-C", "1",
+                "--repeat", "2", "--floor", "--block-size", "16", "--markdown",
+                "--out-json", str(out_json)]  # fmt: skip
+        assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| TTFT p50 turn 1 (fresh prompt) / stock |" in printed and "| TTFT p50 ms, turn 1 |" in printed
+    assert "turns >= 2" not in printed and "targets (" not in printed and "all turns" not in printed
+    result = json.loads(out_json.read_text())
+    assert result["workload"]["turns"] == 1 and result["workload"]["shared_system"] is False
+    assert {r["phase"] for r in result["records"]} == {"conversation"}  # no floor without a turn 2
+    assert all(r["cached_tokens"] == 0 for r in result["records"])  # nothing is shared, nothing reused
+    assert result["levels"][0]["summary"]["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]["n"] == 2
+
+
 def test_the_old_script_path_runs_bc_bench():
     from pathlib import Path
 

@@ -4,7 +4,8 @@ Contract: pure formatting, nothing is measured here. Every number that varies be
 shown as ``median [p25..p75]`` over the rounds of its in-flight level. ``format_table`` renders
 aligned text or Markdown; ``level_tables`` gives a level's summary table (one column per label
 and one for the floor), its ratio table (each label / the stock label) and the per-turn table
-(pooled over rounds); ``targets_text`` judges the medians. ``plot_result`` draws a PNG with
+(pooled over rounds); ``targets_text`` judges the medians. One-turn workloads (``--turn1-only``)
+leave out the rows and targets about later turns. ``plot_result`` draws a PNG with
 matplotlib and returns False, with a message on stderr, when matplotlib is not installed.
 """
 
@@ -78,14 +79,18 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     rows.append(["requests per round (errors, all rounds)"]
                 + [f"{num(summ[p]['requests']['median'], 0)} ({errors[p]})" for p in labels]
                 + ([cell(floor.get("requests"), lambda v: num(v, 0))] if floor else []))  # fmt: skip
+    one_turn = result["workload"]["turns"] < 2
     for name, label in TURN_SET_NAMES.items():
+        if one_turn and name != "turn1":
+            continue  # all turns are turn 1, and there is no later turn
         for q in (50, 90, 99):
             row(f"TTFT p{q} ms, {label}", f"ttft_{name}_p{q}_s", ms, f"ttft_p{q}_s" if name == "cont" else None)
     row("output throughput tok/s", "output_throughput_tok_s", lambda v: num(v, 1))
     row("prefill tokens computed", "prefill_tokens", lambda v: num(v, 0))
     row("cached-token ratio", "cached_ratio", lambda v: num(v, 3))
-    row("exact hits (turns >= 2)", "exact_hits", lambda v: num(v, 0))
-    row("turns >= 2", "later_turns", lambda v: num(v, 0))
+    if not one_turn:
+        row("exact hits (turns >= 2)", "exact_hits", lambda v: num(v, 0))
+        row("turns >= 2", "later_turns", lambda v: num(v, 0))
     row("peak retained checkpoint MiB", "peak_bytes_retained", mib)
     row("time per output token p50 ms", "tpot_p50_s", lambda v: num(None if v is None else v * 1000, 1))
     row("preemptions", "preemptions", lambda v: num(v, 0))
@@ -100,6 +105,7 @@ def ratio_table(level: dict, markdown: bool = False) -> str:
     labels = list(ratios)
     rows = [[text] + [cell(ratios[p].get(key), lambda v: num(v, 3)) for p in labels]
             for key, text in RATIO_NAMES.items()]  # fmt: skip
+    rows = [r for r in rows if any(v != "-" for v in r[1:])]  # e.g. no turns >= 2 with --turn1-only
     return format_table(["ratio (per round)"] + labels, rows, markdown)
 
 
@@ -126,10 +132,11 @@ def per_turn_table(result: dict, level: dict, markdown: bool = False) -> str:
     return format_table(header, rows, markdown)
 
 
-def targets_text(level: dict) -> str:
-    """The targets judged on the medians over rounds ('' without a plugin/stock pair)."""
+def targets_text(result: dict, level: dict) -> str:
+    """The targets judged on the medians over rounds ('' without a plugin/stock pair, and for
+    one-turn workloads, where they do not apply)."""
     judged = level["summary"].get("targets")
-    if not judged:
+    if not judged or result["workload"]["turns"] < 2:
         return ""
     lines = [f"targets ({PLUGIN_POLICY} vs {STOCK_POLICY}, medians over rounds):"]
     for key, item in judged.items():
@@ -152,7 +159,7 @@ def level_text(result: dict, level: dict, markdown: bool = False) -> str:
                      f"{num(floor['mean_computed_tokens']['median'], 0)} tokens computed, cached as primed "
                      f"{num(floor['cached_as_primed']['median'], 0)}/{num(floor['requests']['median'], 0)} "
                      f"(median per round)")  # fmt: skip
-    for text in (ratio_table(level, markdown), per_turn_table(result, level, markdown), targets_text(level)):
+    for text in (ratio_table(level, markdown), per_turn_table(result, level, markdown), targets_text(result, level)):
         if text:
             parts.append(text)
     same = level["summary"].get("same_answers")
