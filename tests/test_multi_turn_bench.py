@@ -517,6 +517,8 @@ def test_end_to_end_two_rounds_on_cpu_servers(tiny_model_dir, tmp_path, capsys):
         assert s["n"] == 2 and s["p25"] <= s["median"] <= s["p75"]
     peak = summ["policies"]["request_boundaries"]["peak_bytes_retained"]
     assert peak["n"] == 2 and peak["median"] > 0
+    added = summ["policies"]["request_boundaries"]["retained_bytes_added"]
+    assert added["n"] == 2 and 0 < added["median"] <= peak["median"]
     assert summ["policies"]["aligned"]["peak_bytes_retained"]["n"] == 0
     ratio = summ["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]
     assert ratio["n"] == 2 and ratio["median"] > 0

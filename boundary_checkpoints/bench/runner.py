@@ -17,7 +17,9 @@ Contract:
 - Per slot it keeps the records, the preemptions (``/metrics`` delta) and, for labels other than
   the stock one whose server log it knows, the largest ``bytes_retained`` the plugin's stats lines
   logged during the slot (it waits out ``stats_log_interval_s`` and sends a tiny request so that
-  a last line is logged).
+  a last line is logged) and that peak minus the last ``bytes_retained`` logged before the slot
+  (what the slot's own conversations added: a server that stays up still holds earlier slots'
+  checkpoints, under other salts, until it evicts them).
 - The result (a JSON-serialisable dict) holds per level the per-round summaries, their spreads
   (median and p25-p75 over rounds, ``stats.aggregate``), the per-round ratios to the stock label,
   the targets on the medians, per-turn tables pooled over rounds, and every request record.
@@ -427,6 +429,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     target = servers.acquire(label, progress)
     try:
         offset = logs.log_size(target.log_path)
+        retained_before = (logs.parse_boundary_stats(logs.read_text(target.log_path)) or {}).get("bytes_retained", 0)
         preempted = scrape_preemptions(target.base_url)
         salt = f"{s.run_salt}-c{workload.concurrency}-r{round_index}-{label}"
         slot = Slot(target, workload, plans, salt, clock=clock, progress=progress, round_index=round_index,
@@ -444,6 +447,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     summary = stats.summarize_policy(slot.records)
     summary["preemptions"] = after - preempted if after is not None and preempted is not None else None
     summary["peak_bytes_retained"] = peak
+    summary["retained_bytes_added"] = None if peak is None else peak - retained_before
     return slot.records, summary
 
 
