@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from http_stub import CompletionsStub, serve
@@ -406,6 +407,54 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("relaunch", [False, True])
+def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaunch):
+    """The launch modes with stand-in servers: together, both start before the first slot and stop
+    at the end; with ``relaunch``, each slot starts and stops its own server, in round order."""
+    from boundary_checkpoints.bench import server as server_mod
+
+    events = []
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    with serve(CompletionsStub) as url:
+
+        class Fake:
+            def __init__(self, model, log_path, **kw):
+                self.base_url, self.log_path, self.command = url, Path(log_path), ["fake"]
+                self.label = kw["additional_config"]["boundary_checkpoints"]["policy"]
+                self.log_path.write_text(STATS_LINE.format(i=1, b=4096) + "\n" + BLOCK_LINE.format(n=16) + "\n")
+                events.append(("start", self.label))
+
+        def stop(server):
+            events.append(("stop", server.label))
+            return 0
+
+        monkeypatch.setattr(server_mod, "start_server", lambda model, log_path, **kw: Fake(model, log_path, **kw))
+        monkeypatch.setattr(server_mod, "wait_until_healthy", lambda server, timeout: 0.5)
+        monkeypatch.setattr(server_mod, "stop_server", stop)
+        monkeypatch.setattr(server_mod, "find_free_port", lambda host: 1)
+        labels = ["aligned", "request_boundaries"]
+        settings = runner.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
+                                   in_flight=[1], repeat=2, run_salt="t", floor_label="aligned", warmup=1,
+                                   stats_log_interval=0)  # fmt: skip
+        spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
+                                 log_dir=tmp_path, relaunch=relaunch)  # fmt: skip
+        result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
+    if relaunch:
+        assert events == [("start", "aligned"), ("stop", "aligned"), ("start", "request_boundaries"),
+                          ("stop", "request_boundaries"), ("start", "request_boundaries"),
+                          ("stop", "request_boundaries"), ("start", "aligned"), ("stop", "aligned")]  # fmt: skip
+    else:
+        assert events == [("start", "aligned"), ("start", "request_boundaries"), ("stop", "aligned"),
+                          ("stop", "request_boundaries")]  # fmt: skip
+    starts = 2 if relaunch else 1
+    assert all(len(info["ready_s"]) == starts and info["exit_codes"] == [0] * starts
+               for info in result["servers"].values())  # fmt: skip
+    warmups = [b for b in CompletionsStub.requests if "warmup" in b["cache_salt"]]
+    assert len(warmups) == 2 * 2 * starts  # one 2-turn warm-up conversation per server start
+    assert result["block_size"] == 16 and result["floor_policy"] == "aligned"
+    assert len([r for r in result["records"] if r["phase"] == "floor"]) == 2  # one per round
+
+
 def test_turn1_only_run_reports_the_first_turn_tax_only(tmp_path, capsys):
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "turn1.json"
@@ -426,8 +475,6 @@ def test_turn1_only_run_reports_the_first_turn_tax_only(tmp_path, capsys):
 
 
 def test_the_old_script_path_runs_bc_bench():
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_turn.py"
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("usage: bc-bench")

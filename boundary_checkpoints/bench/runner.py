@@ -428,8 +428,9 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     s = servers.settings
     target = servers.acquire(label, progress)
     try:
+        track_memory = label != STOCK_POLICY and bool(target.log_path) and s.stats_log_interval > 0
         offset = logs.log_size(target.log_path)
-        retained_before = (logs.parse_boundary_stats(logs.read_text(target.log_path)) or {}).get("bytes_retained", 0)
+        before = logs.parse_boundary_stats(logs.read_text(target.log_path)) if track_memory else None
         preempted = scrape_preemptions(target.base_url)
         salt = f"{s.run_salt}-c{workload.concurrency}-r{round_index}-{label}"
         slot = Slot(target, workload, plans, salt, clock=clock, progress=progress, round_index=round_index,
@@ -439,7 +440,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
         if label == s.floor_label and s.block_size and workload.turns >= 2:
             slot.run_floor(s.block_size)
         peak = None
-        if label != STOCK_POLICY and target.log_path and s.stats_log_interval > 0:
+        if track_memory:
             flush_plugin_stats(target, s.stats_log_interval, salt)
             peak = logs.peak_bytes_retained(logs.read_text(target.log_path, offset))
     finally:
@@ -447,7 +448,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     summary = stats.summarize_policy(slot.records)
     summary["preemptions"] = after - preempted if after is not None and preempted is not None else None
     summary["peak_bytes_retained"] = peak
-    summary["retained_bytes_added"] = None if peak is None else peak - retained_before
+    summary["retained_bytes_added"] = None if peak is None else peak - (before or {}).get("bytes_retained", 0)
     return slot.records, summary
 
 
