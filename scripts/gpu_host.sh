@@ -4,7 +4,7 @@
 #   bash scripts/gpu_host.sh tests    kernel tests and end-to-end probes only (every gpu-marked test)
 #   bash scripts/gpu_host.sh all      every gpu-marked test, then the copy-kernel benchmark
 #   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
-#   bash scripts/gpu_host.sh bench    multi-turn serving benchmark, stock vs plugin, one run
+#   bash scripts/gpu_host.sh bench    multi-turn serving benchmark (bc-bench), stock vs plugin
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
 stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench}"
@@ -35,7 +35,7 @@ case "$stage" in
     ;;
   bench)
     shift
-    python3 benchmarks/multi_turn.py "$@" 2>&1 | tee "$out/gpu-multi-turn.log" || rc=1
+    bc-bench "$@" 2>&1 | tee "$out/gpu-multi-turn.log" || rc=1
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -168,18 +168,11 @@ def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
 
     vLLM allows decode context parallelism up to ``tensor_parallel / num_kv_heads``: one KV head
     makes DCP 8 legal at TP 8."""
-    from transformers import Qwen3NextConfig
+    from boundary_checkpoints.fixtures.tiny_models import qwen3_next_config
 
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "config.json").exists():
-        cfg = Qwen3NextConfig(
-            vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-            full_attention_interval=4, num_attention_heads=8, num_key_value_heads=num_kv_heads, head_dim=64,
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
-            linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
-            mlp_only_layers=[], max_position_embeddings=8192, dtype="bfloat16",
-        )
+        cfg = qwen3_next_config(num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=8192)
         cfg.architectures = ["Qwen3NextForCausalLM"]
         cfg.save_pretrained(path)
         config = json.loads((path / "config.json").read_text())

@@ -8,85 +8,18 @@ import os
 import subprocess
 import sys
 import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from http_stub import serve
+from http_stub import CompletionsStub, serve
 
 from boundary_checkpoints.bench import client, demo, server
-
-# ------------------------------------------------------------------------------------------------
-# A stand-in OpenAI completions server: answer ids are a function of the prompt, cached_tokens is
-# the longest prefix shared with an earlier prompt under the same cache_salt.
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    seen: dict[str, list[list[int]]] = {}
-    requests: list[dict] = []
-
-    def log_message(self, *args):  # keep pytest output clean
-        pass
-
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append(body)
-        prompt = body["prompt"]
-        if not prompt:
-            data = b'{"error": {"message": "empty prompt"}}'
-            self.send_response(400)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
-        salt = body.get("cache_salt")
-        history = type(self).seen.setdefault(salt, [])
-        cached = 0
-        for old in history:
-            n = 0
-            while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
-                n += 1
-            cached = max(cached, n)
-        history.append(prompt)
-        answer = [(sum(prompt) + i) % 1000 + 4 for i in range(body["max_tokens"])]
-        usage = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(answer),
-            "total_tokens": len(prompt) + len(answer),
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-        if not body.get("stream"):
-            payload = {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}],
-                       "usage": usage}  # fmt: skip
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i, tok in enumerate(answer):
-            last = i == len(answer) - 1
-            chunk = {"choices": [{"text": "x", "token_ids": [tok],
-                                  "finish_reason": "length" if last else None}], "usage": None}  # fmt: skip
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        if body.get("stream_options", {}).get("include_usage"):
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
 
 
 @pytest.fixture()
 def stub_url():
-    _StubHandler.seen = {}
-    _StubHandler.requests = []
-    with serve(_StubHandler) as url:
+    CompletionsStub.seen = {}
+    CompletionsStub.requests = []
+    with serve(CompletionsStub) as url:
         yield url
 
 
@@ -131,14 +64,14 @@ def test_conversation_boundaries_follow_previous_turn(stub_url):
     assert [r.prompt_tokens for r in results] == [40, 50, 60, 70]
     assert [r.boundary for r in results] == [0, 43, 53, 63]
     # Each prompt extends the previous prompt by its answer ids.
-    sent = [r["prompt"] for r in _StubHandler.requests if r.get("cache_salt") == "conv"]
+    sent = [r["prompt"] for r in CompletionsStub.requests if r.get("cache_salt") == "conv"]
     for prev, nxt, res in zip(sent, sent[1:], results):
         assert nxt[: len(prev) + 4] == prev + res.answer_ids
     # The stub caches whole earlier prompts, so each turn hits the previous prompt.
     assert [r.cached_tokens for r in results] == [0, 40, 50, 60]
     assert all(r.ttft_s is not None for r in results)
     # Every turn is checked against a cold control under its own fresh salt.
-    colds = [r for r in _StubHandler.requests if r.get("cache_salt", "").startswith("conv-cold-")]
+    colds = [r for r in CompletionsStub.requests if r.get("cache_salt", "").startswith("conv-cold-")]
     assert [r["prompt"] for r in colds] == sent
     assert all(r.vs_cold == "identical" for r in results)
 

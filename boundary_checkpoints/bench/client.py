@@ -9,7 +9,7 @@ must run with ``--enable-prompt-tokens-details``).
 ``complete`` makes one non-streaming request (``complete_json`` returns its whole body).
 ``stream_complete`` streams (with ``stream_options.include_usage`` so usage still arrives in the
 last chunk) and also measures TTFT: the time from sending the request to the first chunk that
-carries a choice.
+carries text or token ids (a chunk with an empty choice does not count).
 
 ``chat`` sends a conversation as ``messages`` to ``/v1/chat/completions`` (greedy, with
 ``return_token_ids``, so the answer ids and the rendered prompt ids come back too), streaming or not,
@@ -170,8 +170,8 @@ def stream_complete(
 def _read_stream(base_url: str, body: dict, timeout: float, path: str, prompt_len: int, chat: bool) -> Completion:
     """Send a streaming request and collect its chunks into a :class:`Completion`.
 
-    TTFT is the time to the first chunk that carries output: any choice for completions; content
-    or token ids for chat (whose first chunk carries only the role). Usage comes in the last chunk
+    TTFT is the time to the first chunk that carries output: text (content for chat, whose first
+    chunk carries only the role) or token ids. Usage comes in the last chunk
     (``stream_options.include_usage``)."""
     start = time.perf_counter()
     ttft = None
@@ -188,7 +188,7 @@ def _read_stream(base_url: str, body: dict, timeout: float, path: str, prompt_le
             prompt_token_ids = event.get("prompt_token_ids") or prompt_token_ids
             for choice in event.get("choices") or []:
                 text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if ttft is None and (not chat or text or choice.get("token_ids")):
+                if ttft is None and (text or choice.get("token_ids")):
                     ttft = time.perf_counter() - start
                 token_ids.extend(choice.get("token_ids") or [])
                 top_logprobs.extend(_chat_top_logprobs(choice) if chat else _top_logprobs(choice))

@@ -1,0 +1,290 @@
+"""``bc-bench``: the multi-turn serving benchmark, request-boundary checkpoints vs stock prefix
+caching, with the exact-prefix floor, interleaved repetitions and an in-flight sweep.
+
+Contract: parses the command line, resolves it into ``runner.Settings`` and a ``runner.ServerSet``
+(``--launch MODEL_DIR``: vLLM servers it starts and stops itself; ``--url`` (repeatable, with
+``--label``): servers that already run), runs ``runner.run_benchmark``, prints
+``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
+``meta``: argv, UTC start and end, salt, machine) and ``--plot``. Exit code 0; 1 if a conversation
+request failed; 2 on a usage error; 130 when interrupted (servers are stopped in every case).
+``--write-model DIR --arch ARCH`` first writes a model directory with
+``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
+``--load-format dummy``). See ``benchmarks/README.md`` for the workload and metric definitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import shlex
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from boundary_checkpoints.bench import logs, report, runner
+from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY
+from boundary_checkpoints.bench.workload import Workload
+from boundary_checkpoints.fixtures import tiny_models
+
+ARCHES = ("tiny", *tiny_models.REAL_SIZE_ARCHES)
+
+
+def parse_in_flight(text: str) -> list[int]:
+    """``"1,8,32"`` -> ``[1, 8, 32]`` (each >= 1, in the given order, duplicates dropped)."""
+    levels: list[int] = []
+    for item in text.split(","):
+        level = int(item)
+        if level < 1:
+            raise ValueError(f"in-flight levels must be >= 1 (got {level})")
+        if level not in levels:
+            levels.append(level)
+    if not levels:
+        raise ValueError("no in-flight level")
+    return levels
+
+
+def split_server_args(values: list[str]) -> list[str]:
+    return [arg for v in values for arg in shlex.split(v)]
+
+
+def model_vocab_size(model_dir: str) -> int | None:
+    """``vocab_size`` of a model directory's config.json (text_config first), or None."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return (config.get("text_config") or {}).get("vocab_size") or config.get("vocab_size")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bc-bench",
+        description="Multi-turn serving benchmark: boundary checkpoints vs stock prefix caching, and a floor.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    tgt = p.add_argument_group("target")
+    tgt.add_argument("--url", action="append", default=[],
+                     help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeatable: one per --label)")
+    tgt.add_argument("--label", action="append", default=[],
+                     help="--url: the name of each server in the report (e.g. aligned, request_boundaries)")
+    tgt.add_argument("--server-log", action="append", default=[],
+                     help="--url: each server's log (plugin stats, block size), in --url order")
+    tgt.add_argument("--launch", metavar="MODEL_DIR", help="launch vLLM servers for this model directory")
+    tgt.add_argument("--model", help="served model name (--url: required; --launch: default the directory name)")
+    tgt.add_argument("--policies", default=f"{STOCK_POLICY},{PLUGIN_POLICY}",
+                     help="--launch: comma-separated policies, one server each")
+    tgt.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
+                     help="--launch: one more server named LABEL whose boundary_checkpoints section is JSON "
+                          "(repeatable), e.g. 'no_prompt={\"policy\": \"request_boundaries\", "
+                          "\"prompt_checkpoints\": false}'")
+    tgt.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                     help="--launch: extra vLLM flag(s), repeatable, shell-split (e.g. "
+                          "--server-arg='--load-format dummy'); later flags override the launcher's defaults")
+    tgt.add_argument("--additional-config", default=None, metavar="JSON",
+                     help="--launch: extra keys merged into every server's --additional-config")
+    tgt.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
+                     help="--launch: extra environment variable for the servers, repeatable")
+    tgt.add_argument("--host", default="127.0.0.1")
+    tgt.add_argument("--port", type=int, default=None,
+                     help="--launch: the first server's port, the others follow (default: free ports)")
+    tgt.add_argument("--relaunch", action="store_true",
+                     help="--launch: one server at a time, started and stopped around each slot "
+                          "(default: every server up at once)")
+    tgt.add_argument("--startup-timeout", type=float, default=900.0)
+    tgt.add_argument("--log-dir", default=None, help="--launch: server logs (default: a new temp dir)")
+    tgt.add_argument("--stats-log-interval", type=float, default=1.0,
+                     help="plugin stats_log_interval_s (seconds between its bytes_retained lines)")
+    tgt.add_argument("--no-plugin-log-config", dest="plugin_log_config", action="store_false",
+                     help="--launch: do not route the plugin's INFO log lines into the server log")
+    wl = p.add_argument_group("workload")
+    wl.add_argument("-N", "--conversations", type=int, default=4,
+                    help="conversations per slot (at least the in-flight level)")
+    wl.add_argument("-T", "--turns", type=int, default=4)
+    wl.add_argument("-S", "--system-tokens", type=int, default=300)
+    wl.add_argument("-U", "--user-tokens", type=int, default=60)
+    wl.add_argument("-A", "--answer-tokens", type=int, default=32)
+    wl.add_argument("-C", "--in-flight", default="2",
+                    help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)")
+    wl.add_argument("--turn1-only", action="store_true",
+                    help="every conversation one turn with its own system ids: nothing is reused (-T ignored)")
+    wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
+    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--vocab-size", type=int, default=None,
+                    help="random ids come from [4, vocab) (default: the model directory's config.json)")
+    wl.add_argument("--warmup", type=int, default=1, help="throw-away 2-turn conversations per server start")
+    wl.add_argument("--request-timeout", type=float, default=600.0)
+    fl = p.add_argument_group("floor")
+    fl.add_argument("--floor", dest="floor", action="store_true", default=None,
+                    help="measure the floor (default: on with --launch when aligned is a policy; off with --url)")
+    fl.add_argument("--no-floor", dest="floor", action="store_false")
+    fl.add_argument("--block-size", type=int, default=None,
+                    help="engine block size B (default: parsed from the server log)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out-json", default=None, help="write the result and every per-request record")
+    out.add_argument("--plot", default=None, help="PNG of TTFT p50 per level and per turn (needs matplotlib)")
+    out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
+    mk = p.add_argument_group("model directory")
+    mk.add_argument("--write-model", metavar="DIR", default=None, help="write a model directory first")
+    mk.add_argument("--arch", choices=ARCHES, default="tiny")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.url and args.launch:
+        p.error("--url and --launch are mutually exclusive")
+    if not (args.url or args.launch or args.write_model):
+        p.error("give --url, --launch or --write-model")
+    if args.url and not args.model:
+        p.error("--url needs --model")
+    if args.url:
+        if not args.label:
+            args.label = ["server"] if len(args.url) == 1 else [f"server{i + 1}" for i in range(len(args.url))]
+        if len(args.label) != len(args.url) or len(set(args.label)) != len(args.label):
+            p.error("give one distinct --label per --url")
+        if len(args.server_log) > len(args.url):
+            p.error("at most one --server-log per --url")
+    try:
+        args.in_flight = parse_in_flight(args.in_flight)
+    except ValueError as err:
+        p.error(f"--in-flight: {err}")
+    if args.turn1_only:
+        args.turns = 1
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    args.sections = {policy: {"policy": policy} for policy in args.policies}
+    for item in args.variant:
+        label, _, text = item.partition("=")
+        try:
+            section = json.loads(text)
+            if not isinstance(section, dict):
+                raise ValueError("not an object")
+        except ValueError as err:
+            p.error(f"--variant takes LABEL=JSON object (got {item!r}: {err})")
+        if not label or label in args.sections:
+            p.error(f"--variant needs a new label (got {label!r})")
+        args.sections[label] = section
+    args.policies += [label for label in args.sections if label not in args.policies]
+    for name in ("conversations", "turns", "answer_tokens", "user_tokens", "repeat"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.system_tokens < 0:
+        p.error("--system-tokens must be >= 0")
+    for item in args.server_env:
+        if "=" not in item or not item.split("=", 1)[0]:
+            p.error(f"--server-env takes KEY=VALUE (got {item!r})")
+    if args.additional_config:
+        try:
+            if not isinstance(json.loads(args.additional_config), dict):
+                raise ValueError("not an object")
+        except ValueError as err:
+            p.error(f"--additional-config must be a JSON object: {err}")
+    return args
+
+
+def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.ServerSet:
+    """The server set of ``args``; also resolves the floor label and, for --url, the block size."""
+    labels = settings.labels
+    if args.launch:
+        if args.floor is not False and STOCK_POLICY in labels:
+            settings.floor_label = STOCK_POLICY
+        env = dict(item.split("=", 1) for item in args.server_env)
+        if args.plugin_log_config:
+            runner.write_logging_config(env)
+        log_dir = Path(args.log_dir) if args.log_dir else None
+        spec = runner.LaunchSpec(
+            model_dir=args.launch, model_name=args.model or Path(args.launch).name, sections=args.sections,
+            host=args.host, port=args.port, server_args=split_server_args(args.server_arg),
+            additional_config=json.loads(args.additional_config) if args.additional_config else {},
+            env=env, startup_timeout=args.startup_timeout, relaunch=args.relaunch,
+            **({"log_dir": log_dir} if log_dir else {}),
+        )  # fmt: skip
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        print(f"server logs: {spec.log_dir}", flush=True)
+        return runner.LaunchedServers(settings, spec)
+    log_paths = args.server_log + [None] * (len(args.url) - len(args.server_log))
+    targets = [runner.Target(label, url.rstrip("/"), args.model, log)
+               for label, url, log in zip(args.label, args.url, log_paths)]  # fmt: skip
+    if args.floor:
+        settings.floor_label = STOCK_POLICY if STOCK_POLICY in labels else labels[0]
+        floor_log = next(t.log_path for t in targets if t.label == settings.floor_label)
+        settings.block_size, settings.block_size_source = logs.resolve_block_size(
+            args.block_size, logs.read_text(floor_log), [])
+    return runner.UrlServers(settings, targets)
+
+
+def _signal_to_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.write_model:
+        start = time.monotonic()
+        if args.arch == "tiny":
+            out = tiny_models.make_tiny_model(args.write_model, family="qwen3_next", seed=0)
+        else:
+            out = tiny_models.write_real_size_model(args.write_model, args.arch)
+        print(f"model directory ({args.arch}): {out} ({time.monotonic() - start:.1f} s)")
+        if not (args.url or args.launch):
+            return 0
+    vocab = args.vocab_size or (model_vocab_size(args.launch) if args.launch else None)
+    if vocab is None:
+        print("error: --vocab-size is needed (no model directory to read it from)", file=sys.stderr)
+        return 2
+    workload = Workload(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+                        user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
+                        concurrency=args.in_flight[0], vocab_size=vocab, seed=args.seed,
+                        shared_system=not args.turn1_only)  # fmt: skip
+    labels = args.policies if args.launch else args.label
+    settings = runner.Settings(
+        workload=workload, labels=labels, in_flight=args.in_flight, repeat=args.repeat,
+        run_salt=f"bench-{uuid.uuid4().hex[:12]}", block_size=args.block_size,
+        block_size_source="--block-size" if args.block_size else "unknown", warmup=args.warmup,
+        stats_log_interval=args.stats_log_interval, request_timeout=args.request_timeout,
+    )  # fmt: skip
+    if args.launch:
+        max_len = logs.server_arg_value(["--max-model-len", "4096", *split_server_args(args.server_arg)],
+                                        "--max-model-len")  # fmt: skip
+        if max_len and max_len.isdigit() and workload.max_sequence_tokens() > int(max_len):
+            print(f"error: the last turn needs {workload.max_sequence_tokens()} tokens but --max-model-len is "
+                  f"{max_len}: pass --server-arg='--max-model-len N'", file=sys.stderr)  # fmt: skip
+            return 2
+    servers = _servers(args, settings)
+    started = _dt.datetime.now(_dt.timezone.utc)
+    previous = {s: signal.signal(s, _signal_to_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = runner.run_benchmark(settings, servers)
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped", file=sys.stderr)
+        return 130
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    result["workload"]["turn1_only"] = args.turn1_only
+    result["meta"] = {
+        "argv": ["bc-bench", *(sys.argv[1:] if argv is None else argv)],
+        "started_utc": started.isoformat(timespec="seconds"),
+        "finished_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "run_salt": settings.run_salt,
+        "machine": runner.machine_info(),
+    }
+    for level in result["levels"]:
+        print()
+        print(report.level_text(result, level, markdown=args.markdown))
+    print(f"\nblock size B = {result['block_size']} ({result['block_size_source']})")
+    if args.out_json:
+        Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result: {args.out_json}")
+    if args.plot and report.plot_result(result, Path(args.plot)):
+        print(f"plot: {args.plot}")
+    errors = sum(rd["policies"][p]["errors"] for lv in result["levels"] for rd in lv["rounds"] for p in labels)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
