@@ -321,7 +321,7 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     back for them, an explicit ``request_boundaries`` runs on them (the decision line says so).
 
     Model families: the scheduler accepts any layout of full-attention and align-mode recurrent
-    groups (``core/scheduler.py``: ``describe_layout``), but only the architectures in
+    groups (``core/layout.py``: ``describe_layout``), but only the architectures in
     :data:`VALIDATED_ARCHITECTURES` have been measured.
 
     Tensor and decode context parallelism: capture and restore copy whole scheduler blocks on

@@ -204,6 +204,7 @@ def build_scheduler(
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
+    kv_cache_groups: list | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -218,6 +219,9 @@ def build_scheduler(
     shadow worker keeps one row per token of a virtual page: a whole-block copy on every rank
     moves every rank's rows of that page (``worker/geometry.py``), so a page is the unit it
     checks.
+
+    ``kv_cache_groups``: a layout grouped by vLLM (``tests/test_family_layouts.py``) used instead of
+    the synthetic one; the returned worker does not model it.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -268,8 +272,9 @@ def build_scheduler(
             )
         )
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, prefix_cache_retention_interval=0
-    )
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups or groups,
+        prefix_cache_retention_interval=0,
+    )  # fmt: skip
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     if policy == "aligned":
         cls = AsyncScheduler if async_scheduling else Scheduler

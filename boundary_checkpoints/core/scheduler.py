@@ -81,14 +81,13 @@ from vllm.logger import init_logger
 
 from boundary_checkpoints.compat import (
     AsyncScheduler,
-    FullAttentionManager,
     KVCacheBlocks,
     KVCacheManager,
-    MambaManager,
     Request,
     RequestStatus,
     Scheduler,
     SchedulerOutput,
+    platform_is_cpu,
 )
 from boundary_checkpoints.config import WORKER_CLASSES, BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.boundaries import (
@@ -96,14 +95,13 @@ from boundary_checkpoints.core.boundaries import (
     PROMPT,
     RESPONSE,
     BundlePlan,
-    GroupGeometry,
-    GroupKind,
     plan_bundle,
     prompt_boundary,
     response_boundary,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
+from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
@@ -188,28 +186,6 @@ class PendingCapture:
         return self.checkpoint.kind
 
 
-def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], list[str]]:
-    """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
-    geometries: list[GroupGeometry] = []
-    reasons: list[str] = []
-    for group, manager in zip(kv_cache_config.kv_cache_groups, managers, strict=True):
-        spec = group.kv_cache_spec
-        page_bytes = spec.page_size_bytes * len(group.layer_names)
-        if isinstance(manager, MambaManager):
-            if manager.mamba_cache_mode != "align":
-                reasons.append(f"recurrent group uses mamba_cache_mode={manager.mamba_cache_mode!r}, not 'align'")
-            if manager.num_speculative_blocks:
-                reasons.append("recurrent group keeps speculative state blocks")
-            geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
-        elif type(manager) is FullAttentionManager:
-            geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
-        else:
-            reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
-    if not any(g.kind is GroupKind.RECURRENT for g in geometries):
-        reasons.append("no recurrent KV cache group")
-    return geometries, reasons
-
-
 def prompt_checkpoint_mode(config: BoundaryConfig) -> str:
     """How prompts are stopped at ``P - 1``, for the startup log line."""
     if config.prompt_checkpoint_min_tokens:
@@ -235,7 +211,7 @@ class BoundaryCheckpointMixin:
         super().__init__(*args, **kwargs)
         self.boundary_config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        geometries, reasons = describe_layout(self.kv_cache_config, managers)
+        geometries, reasons = describe_layout(self.kv_cache_config, managers, on_cpu=platform_is_cpu())
         if not self.need_mamba_block_aligned_split:
             reasons.append("recurrent state is not kept block-aligned by this scheduler")
         worker_cls = self.vllm_config.parallel_config.worker_cls
