@@ -140,3 +140,24 @@ def test_a_ring_with_lookahead_is_not_restorable(model_dir):
         "off the kpool grid would compress its open pool from keys it never wrote (docs/notes/model-families.md "
         "6.1-6.2)"
     ]
+
+
+def test_plan_bundle_takes_the_ring_block_whole():
+    """A ring group's bundle is its one block whatever N is; a request without one plans nothing."""
+    from dataclasses import dataclass
+
+    from boundary_checkpoints.core.boundaries import GroupGeometry, plan_bundle
+
+    @dataclass(frozen=True)
+    class Block:
+        block_id: int
+        is_null: bool = False
+
+    null = Block(0, is_null=True)
+    geometries = [GroupGeometry(GroupKind.RECURRENT, 16, 1), GroupGeometry(GroupKind.RING, KPOOL, 1)]
+    for n in (1, 4, 17, 32):
+        plan = plan_bundle(geometries, [[Block(1), Block(2), Block(3)], [Block(9)]], n, null)
+        assert plan.sources == (Block(1 + (n - 1) // 16), Block(9)) and plan.shared[1] == ()
+        assert plan.group_blocks([Block(20), Block(21)])[1] == (Block(21),)
+    assert plan_bundle(geometries, [[Block(1)], []], 3, null) is None
+    assert plan_bundle(geometries, [[Block(1)], [null]], 3, null) is None
