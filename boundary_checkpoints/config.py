@@ -320,9 +320,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     """Layouts boundary retention is built for but has not been measured on yet: ``auto`` falls
     back for them, an explicit ``request_boundaries`` runs on them (the decision line says so).
 
-    Model families: the scheduler accepts any layout of full-attention and align-mode recurrent
-    groups (``core/scheduler.py``: ``describe_layout``), but only the architectures in
-    :data:`VALIDATED_ARCHITECTURES` have been measured.
+    Model families: the scheduler accepts any layout of full-attention (dense or MLA), align-mode
+    recurrent and one-pool indexer tail ring groups (``core/layout.py``: ``describe_layout``), but
+    only the architectures in :data:`VALIDATED_ARCHITECTURES` have been measured.
 
     Tensor and decode context parallelism: capture and restore copy whole scheduler blocks on
     every rank, which is exact for replicated recurrent state and, under DCP, for the sharded

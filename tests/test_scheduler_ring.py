@@ -1,0 +1,163 @@
+"""The GLM indexer tail ring on vLLM's real scheduler (CPU, shadow runner): a KV cache layout with
+an attention group, two recurrent groups and a ``CircularBufferSpec`` ring group of ``kpool``
+slots (``core/scheduler.py`` contract 11).
+
+The shadow worker keeps, per ring block, the tokens of the pool in progress, and refuses a step that
+starts off the pool grid unless it is one token that finds exactly those tokens in its ring
+(``tests/shadow_engine.py``). So every boundary restore below, at ``N`` on or off the grid, passes
+only if the capture copied the producer's ring at ``N``, the restore copied it into the consumer's
+own fresh ring block, and the consumer's steps stayed one token until the next pool boundary. The
+negative controls take each of the two away and see the shadow worker object.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+
+from boundary_checkpoints.core.boundaries import GroupKind
+from boundary_checkpoints.core.layout import describe_layout
+
+KPOOL = 4
+RING = 3  # the ring group's index: attention, two recurrent groups, ring
+
+
+def ring_scheduler(model_dir, **kwargs):
+    kwargs = dict(ring_kpool=KPOOL, max_num_batched_tokens=64, max_model_len=1024, **kwargs)
+    return build_scheduler(model_dir, **kwargs)
+
+
+def recorded_steps(scheduler) -> list:
+    """Every ``SchedulerOutput`` the scheduler returns, in order."""
+    outputs = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        outputs.append(schedule(*args, **kwargs))
+        return outputs[-1]
+
+    scheduler.schedule = recording_schedule
+    return outputs
+
+
+def test_layout_is_accepted_with_the_pool_size(model_dir):
+    scheduler, _ = ring_scheduler(model_dir)
+    assert scheduler.boundaries_active
+    kinds = [GroupKind.ATTENTION, GroupKind.RECURRENT, GroupKind.RECURRENT, GroupKind.RING]
+    assert [g.kind for g in scheduler._geometries] == kinds
+    assert scheduler._kpool == KPOOL
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag):
+    scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag))
+    driver = Driver(scheduler, worker, lag=lag)
+    rng = random.Random(lag)
+    for length in (5, 8, 15, 16, 17, 30, 45):  # P - 1 and P + answer on and off the grid of 4
+        prompt = tokens(rng, length)
+        [answer] = driver.run([make_request(prompt, salt="s")])
+        resend = make_request(prompt, salt="s")
+        assert driver.run([resend]) == [answer]
+        assert driver.cached_tokens[resend.request_id] == length - 1
+        follow_up = prompt + answer + tokens(rng, 23)
+        nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
+        assert driver.run([nxt]) == driver.run([cold])
+        assert driver.cached_tokens[nxt.request_id] == length + len(answer) - 1
+        assert driver.cached_tokens[cold.request_id] == 0
+    assert worker.restored_reads > 0
+
+
+def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir):
+    """Prompt of 18: capture at P - 1 = 17 (off the grid) copies the producer's ring block in the
+    step that copies its recurrent state; the resend's admitting step copies that bundle block into
+    the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
+    copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
+    restores at the committed length 25 (18 + 8 - 1) and steps 1, 1, 1 token to the pool boundary
+    28; from there vLLM's block-aligned split (block 16) runs to 32, the plugin stops at P - 1 = 37
+    and the last prompt token runs alone."""
+    scheduler, worker = ring_scheduler(model_dir)
+    outputs = recorded_steps(scheduler)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(3)
+    prompt = tokens(rng, 18)
+    producer = make_request(prompt, salt="s")
+    [answer] = driver.run([producer])
+    captures = [getattr(o, "boundary_capture_copies", None) for o in outputs]
+    [capture] = [c for c in captures if c]
+    assert len(capture) == 4  # in group order: the attention tail page, two recurrent states, the ring
+    ring_capture = capture[RING]
+    resend = make_request(prompt, salt="s")
+    scheduler.add_request(resend)
+    driver.step()
+    admitted = outputs[-1]
+    ring_block = scheduler.kv_cache_manager.coordinator.single_type_managers[RING].req_to_blocks[resend.request_id][0]
+    ring_copies = [c for c in admitted.kv_cache_block_copies or () if c.dst_block_id == ring_block.block_id]
+    assert [(c.src_block_id, c.dst_block_id) for c in ring_copies] == [(ring_capture[1], ring_block.block_id)]
+    driver.finish([resend])
+
+    follow_up = prompt + answer + tokens(rng, 12)
+    nxt = make_request(follow_up, salt="s")
+    first = len(outputs)
+    driver.run([nxt])
+    steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
+    steps = [step for step in steps if step]
+    n = len(prompt) + len(answer) - 1
+    assert driver.cached_tokens[nxt.request_id] == n == 25
+    assert len(follow_up) == 38 and steps[:6] == [1, 1, 1, 4, 5, 1]
+
+
+def test_without_the_ring_copy_a_restore_off_the_grid_reads_a_fresh_ring(model_dir, monkeypatch):
+    scheduler, worker = ring_scheduler(model_dir)
+    monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(5), 18)
+    driver.run([make_request(prompt, salt="s")])
+    with pytest.raises(ShadowMismatch, match="ring group 3 at 17 is wrong"):
+        driver.run([make_request(prompt, salt="s")])
+
+
+def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_dir, monkeypatch):
+    scheduler, worker = ring_scheduler(model_dir)
+    monkeypatch.setattr(scheduler, "_kpool", None)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(6)
+    prompt = tokens(rng, 18)
+    [answer] = driver.run([make_request(prompt, salt="s")])
+    with pytest.raises(ShadowMismatch, match="step starts off the pool grid at 25"):
+        driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
+
+
+def test_a_ring_with_lookahead_is_not_restorable(model_dir):
+    """A ring of more slots than the pool (speculative lookahead) falls back, naming why."""
+    scheduler, _ = build_scheduler(model_dir, ring_kpool=2 * KPOOL)
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    _, reasons = describe_layout(scheduler.kv_cache_config, managers, kpool=KPOOL)
+    assert reasons == [
+        "GLM indexer tail ring (1 layers, 8 slots, CircularBufferManager) holds speculative lookahead beyond its "
+        "pool of 4 tokens, which is not restored yet: vLLM gives a restored request a fresh ring, so a restore "
+        "off the kpool grid would compress its open pool from keys it never wrote (docs/notes/model-families.md "
+        "6.1-6.2)"
+    ]
+
+
+def test_plan_bundle_takes_the_ring_block_whole():
+    """A ring group's bundle is its one block whatever N is; a request without one plans nothing."""
+    from dataclasses import dataclass
+
+    from boundary_checkpoints.core.boundaries import GroupGeometry, plan_bundle
+
+    @dataclass(frozen=True)
+    class Block:
+        block_id: int
+        is_null: bool = False
+
+    null = Block(0, is_null=True)
+    geometries = [GroupGeometry(GroupKind.RECURRENT, 16, 1), GroupGeometry(GroupKind.RING, KPOOL, 1)]
+    for n in (1, 4, 17, 32):
+        plan = plan_bundle(geometries, [[Block(1), Block(2), Block(3)], [Block(9)]], n, null)
+        assert plan.sources == (Block(1 + (n - 1) // 16), Block(9)) and plan.shared[1] == ()
+        assert plan.group_blocks([Block(20), Block(21)])[1] == (Block(21),)
+    assert plan_bundle(geometries, [[Block(1)], []], 3, null) is None
+    assert plan_bundle(geometries, [[Block(1)], [null]], 3, null) is None
