@@ -357,6 +357,11 @@ def test_cli_argument_checks(capsys):
     for bad in ("fast=[1]", "fast={", 'aligned={"policy": "auto"}', '={"policy": "auto"}'):
         with pytest.raises(SystemExit):
             cli.parse_args(["--launch", "d", "--variant", bad])
+    unit = ["--variant", 'unit16={"policy": "aligned"}', "--variant-arg", "unit16=--prefix-match-unit 16"]
+    assert cli.parse_args(["--launch", "d", *unit]).label_args == {"unit16": ["--prefix-match-unit", "16"]}
+    for bad in ("nope=--x 1", "unit16=", "unit16"):  # unknown label, no flags
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--launch", "d", *unit[:2], "--variant-arg", bad])
     assert cli.parse_args(["--url", "http://a", "--model", "m"]).label == ["server"]
     assert cli.main(["--url", "http://127.0.0.1:9", "--model", "m"]) == 2  # no vocab size
     assert "--vocab-size" in capsys.readouterr().err
@@ -421,6 +426,7 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaun
             def __init__(self, model, log_path, **kw):
                 self.base_url, self.log_path, self.command = url, Path(log_path), ["fake"]
                 self.label = kw["additional_config"]["boundary_checkpoints"]["policy"]
+                assert kw["extra_args"] == (["--prefix-match-unit", "16"] if self.label == "aligned" else [])
                 self.log_path.write_text(STATS_LINE.format(i=1, b=4096) + "\n" + BLOCK_LINE.format(n=16) + "\n")
                 events.append(("start", self.label))
 
@@ -437,7 +443,8 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaun
                                    in_flight=[1], repeat=2, run_salt="t", floor_label="aligned", warmup=1,
                                    stats_log_interval=0)  # fmt: skip
         spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
-                                 log_dir=tmp_path, relaunch=relaunch)  # fmt: skip
+                                 label_args={"aligned": ["--prefix-match-unit", "16"]}, log_dir=tmp_path,
+                                 relaunch=relaunch)  # fmt: skip
         result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
     if relaunch:
         assert events == [("start", "aligned"), ("stop", "aligned"), ("start", "request_boundaries"),

@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--launch: one more server named LABEL whose boundary_checkpoints section is JSON "
                           "(repeatable), e.g. 'no_prompt={\"policy\": \"request_boundaries\", "
                           "\"prompt_checkpoints\": false}'")
+    tgt.add_argument("--variant-arg", action="append", default=[], metavar="LABEL=FLAGS",
+                     help="--launch: extra vLLM flags (shell-split) for the server LABEL only, after --server-arg; "
+                          "repeatable. Stock at its best setting beside the default: --variant "
+                          "'aligned_unit16={\"policy\": \"aligned\"}' --variant-arg "
+                          "'aligned_unit16=--prefix-match-unit 16'")
     tgt.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                      help="--launch: extra vLLM flag(s), repeatable, shell-split (e.g. "
                           "--server-arg='--load-format dummy'); later flags override the launcher's defaults")
@@ -168,6 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--variant needs a new label (got {label!r})")
         args.sections[label] = section
     args.policies += [label for label in args.sections if label not in args.policies]
+    args.label_args = {}
+    for item in args.variant_arg:
+        label, _, flags = item.partition("=")
+        if label not in args.sections or not flags.strip():
+            p.error(f"--variant-arg takes LABEL=FLAGS for a launched label {list(args.sections)} (got {item!r})")
+        args.label_args.setdefault(label, []).extend(shlex.split(flags))
     for name in ("conversations", "turns", "answer_tokens", "user_tokens", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -197,7 +208,7 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
         log_dir = Path(args.log_dir) if args.log_dir else None
         spec = runner.LaunchSpec(
             model_dir=args.launch, model_name=args.model or Path(args.launch).name, sections=args.sections,
-            host=args.host, port=args.port, server_args=split_server_args(args.server_arg),
+            host=args.host, port=args.port, server_args=split_server_args(args.server_arg), label_args=args.label_args,
             additional_config=json.loads(args.additional_config) if args.additional_config else {},
             env=env, startup_timeout=args.startup_timeout, relaunch=args.relaunch,
             **({"log_dir": log_dir} if log_dir else {}),

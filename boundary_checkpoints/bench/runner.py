@@ -337,6 +337,7 @@ class LaunchSpec:
     host: str = "127.0.0.1"
     port: int | None = None  # the first server's port (the others follow); default: free ports
     server_args: list[str] = field(default_factory=list)
+    label_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags of one label, after server_args
     additional_config: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bc-bench-")))
@@ -364,7 +365,8 @@ class LaunchedServers(ServerSet):
         progress.write(f"[{label}] starting vLLM on {spec.host}:{port} (log {log_path})")
         server = start_server(spec.model_dir, log_path, host=spec.host, port=port, served_model_name=spec.model_name,
                               additional_config={**spec.additional_config, "boundary_checkpoints": section},
-                              extra_args=spec.server_args, env=spec.env, unset_env=(POLICY_ENV,))  # fmt: skip
+                              extra_args=[*spec.server_args, *spec.label_args.get(label, [])],
+                              env=spec.env, unset_env=(POLICY_ENV,))  # fmt: skip
         self.running[label] = server
         self.info.setdefault(label, {"command": server.command, "log_path": str(log_path), "ready_s": []})
         self._warm.discard(label)
