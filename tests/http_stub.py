@@ -21,6 +21,16 @@ def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
         httpd.server_close()
 
 
+def send_json(handler: BaseHTTPRequestHandler, payload: dict, status: int = 200) -> None:
+    """Answer ``handler``'s request with ``payload`` as a JSON body."""
+    data = json.dumps(payload).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 class CompletionsStub(BaseHTTPRequestHandler):
     """A stand-in OpenAI completions server: answer ids are a function of the prompt, cached_tokens
     is the longest prefix shared with an earlier prompt under the same cache_salt."""
@@ -41,11 +51,7 @@ class CompletionsStub(BaseHTTPRequestHandler):
         type(self).requests.append(body)
         prompt = body["prompt"]
         if not prompt:
-            data = b'{"error": {"message": "empty prompt"}}'
-            self.send_response(400)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, {"error": {"message": "empty prompt"}}, status=400)
             return
         salt = body.get("cache_salt")
         history = type(self).seen.setdefault(salt, [])
@@ -64,14 +70,8 @@ class CompletionsStub(BaseHTTPRequestHandler):
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         if not body.get("stream"):
-            payload = {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}],
-                       "usage": usage}  # fmt: skip
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}],
+                             "usage": usage})  # fmt: skip
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

@@ -7,7 +7,7 @@ import json
 from http.server import BaseHTTPRequestHandler
 
 import pytest
-from http_stub import serve
+from http_stub import send_json, serve
 
 from boundary_checkpoints.bench import client, demo
 from boundary_checkpoints.bench.client import Completion
@@ -59,12 +59,7 @@ class _ChatStub(BaseHTTPRequestHandler):
             payload = {"prompt_token_ids": prompt_ids, "usage": usage, "choices": [{
                 "message": {"role": "assistant", "content": " ".join(words)}, "token_ids": ids,
                 "finish_reason": finish, "stop_reason": None, "logprobs": {"content": top}}]}  # fmt: skip
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, payload)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

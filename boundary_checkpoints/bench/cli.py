@@ -18,13 +18,13 @@ import argparse
 import datetime as _dt
 import json
 import shlex
-import signal
 import sys
 import time
 import uuid
 from pathlib import Path
 
 from boundary_checkpoints.bench import logs, report, runner
+from boundary_checkpoints.bench.server import interrupt_on_termination
 from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY
 from boundary_checkpoints.bench.workload import Workload
 from boundary_checkpoints.fixtures import tiny_models
@@ -227,10 +227,6 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
     return runner.UrlServers(settings, targets)
 
 
-def _signal_to_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_model:
@@ -266,15 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     servers = _servers(args, settings)
     started = _dt.datetime.now(_dt.timezone.utc)
-    previous = {s: signal.signal(s, _signal_to_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = runner.run_benchmark(settings, servers)
+        with interrupt_on_termination():
+            result = runner.run_benchmark(settings, servers)
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
         return 130
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     result["workload"]["turn1_only"] = args.turn1_only
     result["meta"] = {
         "argv": ["bc-bench", *(sys.argv[1:] if argv is None else argv)],

@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -54,6 +53,7 @@ from boundary_checkpoints.bench.probes import Answer, first_token_deviation, sam
 from boundary_checkpoints.bench.server import (
     ServerProcess,
     ServerStartError,
+    interrupt_on_termination,
     policy_config,
     start_server,
     stop_server,
@@ -337,10 +337,6 @@ def format_table(policies: list[str], results: dict[str, list[TurnResult]]) -> s
     return "\n".join(lines)
 
 
-def _raise_keyboard_interrupt(signum, frame):  # SIGTERM/SIGHUP -> same clean-up as Ctrl-C
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bc-demo",
@@ -384,52 +380,54 @@ def resolve_model(model: Path | None) -> Path:
     return out
 
 
+def _run_demo(args: argparse.Namespace) -> int:
+    """The demo proper: both servers, the table, the JSON file."""
+    model_dir = resolve_model(args.model)
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bc-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"server logs: {log_dir}")
+    if os.environ.get(POLICY_ENV):
+        print(f"note: ignoring {POLICY_ENV}={os.environ[POLICY_ENV]} for the demo's servers")
+    make = make_chat_plan if args.mode == "chat" else make_plan
+    plan = make(args.turns, args.system_tokens, args.user_tokens, args.followup_tokens, args.seed)
+    results: dict[str, list[TurnResult]] = {}
+    ready: dict[str, float] = {}
+    for policy in args.policies:
+        results[policy], ready[policy] = run_policy(
+            policy, model_dir, log_dir, plan,
+            max_tokens=args.max_tokens, startup_timeout=args.startup_timeout,
+        )  # fmt: skip
+    print()
+    print(format_table(args.policies, results))
+    print()
+    labels = ", ".join(f"{POLICY_LABELS.get(p, p)} = {p}" for p in args.policies)
+    endpoint = "/v1/chat/completions, messages" if args.mode == "chat" else "/v1/completions, token ids"
+    print(f"mode: {args.mode} ({endpoint}); columns: {labels}; "
+          "boundary = committed length of the previous turn")  # fmt: skip
+    print(LEGEND)
+    if args.json_out:
+        payload = {
+            "policies": args.policies,
+            "mode": args.mode,
+            "server_ready_s": ready,
+            "turns": {p: [asdict(r) for r in rs] for p, rs in results.items()},
+        }
+        args.json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"results: {args.json_out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    previous = {sig: signal.signal(sig, _raise_keyboard_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        model_dir = resolve_model(args.model)
-        log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bc-demo-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        print(f"server logs: {log_dir}")
-        if os.environ.get(POLICY_ENV):
-            print(f"note: ignoring {POLICY_ENV}={os.environ[POLICY_ENV]} for the demo's servers")
-        make = make_chat_plan if args.mode == "chat" else make_plan
-        plan = make(args.turns, args.system_tokens, args.user_tokens, args.followup_tokens, args.seed)
-        results: dict[str, list[TurnResult]] = {}
-        ready: dict[str, float] = {}
-        for policy in args.policies:
-            results[policy], ready[policy] = run_policy(
-                policy, model_dir, log_dir, plan,
-                max_tokens=args.max_tokens, startup_timeout=args.startup_timeout,
-            )  # fmt: skip
-        print()
-        print(format_table(args.policies, results))
-        print()
-        labels = ", ".join(f"{POLICY_LABELS.get(p, p)} = {p}" for p in args.policies)
-        endpoint = "/v1/chat/completions, messages" if args.mode == "chat" else "/v1/completions, token ids"
-        print(f"mode: {args.mode} ({endpoint}); columns: {labels}; "
-              "boundary = committed length of the previous turn")  # fmt: skip
-        print(LEGEND)
-        if args.json_out:
-            payload = {
-                "policies": args.policies,
-                "mode": args.mode,
-                "server_ready_s": ready,
-                "turns": {p: [asdict(r) for r in rs] for p, rs in results.items()},
-            }
-            args.json_out.write_text(json.dumps(payload, indent=2) + "\n")
-            print(f"results: {args.json_out}")
-        return 0
+        with interrupt_on_termination():
+            return _run_demo(args)
     except ServerStartError as err:
         print(f"\nserver failed to start: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
         return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

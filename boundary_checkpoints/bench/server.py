@@ -27,6 +27,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -286,6 +288,22 @@ def stop_all(grace: float | None = None) -> None:
 
 
 atexit.register(stop_all)
+
+
+@contextmanager
+def interrupt_on_termination() -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP raise ``KeyboardInterrupt``, so a terminated CLI run
+    (bc-demo, bc-bench) stops its servers the way Ctrl-C does; the old handlers come back after."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class RunningServer:
