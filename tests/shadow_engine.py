@@ -179,6 +179,7 @@ def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
             linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
             mlp_only_layers=[], max_position_embeddings=8192, dtype="bfloat16",
+            num_nextn_predict_layers=1,  # one MTP module: spec_shadow.py's speculative layouts
         )
         cfg.architectures = ["Qwen3NextForCausalLM"]
         cfg.save_pretrained(path)
@@ -204,6 +205,8 @@ def build_scheduler(
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
+    num_speculative_tokens: int = 0,
+    worker_cls: type | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -211,7 +214,11 @@ def build_scheduler(
     request when its first chunk fits, so chunked prefills can run the pool dry and preempt.
 
     ``dcp > 1``: decode context parallelism at tensor parallel ``dcp`` (the model directory needs
-    one KV head for 8), ``cp_kv_cache_interleave_size`` ``interleave``. The attention group's
+    one KV head for 8), ``cp_kv_cache_interleave_size`` ``interleave``.
+
+    ``num_speculative_tokens > 0``: MTP speculative decoding of that many tokens (one MTP module,
+    so a prefill lookahead of 1); the recurrent groups keep that many speculative state blocks
+    (align mode), and ``worker_cls`` (``spec_shadow.SpecShadowWorker``) runs the steps. The attention group's
     scheduler block is then a virtual page of ``block_size * dcp`` tokens (vLLM's manager
     multiplies the per-rank spec block by the DCP size); the recurrent groups, replicated on every
     rank, use that virtual page as their block so that align mode keeps one state per page. The
@@ -241,6 +248,9 @@ def build_scheduler(
         decode_context_parallel_size=dcp,
         cp_kv_cache_interleave_size=interleave,
         distributed_executor_backend="mp" if dcp > 1 else None,
+        speculative_config=(
+            {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
+        ),
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
             "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
@@ -264,7 +274,10 @@ def build_scheduler(
         groups.append(
             KVCacheGroupSpec(
                 [f"ssm.{g}"],
-                MambaSpec(block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align"),
+                MambaSpec(
+                    block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align",
+                    num_speculative_blocks=num_speculative_tokens,
+                ),
             )
         )
     kv_cache_config = KVCacheConfig(
@@ -283,7 +296,8 @@ def build_scheduler(
         hash_block_size=hash_block_size,
         log_stats=True,
     )
-    worker = ShadowWorker(["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups))
+    kinds, sizes = ["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups)
+    worker = (worker_cls or ShadowWorker)(kinds, sizes)
     return scheduler, worker
 
 

@@ -92,22 +92,25 @@ def speculative_response_boundary(
     """Token count of the response checkpoint of a request whose last step (ending at
     ``step_end``, drafts included) carried ``step_drafts`` draft tokens of at most
     ``num_speculative_tokens``, on recurrent blocks of ``block_size`` (0: none is exact; see the
-    module docstring).
+    module docstring). It is always below ``num_tokens``: the bundle records token ``N``, from
+    which its MTP draft row ``N - 1`` was computed.
 
-    * no drafts: the step wrote its state whole, as without speculation (:func:`response_boundary`);
+    * no drafts: the step wrote its state whole, as without speculation;
     * every draft accepted and ``step_end`` a multiple of the block: vLLM's post-step copy moved the
       committed state whole into the step's column 0 (it keeps block-aligned states), so the
-      committed count is exact;
-    * otherwise, with ``k`` drafts, the state after the step's first token, ``step_end - k``;
+      committed count is exact -- unless a stop or length cap trimmed tokens it covers;
+    * otherwise, with ``k`` drafts, the state after the step's first token, ``step_end - k``
+      (its first sampled token is always kept, so that is below ``num_tokens``);
     * ``0 < d < k`` drafts leave that state at an offset of the conv window that a fresh request
       does not read: no checkpoint."""
-    if step_drafts == 0:
-        return response_boundary(num_computed_tokens, num_tokens)
-    if step_drafts != num_speculative_tokens:
+    full_and_aligned = num_computed_tokens == step_end and step_end % block_size == 0
+    if step_drafts == 0 or full_and_aligned:
+        boundary = num_computed_tokens
+    elif step_drafts == num_speculative_tokens:
+        boundary = min(num_computed_tokens, step_end - step_drafts)
+    else:
         return 0
-    if num_computed_tokens == step_end and step_end % block_size == 0:
-        return response_boundary(num_computed_tokens, num_tokens)
-    return response_boundary(min(num_computed_tokens, step_end - step_drafts), num_tokens)
+    return boundary if 0 < boundary < num_tokens else 0
 
 
 @dataclass(frozen=True)
