@@ -169,8 +169,9 @@ def test_a_restore_one_token_off_fails_the_criteria_under_mtp(runs):
 
 
 def test_acceptance_after_a_restore_matches_cold(runs):
-    """Mean accepted tokens per drafting step (1 + accepted / drafts for k = 1) of the restored
-    continuations vs their cold controls. A restore that lost the MTP context (draft K/V rows
+    """Mean tokens per drafting step (1 + accepted drafts / drafting steps; vLLM's
+    ``spec_decode_num_drafts`` counts drafting steps) of the restored continuations vs their
+    cold controls. A restore that lost the MTP context (draft K/V rows
     below ``N``) would change the drafts, not the target's tokens; with a random-weight drafter
     nearly every draft is rejected either way (measured: 0 accepted), so both means sit at 1.0.
     The assertion is the loose, reachable one: both in ``[1, 1 + k]`` and within 0.25 of each
