@@ -377,7 +377,7 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     if spec is not None and not speculative_reasons(vllm_config):
         k = getattr(spec, "num_speculative_tokens", None)
         reasons.append(
-            f"speculative decoding ({getattr(spec, 'method', None)}, {k} tokens) is measured on the CPU "
+            f"speculative decoding ({getattr(spec, 'method', None)}, k={k}) is measured on the CPU "
             "engine only, not validated on GPU"
         )
     return reasons

@@ -579,7 +579,7 @@ def test_single_module_mtp_is_unvalidated_off_the_cpu_engine(k):
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled and len(auto.reasons) == 1
-    assert f"speculative decoding (mtp, {k} tokens)" in auto.reasons[0] and "not validated on GPU" in auto.reasons[0]
+    assert f"speculative decoding (mtp, k={k})" in auto.reasons[0] and "not validated on GPU" in auto.reasons[0]
     explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
     assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
 

@@ -200,3 +200,16 @@ def test_layout_accepts_speculative_columns_only_for_the_configured_draft_count(
     assert any("keeps 2 speculative state blocks for 3 draft tokens" in r for r in reasons)
     _, reasons = describe_layout(scheduler.kv_cache_config, managers, 0)
     assert any("for 0 draft tokens" in r for r in reasons)
+
+
+def test_a_response_finished_with_a_speculative_step_in_flight_keeps_no_checkpoint(model_dir):
+    """Async scheduling: the step still in flight rewrites the state columns a response bundle
+    would be read from, so none is planned and the skip is counted."""
+    scheduler, _, _ = spec_engine(model_dir, 1, pattern("all", 1))
+    request = make_request(tokens(random.Random(1), 20), max_tokens=3)
+    request.num_computed_tokens, request.num_output_placeholders = 19, 2
+    scheduler._last_steps[request.request_id] = (19, 0)
+    assert scheduler._response_boundary(request) == (0, None)
+    assert scheduler.boundary_stats()["responses_spec_in_flight"] == 1
+    request.num_output_placeholders = 0
+    assert scheduler._response_boundary(request) == (19, 19)
