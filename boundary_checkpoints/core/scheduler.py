@@ -17,7 +17,13 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
    bundle by reference (no copy: nothing writes a finished request's blocks again); its
-   ``ready_seq`` is the last step scheduled before the finish.
+   ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP)
+   the state is the one the request's last step left whole in its column 0, which may be up to
+   ``k - 1`` tokens before the committed length (``core/boundaries.py``:
+   ``speculative_response_boundary``); a request that finishes with a step in flight (async
+   scheduling) keeps none (``responses_spec_in_flight``), and every bundle records the token
+   after its boundary, which a restore must share (its MTP draft row depends on it,
+   ``core/store.py``).
 4. Publication: a captured bundle enters the store only in ``update_from_output`` of step
    ``ready_seq`` (the step that ran its copies, or for adoption the last step scheduled before
    the finish): the step's output exists only after every worker returned it. A producer that is
