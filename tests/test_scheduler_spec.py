@@ -165,10 +165,8 @@ def test_prompt_boundary_with_lookahead_one_and_the_next_token_guard(model_dir, 
     other = prompt[:-1] + [4 + (prompt[-1] - 3) % 1000] + tokens(rng, 3)
     edited = make_request(other, max_tokens=3, salt="s")
     driver.run([edited])
-    assert driver.cached_tokens[edited.request_id] < prompt_len - 1
-    assert scheduler.boundary_stats().get("miss_draft_next_token", 0) + scheduler.boundary_stats().get(
-        "miss_block_grid_as_long", 0
-    ) >= 1
+    assert driver.cached_tokens[edited.request_id] < prompt_len - 1  # a stock block-grid hit at most
+    assert scheduler.boundary_stats()["miss_draft_next_token"] == 1
 
 
 class UnguardedScheduler(BoundaryScheduler):
