@@ -8,7 +8,15 @@ Private internals (names and the behaviour relied on):
   ``_mamba_block_aligned_split`` (chunk stop at the prompt boundary), ``_free_request`` (response
   capture), ``_preempt_request``, ``finish_requests`` via ``_free_request``,
   ``reset_prefix_cache``. Attributes read: ``kv_cache_manager``, ``requests``, ``hash_block_size``,
-  ``need_mamba_block_aligned_split``, ``vllm_config``.
+  ``need_mamba_block_aligned_split``, ``vllm_config``, ``num_spec_tokens``.
+* Speculative decoding in align mode (``core/boundaries.py``, docs/notes/spec-decode.md):
+  ``SchedulerOutput.scheduled_spec_decode_tokens`` (drafts per request of a step), the
+  ``MambaManager.num_speculative_blocks`` state columns and their layout (SSM column ``t`` holds
+  the state after query token ``t``; the conv window after the first query token at offset
+  ``k - d`` of column 0; the V1 post-step copy of a block-aligned committed state into block
+  ``aligned // B - 1``), ``Request.num_output_placeholders`` (a step in flight under async
+  scheduling), and the EAGLE/MTP drafter's input shift (draft K/V row ``r`` computed from
+  token ``r + 1``).
 * ``KVCacheManager`` (v1/core/kv_cache_manager.py): its ``allocate_slots`` returns None without
   side effects when the pool is short, which the plugin's subclass answers by evicting retained
   checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
@@ -31,7 +39,8 @@ Private internals (names and the behaviour relied on):
   used for caches that are not block-outermost.
 * ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
   ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
-  ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).
+  ``num_computed_tokens``, ``num_tokens``, ``num_output_placeholders``,
+  ``skip_reading_prefix_cache``, ``sampling_params``).
 * V1 ``GPUModelRunner`` (v1/worker/gpu_model_runner.py; the CPU engine's ``CPUModelRunner`` is a
   subclass, Model Runner V2 is not): the plugin's workers re-class the runner instance they built
   (:func:`reclass_instance`, ``__class__`` assignment) to a subclass that overrides ``_sample`` and

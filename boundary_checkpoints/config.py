@@ -15,7 +15,7 @@ Contract
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
   measured on (model architectures other than the measured ones, tensor parallel, decode context
-  parallel).
+  parallel, speculative decoding off the CPU engine).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
   of either kind applies and otherwise falls back to ``aligned`` with the reasons,
@@ -281,11 +281,7 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
         reasons.append(f"mamba_cache_mode is {mamba_mode!r}, not 'align'")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         reasons.append("external KV connector or KV offloading is not supported yet")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        reasons.append(
-            "speculative decoding (MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported "
-            "by boundary capture yet"
-        )
+    reasons += speculative_reasons(vllm_config)
     for attr, label in (
         ("pipeline_parallel_size", "pipeline parallel"),
         ("data_parallel_size", "data parallel"),
@@ -312,6 +308,37 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
+SUPPORTED_SPECULATIVE_METHODS = ("mtp",)
+
+
+def speculative_reasons(vllm_config: Any) -> list[str]:
+    """Why the speculative decoding of ``vllm_config`` cannot work with boundary retention (empty
+    without speculative decoding, or with single-module MTP). See docs/notes/spec-decode.md:
+
+    * other methods (EAGLE, DFlash, ngram, draft models, ...) have not been run with the plugin;
+    * dynamic speculation changes the draft count per step, which the response capture's source
+      column (``core/boundaries.py``: ``speculative_response_boundary``) does not follow;
+    * multi-module MTP reads ``k > 1`` prefill tokens ahead: vLLM then cuts every prefill chunk
+      that would end within ``k`` tokens of the prompt end, so the ``P - 1`` stop livelocks, and
+      its later modules re-prefill the last ``k - 1`` rows of shared pages."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return []
+    method = getattr(spec, "method", None)
+    if method not in SUPPORTED_SPECULATIVE_METHODS:
+        return [f"speculative decoding method {method!r} is not supported (only single-module MTP is)"]
+    reasons = []
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None:
+        reasons.append("dynamic speculative decoding (num_speculative_tokens_per_batch_size) is not supported")
+    lookahead = getattr(vllm_config, "num_prefill_lookahead_tokens", None) or 1
+    if lookahead > 1:
+        reasons.append(
+            f"speculative decoding with multi-module MTP (prefill lookahead {lookahead} > 1) livelocks "
+            "the P - 1 chunk stop"
+        )
+    return reasons
+
+
 # Model architectures whose boundaries have been measured end to end (docs/compatibility.md).
 VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
@@ -327,7 +354,11 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     Tensor and decode context parallelism: capture and restore copy whole scheduler blocks on
     every rank, which is exact for replicated recurrent state and, under DCP, for the sharded
     attention pages too (``worker/geometry.py``: a boundary's partial virtual page is one block
-    id on every rank), but neither has run on several GPUs yet."""
+    id on every rank), but neither has run on several GPUs yet.
+
+    Speculative decoding (single-module MTP; others are unsupported, :func:`speculative_reasons`):
+    measured on the CPU engine (V1 runner, synchronous scheduling), not on a GPU (Model Runner V2,
+    async scheduling)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -342,6 +373,13 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     decode_context_parallel = _size(parallel, "decode_context_parallel_size")
     if decode_context_parallel > 1:
         reasons.append(f"decode context parallel size {decode_context_parallel} is not validated yet")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and not speculative_reasons(vllm_config):
+        k = getattr(spec, "num_speculative_tokens", None)
+        reasons.append(
+            f"speculative decoding ({getattr(spec, 'method', None)}, k={k}) is measured on the CPU "
+            "engine only, not validated on GPU"
+        )
     return reasons
 
 

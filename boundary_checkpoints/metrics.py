@@ -68,6 +68,8 @@ COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:boundary_checkpoint_captures_published": ("Checkpoints published into the store.", ()),
     "vllm:boundary_checkpoint_captures_dropped": ("Planned captures dropped (no free blocks, no plan).", ()),
     "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
+    "vllm:boundary_checkpoint_responses_spec_in_flight": ("Responses finished with a speculative step in flight: "
+                                                          "no checkpoint.", ()),
     "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
     "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
     "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),
@@ -89,6 +91,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "published": ("vllm:boundary_checkpoint_captures_published", ()),
     "captures_dropped": ("vllm:boundary_checkpoint_captures_dropped", ()),
     "responses_aborted": ("vllm:boundary_checkpoint_responses_aborted", ()),
+    "responses_spec_in_flight": ("vllm:boundary_checkpoint_responses_spec_in_flight", ()),
     "capture_steps": ("vllm:boundary_checkpoint_capture_steps", ()),
     "capture_copies": ("vllm:boundary_checkpoint_capture_copies", ()),
     "capture_copy_bytes": ("vllm:boundary_checkpoint_capture_copy_bytes", ()),

@@ -36,9 +36,9 @@ class OneTokenCorruption:
         finally:
             self._pending.extend(fresh)
 
-    def _plan_capture(self, request, num_tokens, kind, adopt):
+    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None):
         before = len(self._pending)
-        super()._plan_capture(request, num_tokens, kind, adopt)
+        super()._plan_capture(request, num_tokens, kind, adopt, state_end)
         if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
             return
         if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):
@@ -54,6 +54,8 @@ class OneTokenCorruption:
             self._discard(pending)
         else:
             pending.checkpoint.key = key
+            if pending.checkpoint.next_token is not None:  # speculative decoding: the guard follows
+                pending.checkpoint.next_token = request.all_token_ids[num_tokens - 1]
 
 
 class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):

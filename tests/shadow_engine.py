@@ -194,7 +194,10 @@ def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "config.json").exists():
-        cfg = qwen3_next_config(num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=8192)
+        cfg = qwen3_next_config(
+            num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=8192,
+            num_nextn_predict_layers=1,  # one MTP module: spec_shadow.py's speculative layouts
+        )
         cfg.architectures = ["Qwen3NextForCausalLM"]
         cfg.save_pretrained(path)
         config = json.loads((path / "config.json").read_text())
@@ -221,6 +224,8 @@ def build_scheduler(
     interleave: int = 1,
     kv_cache_groups: list | None = None,
     ring_kpool: int | None = None,
+    num_speculative_tokens: int = 0,
+    worker_cls: type | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -228,7 +233,11 @@ def build_scheduler(
     request when its first chunk fits, so chunked prefills can run the pool dry and preempt.
 
     ``dcp > 1``: decode context parallelism at tensor parallel ``dcp`` (the model directory needs
-    one KV head for 8), ``cp_kv_cache_interleave_size`` ``interleave``. The attention group's
+    one KV head for 8), ``cp_kv_cache_interleave_size`` ``interleave``.
+
+    ``num_speculative_tokens > 0``: MTP speculative decoding of that many tokens (one MTP module,
+    so a prefill lookahead of 1); the recurrent groups keep that many speculative state blocks
+    (align mode), and ``worker_cls`` (``spec_shadow.SpecShadowWorker``) runs the steps. The attention group's
     scheduler block is then a virtual page of ``block_size * dcp`` tokens (vLLM's manager
     multiplies the per-rank spec block by the DCP size); the recurrent groups, replicated on every
     rank, use that virtual page as their block so that align mode keeps one state per page. The
@@ -271,6 +280,9 @@ def build_scheduler(
         decode_context_parallel_size=dcp,
         cp_kv_cache_interleave_size=interleave,
         distributed_executor_backend="mp" if dcp > 1 else None,
+        speculative_config=(
+            {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
+        ),
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
             "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
@@ -297,6 +309,7 @@ def build_scheduler(
                 MambaSpec(
                     block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align",
                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # Qwen3-Next's Gated DeltaNet
+                    num_speculative_blocks=num_speculative_tokens,
                 ),  # fmt: skip
             )
         )
@@ -324,7 +337,7 @@ def build_scheduler(
         hash_block_size=hash_block_size,
         log_stats=True,
     )
-    worker = ShadowWorker(kinds, sizes)
+    worker = (worker_cls or ShadowWorker)(kinds, sizes)
     return scheduler, worker
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -216,7 +217,7 @@ UNSUPPORTED = [
     ("no_prefix_caching", {"cache_config__enable_prefix_caching": False}, "prefix caching is disabled"),
     ("mamba_mode_none", {"cache_config__mamba_cache_mode": "none"}, "mamba_cache_mode is 'none'"),
     ("kv_connector", {"kv_transfer_config": SimpleNamespace(kv_connector="X")}, "KV connector"),
-    ("spec_decode", {"speculative_config": SimpleNamespace(method="mtp")}, "speculative decoding"),
+    ("spec_decode", {"speculative_config": SimpleNamespace(method="eagle3")}, "speculative decoding method 'eagle3'"),
     ("pp", {"parallel_config__pipeline_parallel_size": 2}, "pipeline parallel size 2"),
     ("dp", {"parallel_config__data_parallel_size": 4}, "data parallel size 4"),
     ("pcp", {"parallel_config__prefill_context_parallel_size": 2}, "prefill context parallel size 2"),
@@ -354,9 +355,8 @@ def test_summary_example_from_the_brief():
         supported_fake(speculative_config=SimpleNamespace(), lora_config=SimpleNamespace()),
     )
     assert decision.summary() == (
-        "boundary_checkpoints: policy=auto -> aligned (fallback: speculative decoding "
-        "(MTP/EAGLE/DFlash/ngram, static or dynamic) is not supported by boundary capture yet; "
-        "LoRA adapters are part of the key but not supported yet)"
+        "boundary_checkpoints: policy=auto -> aligned (fallback: speculative decoding method None "
+        "is not supported (only single-module MTP is); LoRA adapters are part of the key but not supported yet)"
     )
 
 
@@ -561,3 +561,42 @@ def test_an_unmeasured_model_architecture_falls_back_under_auto():
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
     fake.model_config.architectures = ["Qwen3NextForCausalLM"]
     assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
+
+
+def mtp_fake(k: int = 1, lookahead: int = 1, **spec) -> SimpleNamespace:
+    """A supported fake with MTP speculative decoding of ``k`` tokens (prefill lookahead
+    ``lookahead``: 1 for single-module MTP, ``k`` for multi-module)."""
+    fake = supported_fake(speculative_config=SimpleNamespace(method="mtp", num_speculative_tokens=k, **spec))
+    fake.num_prefill_lookahead_tokens = lookahead
+    return fake
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_single_module_mtp_is_unvalidated_off_the_cpu_engine(k):
+    """Single-module MTP (measured on the CPU engine) is in the unvalidated tier: auto falls back
+    naming "not validated on GPU", an explicit request_boundaries runs and says so."""
+    fake = mtp_fake(k)
+    assert unsupported_reasons(fake) == []
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and len(auto.reasons) == 1
+    assert f"speculative decoding (mtp, k={k})" in auto.reasons[0] and "not validated on GPU" in auto.reasons[0]
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
+
+
+@pytest.mark.parametrize(
+    "fake, text",
+    [
+        (mtp_fake(2, lookahead=2), "multi-module MTP (prefill lookahead 2 > 1) livelocks the P - 1 chunk stop"),
+        (mtp_fake(2, num_speculative_tokens_per_batch_size=[(1, 8, 2)]), "dynamic speculative decoding"),
+        (supported_fake(speculative_config=SimpleNamespace(method="dflash")), "method 'dflash' is not supported"),
+        (supported_fake(speculative_config=SimpleNamespace(method="ngram")), "method 'ngram' is not supported"),
+    ],
+    ids=["multi_module_mtp", "dynamic", "dflash", "ngram"],
+)
+def test_speculative_configs_that_cannot_work_are_refused(fake, text):
+    """Refused at startup under request_boundaries, naming the reason; auto falls back with it."""
+    with pytest.raises(BoundaryConfigError, match=re.escape(text)):
+        decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and any(text in reason for reason in auto.reasons)

@@ -7,6 +7,9 @@ config then takes ~2 s for the first and milliseconds after that.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import transformers  # a plain import: a broken install fails this module, it is never skipped
 
@@ -79,7 +82,7 @@ def test_supported_hybrid_enables(engine_args_cls, hybrid_dir):
         ({"enable_prompt_embeds": True}, "prompt embeddings"),
         (
             {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
-            "speculative decoding",
+            "speculative decoding method 'ngram' is not supported",
         ),
         ({"kv_offloading_size": 1.0}, "KV connector or KV offloading"),
     ],
@@ -98,6 +101,37 @@ def test_dense_model_has_nothing_to_checkpoint(engine_args_cls, dense_dir):
     cfg = build(engine_args_cls, dense_dir)
     assert not cfg.model_config.is_hybrid
     assert unsupported_reasons(cfg) == ["model has no recurrent layers: nothing to checkpoint"]
+
+
+def with_mtp_layers(model_dir: str, tmp_path, num_mtp_layers: int) -> str:
+    """A copy of ``model_dir``'s config with ``num_nextn_predict_layers = num_mtp_layers``."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config["num_nextn_predict_layers"] = num_mtp_layers
+    target = tmp_path / f"mtp{num_mtp_layers}"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(config))
+    return str(target)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_single_module_mtp_is_unvalidated_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path, k):
+    """One MTP module: supported but not validated on GPU (auto falls back, explicit runs)."""
+    cfg = build(engine_args_cls, with_mtp_layers(hybrid_dir, tmp_path, 1),
+                speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    assert cfg.num_prefill_lookahead_tokens == 1
+    assert unsupported_reasons(cfg) == []
+    auto = decide_policy(BoundaryConfig(), cfg)
+    assert not auto.boundaries_enabled and "not validated on GPU" in auto.summary()
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), cfg).boundaries_enabled
+
+
+def test_multi_module_mtp_is_refused_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path):
+    """Two MTP modules and k = 2: a prefill lookahead of 2, which livelocks the P - 1 stop."""
+    cfg = build(engine_args_cls, with_mtp_layers(hybrid_dir, tmp_path, 2),
+                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert cfg.num_prefill_lookahead_tokens == 2
+    with pytest.raises(BoundaryConfigError, match="multi-module MTP"):
+        decide_policy(BoundaryConfig(policy="request_boundaries"), cfg)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -152,3 +152,23 @@ def test_cli_writes_model(tmp_path, capsys):
     assert "written" in capsys.readouterr().out
     assert tm.main([str(tmp_path / "cli"), "--seed", "0"]) == 0
     assert "already complete" in capsys.readouterr().out
+
+
+def test_mtp_family_adds_one_mtp_layer_to_the_same_base_weights(built, tmp_path):
+    """``qwen3_next_mtp``: the seed-0 base weights unchanged, plus the tensors vLLM's
+    ``Qwen3NextMTP`` loads (``mtp.fc``, its norms, one decoder layer shaped like layer 3)."""
+    from safetensors.torch import load_file
+
+    target = tm.make_tiny_model(tmp_path / "mtp", family="qwen3_next_mtp", seed=0)
+    weights = load_file(str(target / "model.safetensors"))
+    base = load_file(str(built["a"] / "model.safetensors"))
+    assert all((weights[name] == tensor).all() for name, tensor in base.items())
+    extra = {name: tensor.shape for name, tensor in weights.items() if name not in base}
+    assert all(name.startswith("mtp.") for name in extra)
+    assert extra["mtp.fc.weight"] == (256, 512)
+    layer = {name[len("model.layers.3."):]: t.shape for name, t in base.items() if name.startswith("model.layers.3.")}
+    assert {name[len("mtp.layers.0."):]: s for name, s in extra.items() if name.startswith("mtp.layers.0.")} == layer
+    assert {"mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"} <= set(extra)
+    config = json.loads((target / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    assert tm.read_marker(target)["family"] == "qwen3_next_mtp" and tm.verify(target)

@@ -30,6 +30,18 @@ A bundle at ``N`` is planned from a request's live block table (:func:`plan_bund
   of the pool in progress, tokens ``[N // kpool * kpool, N)``; it is copied or adopted like the
   recurrent state, and the bundle lists just that block. vLLM never restores this group (it is
   not prefix-cacheable): the scheduler copies the bundle's block into the consumer's own ring.
+  Under speculative decoding the source is the running-state column of the producer's last step,
+  block ``(E - 1) // B`` with ``E`` that step's end *drafts included* (``state_end``), which may
+  lie past ``(N - 1) // B``; the bundle still lists it at ``(N - 1) // B``.
+
+Speculative decoding (align mode, ``k`` draft tokens, :func:`speculative_response_boundary`): a
+verify step that starts at ``c`` with ``d`` drafts writes the recurrent state after ``c + 1 + t``
+tokens into the SSM column ``t`` (``t <= d``) and rolls the conv window buffer of column 0, where
+the window after ``c + 1`` tokens sits at offset ``k - d``. When it accepts ``a`` tokens, the
+state after ``c + a`` (vLLM's committed count) is split across columns, but the state after
+``c + 1`` is whole in column 0 when ``d == k`` (offset 0, where a fresh request reads it), and
+depends on no draft. The response bundle is therefore taken at ``c + 1``, up to ``k`` tokens
+before the committed end: never a speculative column, and rejected drafts leave no trace in it.
 """
 
 from __future__ import annotations
@@ -75,6 +87,38 @@ def response_boundary(num_computed_tokens: int, num_tokens: int) -> int:
     return num_computed_tokens
 
 
+def speculative_response_boundary(
+    num_computed_tokens: int,
+    num_tokens: int,
+    step_end: int,
+    step_drafts: int,
+    num_speculative_tokens: int,
+    block_size: int,
+) -> int:
+    """Token count of the response checkpoint of a request whose last step (ending at
+    ``step_end``, drafts included) carried ``step_drafts`` draft tokens of at most
+    ``num_speculative_tokens``, on recurrent blocks of ``block_size`` (0: none is exact; see the
+    module docstring). It is always below ``num_tokens``: the bundle records token ``N``, from
+    which its MTP draft row ``N - 1`` was computed.
+
+    * no drafts: the step wrote its state whole, as without speculation;
+    * every draft accepted and ``step_end`` a multiple of the block: vLLM's post-step copy moved the
+      committed state whole into the step's column 0 (it keeps block-aligned states), so the
+      committed count is exact -- unless a stop or length cap trimmed tokens it covers;
+    * otherwise, with ``k`` drafts, the state after the step's first token, ``step_end - k``
+      (its first sampled token is always kept, so that is below ``num_tokens``);
+    * ``0 < d < k`` drafts leave that state at an offset of the conv window that a fresh request
+      does not read: no checkpoint."""
+    full_and_aligned = num_computed_tokens == step_end and step_end % block_size == 0
+    if step_drafts == 0 or full_and_aligned:
+        boundary = num_computed_tokens
+    elif step_drafts == num_speculative_tokens:
+        boundary = min(num_computed_tokens, step_end - step_drafts)
+    else:
+        return 0
+    return boundary if 0 < boundary < num_tokens else 0
+
+
 @dataclass(frozen=True)
 class BundlePlan:
     """Blocks of one bundle at ``num_tokens``.
@@ -108,10 +152,15 @@ def plan_bundle(
     request_blocks: Sequence[Sequence[BlockLike]],
     num_tokens: int,
     null_block: BlockLike,
+    state_end: int | None = None,
 ) -> BundlePlan | None:
-    """Plan a bundle at ``num_tokens`` from a request's block table, or None if it lacks a page."""
+    """Plan a bundle at ``num_tokens`` from a request's block table, or None if it lacks a page.
+
+    ``state_end`` (default ``num_tokens``): the end of the step that wrote the recurrent state,
+    drafts included; the state source is block ``(state_end - 1) // B`` of each recurrent group."""
     if num_tokens <= 0:
         return None
+    state_end = num_tokens if state_end is None else state_end
     shared: list[tuple[BlockLike, ...]] = []
     sources: list[BlockLike | None] = []
     for geometry, blocks in zip(geometries, request_blocks, strict=True):
@@ -129,9 +178,9 @@ def plan_bundle(
             shared.append(())
             sources.append(blocks[0])
         else:
-            state_index = (num_tokens - 1) // size
-            if len(blocks) <= state_index or blocks[state_index].is_null:
+            source_index = (state_end - 1) // size
+            if len(blocks) <= source_index or blocks[source_index].is_null:
                 return None
-            shared.append((null_block,) * state_index)
-            sources.append(blocks[state_index])
+            shared.append((null_block,) * ((num_tokens - 1) // size))
+            sources.append(blocks[source_index])
     return BundlePlan(num_tokens, tuple(shared), tuple(sources))

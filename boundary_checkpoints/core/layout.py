@@ -2,12 +2,15 @@
 
 Contract
 --------
-``describe_layout(kv_cache_config, managers, on_cpu=False, kpool=None)`` walks the scheduler's KV cache groups
-with their single-type managers (same order) and returns ``(geometries, reasons)``: one
+``describe_layout(kv_cache_config, managers, on_cpu=False, kpool=None, num_spec_tokens=0)`` walks
+the scheduler's KV cache groups with their single-type managers (same order) and returns ``(geometries, reasons)``: one
 :class:`GroupGeometry` per supported group, and one short reason per group or condition the plugin
 cannot serve. Empty ``reasons`` means every group is supported:
 
-* a ``MambaManager`` group in align mode without speculative state blocks is RECURRENT;
+* a ``MambaManager`` group in align mode is RECURRENT when it keeps exactly ``num_spec_tokens``
+  speculative state blocks (align mode's state columns under MTP, ``core/boundaries.py``); under
+  speculative decoding all recurrent groups must share one block size (the response boundary
+  depends on it); MTP's attention layers join a full-attention group and need nothing more;
 * a group whose manager is exactly ``FullAttentionManager`` (full attention, dense or sparse MLA,
   and the MLA group that also holds the GLM indexer keys) is ATTENTION;
 * the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
@@ -69,7 +72,7 @@ def _is_mamba2(spec) -> bool:
 
 
 def describe_layout(
-    kv_cache_config, managers, on_cpu: bool = False, kpool: int | None = None
+    kv_cache_config, managers, on_cpu: bool = False, kpool: int | None = None, num_spec_tokens: int = 0
 ) -> tuple[list[GroupGeometry], list[str]]:
     """Group geometries of a KV cache layout, and why boundary capture cannot support it."""
     geometries: list[GroupGeometry] = []
@@ -82,8 +85,11 @@ def describe_layout(
                 reasons.append(f"recurrent group uses mamba_cache_mode={manager.mamba_cache_mode!r}, not 'align'")
             elif on_cpu and _is_mamba2(spec) and CPU_MAMBA2_REASON not in reasons:
                 reasons.append(CPU_MAMBA2_REASON)
-            if manager.num_speculative_blocks:
-                reasons.append("recurrent group keeps speculative state blocks")
+            if manager.num_speculative_blocks != num_spec_tokens:
+                reasons.append(
+                    f"recurrent group keeps {manager.num_speculative_blocks} speculative state blocks "
+                    f"for {num_spec_tokens} draft tokens"
+                )
             geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
         elif type(manager) is FullAttentionManager:
             geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
@@ -95,6 +101,9 @@ def describe_layout(
             reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
         else:
             reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
-    if not any(g.kind is GroupKind.RECURRENT for g in geometries):
+    recurrent_sizes = {g.block_size for g in geometries if g.kind is GroupKind.RECURRENT}
+    if not recurrent_sizes:
         reasons.append("no recurrent KV cache group")
+    if num_spec_tokens and len(recurrent_sizes) > 1:
+        reasons.append("recurrent groups of different block sizes under speculative decoding")
     return geometries, reasons

@@ -17,7 +17,13 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
    bundle by reference (no copy: nothing writes a finished request's blocks again); its
-   ``ready_seq`` is the last step scheduled before the finish.
+   ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP)
+   the state is the one the request's last step left whole in its column 0, which may be up to
+   ``k - 1`` tokens before the committed length (``core/boundaries.py``:
+   ``speculative_response_boundary``); a request that finishes with a step in flight (async
+   scheduling) keeps none (``responses_spec_in_flight``), and every bundle records the token
+   after its boundary, which a restore must share (its MTP draft row depends on it,
+   ``core/store.py``).
 4. Publication: a captured bundle enters the store only in ``update_from_output`` of step
    ``ready_seq`` (the step that ran its copies, or for adoption the last step scheduled before
    the finish): the step's output exists only after every worker returned it. A producer that is
@@ -113,6 +119,7 @@ from boundary_checkpoints.core.boundaries import (
     plan_bundle,
     prompt_boundary,
     response_boundary,
+    speculative_response_boundary,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
@@ -227,7 +234,9 @@ class BoundaryCheckpointMixin:
         self.boundary_config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
         managers = self.kv_cache_manager.coordinator.single_type_managers
         kpool = getattr(self.vllm_config.model_config.hf_text_config, "index_kpool", None)
-        geometries, reasons = describe_layout(self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool)
+        geometries, reasons = describe_layout(
+            self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool, num_spec_tokens=self.num_spec_tokens
+        )
         if not self.need_mamba_block_aligned_split:
             reasons.append("recurrent state is not kept block-aligned by this scheduler")
         worker_cls = self.vllm_config.parallel_config.worker_cls
@@ -262,6 +271,9 @@ class BoundaryCheckpointMixin:
         self._instruction_counts: dict[str, int] = {}
         self._sched_seq = 0
         self._processed_seq = 0
+        # Speculative decoding: per running request, (end, drafts) of its last scheduled step.
+        self._last_steps: dict[str, tuple[int, int]] = {}
+        self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
         self._last_stats_log = time.monotonic()
         self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
         coordinator = self.kv_cache_manager.coordinator
@@ -382,7 +394,8 @@ class BoundaryCheckpointMixin:
             if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
                 continue
             if (best is None or num_tokens > best.num_tokens) and self._key(request, num_tokens) == pending.key:
-                best = pending.checkpoint
+                if pending.checkpoint.serves(request.all_token_ids):
+                    best = pending.checkpoint
         return best
 
     # ---- chunk stop -----------------------------------------------------------------------
@@ -424,6 +437,8 @@ class BoundaryCheckpointMixin:
             return output
         if output.total_num_scheduled_tokens > 0:
             self._sched_seq += 1
+        if self.num_spec_tokens:
+            self._record_last_steps(output)
         copies = self._emit_pending_copies(output)
         if copies:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
@@ -464,6 +479,34 @@ class BoundaryCheckpointMixin:
         return outputs
 
     # ---- capture --------------------------------------------------------------------------
+    def _record_last_steps(self, output: SchedulerOutput) -> None:
+        """Keep, per scheduled request, where this step ends (drafts included) and its draft
+        count: a response captured at finish reads the state that step wrote."""
+        drafts = output.scheduled_spec_decode_tokens
+        for request_id in output.num_scheduled_tokens:
+            end = self.requests[request_id].num_computed_tokens
+            self._last_steps[request_id] = (end, len(drafts.get(request_id, ())))
+
+    def _response_boundary(self, request: Request) -> tuple[int, int | None]:
+        """(N, state_end) of the response checkpoint of a finished request (N = 0: none).
+
+        Under speculative decoding the state comes from the request's last step
+        (``speculative_response_boundary``); a step still in flight (async scheduling) would
+        overwrite the columns it is read from, so such a response keeps no checkpoint."""
+        if not self.num_spec_tokens:
+            return response_boundary(request.num_computed_tokens, request.num_tokens), None
+        if request.num_output_placeholders > 0:
+            self.checkpoint_store.counters.responses_spec_in_flight += 1
+            return 0, None
+        step = self._last_steps.get(request.request_id)
+        if step is None:
+            return 0, None
+        end, drafts = step
+        num_tokens = speculative_response_boundary(
+            request.num_computed_tokens, request.num_tokens, end, drafts, self.num_spec_tokens, self._state_block_size
+        )
+        return num_tokens, end
+
     def _plan_chunk_captures(self, output: SchedulerOutput) -> None:
         """Plan instruction and prompt captures of the prefill chunks that ended at one."""
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
@@ -482,7 +525,13 @@ class BoundaryCheckpointMixin:
             if request_is_eligible(request):
                 self._plan_capture(request, target, PROMPT, adopt=False)
 
-    def _plan_capture(self, request: Request, num_tokens: int, kind: str, adopt: bool) -> None:
+    def _plan_capture(
+        self, request: Request, num_tokens: int, kind: str, adopt: bool, state_end: int | None = None
+    ) -> None:
+        """Plan a bundle of ``request`` at ``num_tokens`` (its recurrent state written by the step
+        that ended at ``state_end``, default ``num_tokens``); under speculative decoding the
+        bundle serves only prefixes with the same token ``num_tokens`` (its MTP draft row
+        ``num_tokens - 1`` was computed from it)."""
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
@@ -498,7 +547,11 @@ class BoundaryCheckpointMixin:
                     pending.checkpoint.kind = INSTRUCTION
                 return
         plan = plan_bundle(
-            self._geometries, self._request_blocks(request.request_id), num_tokens, self._block_pool.null_block
+            self._geometries,
+            self._request_blocks(request.request_id),
+            num_tokens,
+            self._block_pool.null_block,
+            state_end,
         )
         if plan is None:
             self.checkpoint_store.counters.captures_dropped += 1
@@ -515,8 +568,10 @@ class BoundaryCheckpointMixin:
         # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.
         self._block_pool.touch(sources)
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
+        next_token = request.all_token_ids[num_tokens] if self.num_spec_tokens else None
         checkpoint = Checkpoint(
-            key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id
+            key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
+            next_token=next_token,
         )
         pending = PendingCapture(request.request_id, checkpoint, plan, destinations)
         if adopt:
@@ -593,9 +648,9 @@ class BoundaryCheckpointMixin:
             if request.status not in _FINISHED_WITH_CHECKPOINT:
                 self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
-                num_tokens = response_boundary(request.num_computed_tokens, request.num_tokens)
+                num_tokens, state_end = self._response_boundary(request)
                 if num_tokens:
-                    self._plan_capture(request, num_tokens, RESPONSE, adopt=True)
+                    self._plan_capture(request, num_tokens, RESPONSE, adopt=True, state_end=state_end)
                 if not any(p.request_id == request.request_id and p.kind == RESPONSE for p in self._pending):
                     self._restored_from.pop(request.request_id, None)
             else:
@@ -605,12 +660,15 @@ class BoundaryCheckpointMixin:
                     self._tainted.add(request.request_id)
         result = super()._free_request(request, delay_free_blocks)
         if self.boundaries_active:
+            self._last_steps.pop(request.request_id, None)
             self._publish_ready()
         return result
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         if self.boundaries_active and any(p.request_id == request.request_id for p in self._pending):
             self._tainted.add(request.request_id)
+        if self.boundaries_active:
+            self._last_steps.pop(request.request_id, None)
         super()._preempt_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:

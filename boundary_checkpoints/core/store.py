@@ -6,6 +6,9 @@ Contract
   represent the prefix ``[0, N)`` exactly as vLLM's KV cache manager expects a prefix hit of ``N``
   tokens (attention: ``ceil(N / B)`` pages, the last one a private page whose rows ``< N`` are the
   producer's; recurrent: null padding then one block holding the state after exactly ``N`` tokens).
+  A bundle with a ``next_token`` (speculative decoding: its MTP draft K/V row ``N - 1`` was
+  computed from token ``N``, which the key does not cover) serves only prefixes whose token ``N``
+  is that token; :meth:`lookup` skips it for others (miss reason ``draft_next_token``).
 * The store owns exactly one reference (``ref_cnt``) per distinct block of every retained bundle.
   :meth:`publish` takes over references the caller already holds; :meth:`evict_lru`, dedup and
   :meth:`clear` give them back through ``release``. Nothing else ever frees a retained block, so a
@@ -62,6 +65,7 @@ class Checkpoint:
     producer: str = ""  # id of the request that produced it
     owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
     published_at: int = 0  # publication count when retained (core/reuse.py); 0: not published yet
+    next_token: int | None = None  # token N its draft rows depend on (None: no such dependence)
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -74,6 +78,11 @@ class Checkpoint:
     @property
     def lasting(self) -> bool:
         return self.kind in LASTING_KINDS
+
+    def serves(self, tokens: Sequence[int]) -> bool:
+        """True unless the bundle's draft rows depend on a token ``N`` that ``tokens`` lack."""
+        end = self.num_tokens
+        return self.next_token is None or (end < len(tokens) and tokens[end] == self.next_token)
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
@@ -108,6 +117,7 @@ class StoreCounters:
     superseded: int = 0
     captures_dropped: int = 0
     responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
+    responses_spec_in_flight: int = 0  # finished with a speculative step in flight: no response checkpoint
     capture_steps: int = 0  # steps that carried capture copies
     capture_copies: int = 0  # block copies those steps ran for captures
     capture_copy_bytes: int = 0  # bytes those copies moved
@@ -188,11 +198,27 @@ class CheckpointStore:
         parents: Callable[[int], Hashable | None],
         hash_block_size: int,
     ) -> Checkpoint | None:
-        """Longest retained prefix of ``tokens`` with ``N <= max_tokens``.
+        """Longest retained prefix of ``tokens`` with ``N <= max_tokens`` that serves ``tokens``
+        (:meth:`Checkpoint.serves`).
 
         ``parents(start)`` returns the key parent of a tail starting at ``start`` for this
         request (its chained block hash or its root discriminator), or None when unknown.
         """
+        best = self._longest(tokens, max_tokens, parents, hash_block_size, guarded=True)
+        if best is not None:
+            self.policy.touch(best)  # its reuse distance is recorded once, where the hit is counted
+        return best
+
+    def _longest(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        parents: Callable[[int], Hashable | None],
+        hash_block_size: int,
+        guarded: bool,
+    ) -> Checkpoint | None:
+        """Longest retained prefix of ``tokens`` with ``N <= max_tokens`` (serving ``tokens`` if
+        ``guarded``); no side effects."""
         if max_tokens <= 0:
             return None
         for start in range((max_tokens - 1) // hash_block_size * hash_block_size, -1, -hash_block_size):
@@ -207,10 +233,9 @@ class CheckpointStore:
                 end = start + len(tail)
                 if end > max_tokens or (best is not None and end <= best.num_tokens):
                     continue
-                if tuple(tokens[start:end]) == tail:
+                if tuple(tokens[start:end]) == tail and (not guarded or ckpt.serves(tokens)):
                     best = ckpt
             if best is not None:
-                self.policy.touch(best)
                 return best
         return None
 
@@ -306,14 +331,18 @@ class CheckpointStore:
     ) -> str:
         """Why :meth:`lookup` found nothing for ``tokens``: ``evicted`` when a bundle evicted
         earlier would have served them (a regret: its reuse distance is recorded, see
-        ``core/reuse.py``); ``diverged`` when a retained bundle shares a prefix with them beyond a
-        common hash block (or, under the root, at least the first token) but parts before its own
-        end (an edited or re-rendered turn, a truncated answer, a shorter prompt); else
+        ``core/reuse.py``); ``draft_next_token`` when a retained bundle holds their prefix but
+        its draft rows were computed from another next token; ``diverged`` when a retained
+        bundle shares a prefix with them beyond a common hash block (or, under the root, at least
+        the first token) but parts before its own end (an edited or re-rendered turn, a truncated
+        answer, a shorter prompt); else
         ``no_checkpoint``."""
         if max_tokens <= 0:
             return "no_checkpoint"
         if self.reuse.regret(tokens, max_tokens, parents, hash_block_size):
             return "evicted"
+        if self._longest(tokens, max_tokens, parents, hash_block_size, guarded=False) is not None:
+            return "draft_next_token"
         for start in range(0, (max_tokens - 1) // hash_block_size * hash_block_size + 1, hash_block_size):
             parent = parents(start)
             tails = self._by_parent.get((parent, start)) if parent is not None else None

@@ -1,0 +1,232 @@
+"""The shadow engine (``shadow_engine.py``) under MTP speculative decoding, align mode.
+
+:class:`SpecShadowWorker` mirrors what vLLM 0.32's V1 runner does with ``k`` speculative state
+blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes for states:
+
+* A step of request ``r`` starts at ``c`` and runs ``q`` tokens, the last ``d`` of them drafts;
+  its running-state column is block ``sidx = ceil((c + q) / B) - 1``. When ``sidx`` moved since
+  the request's previous step, the committed state is migrated first: SSM from column
+  ``prev + a - 1``, conv window from column ``prev`` at offset ``a - 1`` (``a``: the previous
+  step's accepted count, 1 for a new or restored request); then ``a = 1``.
+* It reads the SSM from column ``sidx + a - 1`` and the conv window at offset ``a - 1`` of
+  column ``sidx`` (offset 0 and column ``sidx`` for a step without drafts), checks both against
+  the recomputed prefix state, and advances over the step's actual inputs (drafts included).
+* It writes the SSM after input ``t`` into column ``sidx + t`` and rolls the conv buffer of
+  column ``sidx``: offset ``k - d + t`` holds the window after input ``t``, lower offsets hold
+  junk. A step without drafts writes its final state at column ``sidx``, offset 0.
+* Verification: draft ``t`` is accepted while it equals the target's greedy token; the step
+  samples ``a`` tokens and the request's computed count becomes ``c + q - d - 1 + a``. vLLM's
+  post-step copy then moves a block-aligned committed state ``n`` in ``[c + q - d, computed]``
+  into block ``n // B - 1`` (resetting ``a`` to 1 when that block is ``sidx``).
+* Attention blocks carry, besides the target rows, the MTP draft rows: row ``i`` holds
+  :func:`mtp_row` of the prefix state after ``i + 1`` tokens and token ``i + 1`` (the drafter's
+  shifted input), for the step's valid rows; rejected rows hold junk. Every step checks both kinds
+  of rows below its start, so a restore whose draft row ``N - 1`` came from another token ``N``
+  raises :class:`ShadowMismatch` like a wrong state does.
+* Drafts for the next step are proposed after every step that sampled: the first ``m`` are the
+  target's true continuation and the rest are wrong, ``m = accept(request_id, step)`` (a script).
+  :class:`SpecDriver` hands them to the scheduler (``update_draft_token_ids``) as vLLM's engine
+  core does after each synchronous step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shadow_engine import MOD, ZERO, Driver, ShadowMismatch, ShadowRequest, ShadowWorker, advance, sample
+
+JUNK = -2  # content of a state column or draft row that depends on a rejected or padded draft
+
+
+def mtp_row(state: int, next_token: int) -> int:
+    """The MTP draft K/V of a row: a function of the target's state there and the next token."""
+    return (advance(state, next_token) * 31 + 5) % MOD
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """One step of one request: start, scheduled tokens (drafts included), drafts, accepted."""
+
+    start: int
+    num_scheduled: int
+    num_drafts: int
+    num_accepted: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_scheduled
+
+
+@dataclass
+class SpecShadowWorker(ShadowWorker):
+    """The shadow worker with ``num_spec`` speculative state columns (see the module docstring)."""
+
+    num_spec: int = 1
+    accept: Callable[[str, int], int] = lambda request_id, step: 0
+    conv: dict[int, list[int]] = field(default_factory=dict)
+    draft_rows: dict[int, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)  # vLLM's num_accepted_tokens per request
+    steps: dict[str, list[SpecStep]] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
+    _spec_tokens: dict = field(default_factory=dict)
+
+    def execute(self, so):
+        self._spec_tokens = so.scheduled_spec_decode_tokens or {}
+        for block_id in so.new_block_ids_to_zero or ():  # zeroed before any copy into them
+            self.draft_rows.pop(block_id, None)
+        for new in so.scheduled_new_reqs:
+            self.accepted.pop(new.req_id, None)
+        return super().execute(so)
+
+    def take_drafts(self):
+        """The drafts proposed since the last call, as vLLM's ``DraftTokenIds``."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        drafts, self.drafts = self.drafts, {}
+        return DraftTokenIds(list(drafts), list(drafts.values()))
+
+    def _copy(self, src: int, dst: int) -> None:
+        super()._copy(src, dst)
+        for table in (self.conv, self.draft_rows):
+            if src in table:
+                table[dst] = list(table[src])
+            else:
+                table.pop(dst, None)
+
+    def _forward(self, req_id: str, req: ShadowRequest, num: int) -> list[int]:
+        drafts = list(self._spec_tokens.get(req_id, ()))
+        start, end = req.num_computed, req.num_computed + num
+        num_known = num - len(drafts)
+        if start + num_known > len(req.tokens):
+            raise ShadowMismatch(f"{req_id}: scheduled past its known tokens")
+        inputs = req.tokens[start:start + num_known] + drafts
+        states, chain = [], req.prefix_state(start)
+        for token in inputs:
+            chain = advance(chain, token)
+            states.append(chain)
+        self._check_attention(req_id, req, start)
+        previous = req.state_idx  # None: a new, resumed or restored request
+        for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
+            if kind == "recurrent":
+                blocks = req.block_ids[group]
+                self._run_recurrent(req_id, req, blocks, size, previous, start, end, len(drafts), states)
+        sampled = self._verify(req, start, num_known, drafts, states)
+        num_accepted = len(sampled)
+        req.num_computed = start + num_known - 1 + num_accepted if sampled else end
+        self._write_attention(req, start, end, states)
+        self._post_copy(req_id, req, start + num_known, len(drafts), num_accepted)
+        self.steps.setdefault(req_id, []).append(SpecStep(start, num, len(drafts), num_accepted))
+        if sampled:
+            self._propose(req_id, req)
+        return sampled
+
+    def _check_attention(self, req_id: str, req: ShadowRequest, start: int) -> None:
+        """Target and MTP rows below ``start`` must be the ones a cold run computed."""
+        for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
+            if kind != "attention":
+                continue
+            blocks = req.block_ids[group]
+            for row in range(start):
+                page = self.rows.get(blocks[row // size], [])
+                if row % size >= len(page) or page[row % size] != req.prefix_state(row + 1):
+                    raise ShadowMismatch(f"{req_id}: attention group {group} row {row} is wrong")
+                drafts = self.draft_rows.get(blocks[row // size], [])
+                want = mtp_row(req.prefix_state(row + 1), req.tokens[row + 1])
+                if row % size >= len(drafts) or drafts[row % size] != want:
+                    raise ShadowMismatch(f"{req_id}: MTP draft row {row} of attention group {group} is wrong")
+
+    def _run_recurrent(self, req_id, req, blocks, size, previous, start, end, num_drafts, states) -> None:
+        """Migrate, read and check, then write the state columns of one recurrent group."""
+        k = self.num_spec
+        column = -(-end // size) - 1
+        if previous is None:
+            previous = (start - 1) // size
+            self.restored_reads += bool(start)
+        accepted = self.accepted.get(req_id, 1)
+        if start and previous != column:  # vLLM's pre-step migration into the new column
+            self.states[blocks[column]] = self.states.get(blocks[previous + accepted - 1])
+            window = self.conv.get(blocks[previous], [None] * (k + 1))[accepted - 1]
+            self.conv[blocks[column]] = [window] + [JUNK] * k
+            accepted = 1
+        offset = accepted - 1 if num_drafts else 0
+        if start:
+            ssm = self.states.get(blocks[column + offset])
+            window = self.conv.get(blocks[column], [None] * (k + 1))[offset]
+            if ssm != req.prefix_state(start) or window != req.prefix_state(start):
+                raise ShadowMismatch(f"{req_id}: recurrent state at {start} is wrong (column {column}+{offset})")
+        if num_drafts:
+            for t in range(num_drafts + 1):
+                self.states[blocks[column + t]] = states[len(states) - 1 - num_drafts + t]
+            self.conv[blocks[column]] = [JUNK] * (k - num_drafts) + states[len(states) - 1 - num_drafts:]
+        else:
+            self.states[blocks[column]] = states[-1]
+            self.conv[blocks[column]] = [states[-1]] + [JUNK] * k
+        req.state_idx = column
+
+    def _verify(self, req, start, num_known, drafts, states) -> list[int]:
+        """Greedy verification: the tokens the step samples (none for a prefill chunk)."""
+        if start + num_known < len(req.tokens):
+            return []
+        first = num_known - 1  # the output after the last known input
+        sampled = [sample(states[first])]
+        for t, draft in enumerate(drafts):
+            if draft != sampled[-1]:
+                break
+            sampled.append(sample(states[first + t + 1]))
+        req.tokens.extend(sampled)
+        return sampled
+
+    def _write_attention(self, req, start, end, states) -> None:
+        """Target rows of every input; MTP rows of the valid ones (``< num_computed``), junk after."""
+        for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
+            if kind != "attention":
+                continue
+            blocks = req.block_ids[group]
+            for row in range(start, end):
+                block = blocks[row // size]
+                page = self.rows.setdefault(block, [ZERO] * size)
+                page[row % size] = states[row - start] if row < req.num_computed else JUNK
+                drafts = self.draft_rows.setdefault(block, [ZERO] * size)
+                valid = row < req.num_computed
+                drafts[row % size] = mtp_row(req.prefix_state(row + 1), req.tokens[row + 1]) if valid else JUNK
+
+    def _post_copy(self, req_id, req, running, num_drafts, num_accepted) -> None:
+        """vLLM's post-step copy of a block-aligned committed state (align mode, speculative)."""
+        self.accepted[req_id] = num_accepted or 1
+        if not num_drafts:
+            return
+        for group, (kind, size) in enumerate(zip(self.group_kinds, self.block_sizes)):
+            if kind != "recurrent":
+                continue
+            aligned = req.num_computed // size * size
+            if aligned < running:
+                continue
+            blocks, column, bias = req.block_ids[group], req.state_idx, aligned - running
+            destination = aligned // size - 1
+            self.states[blocks[destination]] = self.states.get(blocks[column + bias])
+            window = self.conv[blocks[column]][self.num_spec - num_drafts + bias]
+            self.conv[blocks[destination]] = [window] + [JUNK] * self.num_spec
+            if destination == column:
+                self.accepted[req_id] = 1
+
+    def _propose(self, req_id: str, req: ShadowRequest) -> None:
+        """Drafts for the next step: the true continuation, wrong after ``accept(...)`` tokens."""
+        correct = self.accept(req_id, len(self.steps[req_id]) - 1)
+        state, proposal = req.prefix_state(len(req.tokens)), []
+        for j in range(self.num_spec):
+            token = sample(state)
+            if j >= correct:
+                token = 4 + (token - 4 + 1) % 1000  # a wrong draft, still a valid token id
+            proposal.append(token)
+            state = advance(state, token)
+        self.drafts[req_id] = proposal
+
+
+@dataclass
+class SpecDriver(Driver):
+    """The shadow driver that hands the worker's drafts to the scheduler after every step."""
+
+    def _process(self, output, runner_output) -> None:
+        super()._process(output, runner_output)
+        self.scheduler.update_draft_token_ids(self.worker.take_drafts())

@@ -1,0 +1,214 @@
+"""MTP speculative decoding with boundary checkpoints: vLLM's real Scheduler, driven step by step.
+
+The shadow runner (``spec_shadow.py``) mirrors align mode's speculative state columns and the MTP
+draft rows; it raises :class:`ShadowMismatch` whenever a step reads a recurrent state, a target
+row or an MTP draft row that differs from what a cold run computed. Drafts are scripted: each step
+proposes ``k`` drafts of which the first ``accept(request, step)`` are right.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from shadow_engine import ShadowMismatch, build_scheduler, make_request, tokens
+from spec_shadow import SpecDriver, SpecShadowWorker
+
+from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
+from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.core.scheduler import BoundaryScheduler
+
+BLOCK = 16
+
+
+def spec_engine(model_dir, k: int, accept, scheduler_cls=None):
+    scheduler, worker = build_scheduler(model_dir, num_speculative_tokens=k, worker_cls=SpecShadowWorker)
+    if scheduler_cls is not None:
+        scheduler.__class__ = scheduler_cls
+    worker.num_spec, worker.accept = k, accept
+    return scheduler, worker, SpecDriver(scheduler, worker)
+
+
+def expected_response_boundary(step, num_tokens: int, block: int = BLOCK) -> int:
+    """Where the response checkpoint must be (0: nowhere), from the producer's last step and its
+    final token count (computed by the test from the shadow's record, not by the plugin)."""
+    if step.num_drafts == 0:
+        boundary = step.start + step.num_accepted
+    elif step.num_accepted == step.num_drafts + 1 and step.end % block == 0:
+        boundary = step.end  # vLLM's post-step copy moved the committed state whole into column 0
+    else:
+        boundary = step.end - step.num_drafts
+    return boundary if boundary < num_tokens else 0  # a length cap trimmed what it covers
+
+
+def published(scheduler, kind: str) -> list:
+    return [c for c in scheduler.checkpoint_store.checkpoints() if c.kind == kind]
+
+
+# (k, accept pattern, prompt length, max tokens): none / all / some drafts accepted, a final step
+# that crosses a block or ends on one; (3, all, 20, 12) ends on a block with drafts past the length
+# cap: no exact state is left, and no response checkpoint.
+CASES = [
+    (1, "none", 20, 9),
+    (1, "all", 20, 9),
+    (2, "all", 27, 8),
+    (2, "one", 20, 10),
+    (3, "all", 20, 12),
+    (3, "two", 21, 11),
+    (3, "cycle", 40, 17),
+]
+
+
+def pattern(name: str, k: int):
+    return {
+        "none": lambda request_id, step: 0,
+        "all": lambda request_id, step: k,
+        "one": lambda request_id, step: 1,
+        "two": lambda request_id, step: 2,
+        "cycle": lambda request_id, step: step % (k + 1),
+    }[name]
+
+
+@pytest.mark.parametrize(("k", "accept", "prompt_len", "max_tokens"), CASES)
+def test_response_bundle_holds_the_committed_state_and_restores_exactly(model_dir, k, accept, prompt_len, max_tokens):
+    """The producer's response checkpoint lands at its last step's exact state (column 0), the
+    next turn restores there and every read of the shadow runner matches a cold run."""
+    scheduler, worker, driver = spec_engine(model_dir, k, pattern(accept, k))
+    rng = random.Random(prompt_len * 7 + k)
+    prompt = tokens(rng, prompt_len)
+    producer = make_request(prompt, max_tokens=max_tokens, salt="s")
+    [answer] = driver.run([producer])
+    assert len(answer) == max_tokens
+    last = worker.steps[producer.request_id][-1]
+    boundary = expected_response_boundary(last, prompt_len + max_tokens)
+    assert [c.num_tokens for c in published(scheduler, RESPONSE)] == ([boundary] if boundary else [])
+    assert boundary == 0 or prompt_len <= boundary <= prompt_len + max_tokens - 1
+
+    follow_up = prompt + answer + tokens(rng, 5)
+    continuation = make_request(follow_up, max_tokens=4, salt="s")
+    cold = make_request(follow_up, max_tokens=4, salt="cold")
+    [restored] = driver.run([continuation])
+    [from_cold] = driver.run([cold])
+    assert driver.cached_tokens[continuation.request_id] == (boundary or prompt_len - 1)
+    assert restored == from_cold
+    accepted = sum(s.num_accepted for s in worker.steps[producer.request_id] if s.num_drafts)
+    if accept != "none":
+        assert accepted > sum(1 for s in worker.steps[producer.request_id] if s.num_drafts)  # drafts were accepted
+
+
+class CommittedCountScheduler(BoundaryScheduler):
+    """Negative control: the response capture of a run without speculation (the committed count,
+    state block ``(N - 1) // B``), which reads a column written after a draft."""
+
+    def _response_boundary(self, request):
+        return request.num_computed_tokens, None
+
+
+def test_the_committed_count_rule_reads_the_wrong_column_under_speculation(model_dir):
+    """With accepted drafts in the last step, the stock rule keys the state after ``c + 1``
+    tokens under the committed count ``c + a``: the next turn's restore reads a wrong state."""
+    scheduler, worker, driver = spec_engine(model_dir, 2, pattern("one", 2), CommittedCountScheduler)
+    rng = random.Random(5)
+    prompt = tokens(rng, 20)
+    producer = make_request(prompt, max_tokens=9, salt="s")  # 1 + 4 steps of 2: no length-cap trim
+    [answer] = driver.run([producer])
+    last = worker.steps[producer.request_id][-1]
+    assert last.num_accepted == 2 and last.end % BLOCK  # the case the rule gets wrong
+    assert [c.num_tokens for c in published(scheduler, RESPONSE)] == [last.start + 2]
+    continuation = make_request(prompt + answer + tokens(rng, 5), max_tokens=4, salt="s")
+    with pytest.raises(ShadowMismatch, match="recurrent state"):
+        driver.run([continuation])
+
+
+def test_a_stop_token_among_accepted_drafts_keeps_an_exact_checkpoint(model_dir):
+    """A stop token accepted as a draft trims the answer behind vLLM's computed count; the
+    response checkpoint stays at the last step's first token, inside the kept answer."""
+    k = 3
+    scheduler, worker, driver = spec_engine(model_dir, k, pattern("all", k))
+    rng = random.Random(11)
+    prompt = tokens(rng, 20)
+    probe = make_request(prompt, max_tokens=16, salt="probe")
+    [full] = driver.run([probe])
+    # A token sampled as the second of a step that accepted every draft: a stop there trims two.
+    position, offset = 0, len(prompt)
+    for step in worker.steps[probe.request_id]:
+        if step.num_drafts and step.num_accepted == k + 1:
+            position = step.start + 2 - offset
+            if full[position] not in full[:position]:
+                break
+    stop = full[position]
+    producer = make_request(prompt, max_tokens=16, salt="s", stop_token_ids=[stop])
+    [answer] = driver.run([producer])
+    assert answer == full[: position + 1]
+    last = worker.steps[producer.request_id][-1]
+    assert last.start + last.num_accepted > len(prompt) + len(answer) - 1  # computed past the kept tokens
+    [response] = [c for c in published(scheduler, RESPONSE) if c.producer == producer.request_id]
+    assert response.num_tokens == last.end - last.num_drafts <= len(prompt) + len(answer) - 1
+    continuation = make_request(prompt + answer + tokens(rng, 4), max_tokens=3, salt="s")
+    driver.run([continuation])
+    assert driver.cached_tokens[continuation.request_id] == response.num_tokens
+
+
+@pytest.mark.parametrize("prompt_len", [17, 20, 33])
+def test_prompt_boundary_with_lookahead_one_and_the_next_token_guard(model_dir, prompt_len):
+    """Single-module MTP (prefill lookahead 1): prefills stop at ``P - 1`` and a resend restores
+    there. The prompt bundle's MTP draft row ``P - 2`` was computed from token ``P - 1``: a prompt
+    that shares the first ``P - 1`` tokens but not token ``P - 1`` does not restore it."""
+    scheduler, worker, driver = spec_engine(model_dir, 1, pattern("all", 1))
+    rng = random.Random(prompt_len)
+    prompt = tokens(rng, prompt_len)
+    driver.run([make_request(prompt, max_tokens=3, salt="s")])
+    [bundle] = published(scheduler, PROMPT)
+    assert bundle.num_tokens == prompt_len - 1 and bundle.next_token == prompt[-1]
+    resend = make_request(prompt, max_tokens=3, salt="s")
+    driver.run([resend])
+    assert driver.cached_tokens[resend.request_id] == prompt_len - 1
+    other = prompt[:-1] + [4 + (prompt[-1] - 3) % 1000] + tokens(rng, 3)
+    edited = make_request(other, max_tokens=3, salt="s")
+    driver.run([edited])
+    assert driver.cached_tokens[edited.request_id] < prompt_len - 1  # a stock block-grid hit at most
+    assert scheduler.boundary_stats()["miss_draft_next_token"] == 1
+
+
+class UnguardedScheduler(BoundaryScheduler):
+    """Negative control: bundles without the next-token guard."""
+
+    def _plan_capture(self, *args, **kwargs):
+        super()._plan_capture(*args, **kwargs)
+        for pending in self._pending:
+            pending.checkpoint.next_token = None
+
+
+def test_without_the_guard_a_restore_reads_a_wrong_mtp_draft_row(model_dir):
+    scheduler, worker, driver = spec_engine(model_dir, 1, pattern("all", 1), UnguardedScheduler)
+    rng = random.Random(3)
+    prompt = tokens(rng, 20)
+    driver.run([make_request(prompt, max_tokens=3, salt="s")])
+    other = prompt[:-1] + [4 + (prompt[-1] - 3) % 1000] + tokens(rng, 3)
+    with pytest.raises(ShadowMismatch, match="MTP draft row 18"):
+        driver.run([make_request(other, max_tokens=3, salt="s")])
+
+
+def test_layout_accepts_speculative_columns_only_for_the_configured_draft_count(model_dir):
+    scheduler, _, _ = spec_engine(model_dir, 2, pattern("all", 2))
+    assert scheduler.boundaries_active
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    _, reasons = describe_layout(scheduler.kv_cache_config, managers, num_spec_tokens=2)
+    assert reasons == []
+    _, reasons = describe_layout(scheduler.kv_cache_config, managers, num_spec_tokens=3)
+    assert any("keeps 2 speculative state blocks for 3 draft tokens" in r for r in reasons)
+    _, reasons = describe_layout(scheduler.kv_cache_config, managers, num_spec_tokens=0)
+    assert any("for 0 draft tokens" in r for r in reasons)
+
+
+def test_a_response_finished_with_a_speculative_step_in_flight_keeps_no_checkpoint(model_dir):
+    """Async scheduling: the step still in flight rewrites the state columns a response bundle
+    would be read from, so none is planned and the skip is counted."""
+    scheduler, _, _ = spec_engine(model_dir, 1, pattern("all", 1))
+    request = make_request(tokens(random.Random(1), 20), max_tokens=3)
+    request.num_computed_tokens, request.num_output_placeholders = 19, 2
+    scheduler._last_steps[request.request_id] = (19, 0)
+    assert scheduler._response_boundary(request) == (0, None)
+    assert scheduler.boundary_stats()["responses_spec_in_flight"] == 1
+    request.num_output_placeholders = 0
+    assert scheduler._response_boundary(request) == (19, 19)
