@@ -177,9 +177,17 @@ class StreamingRequest(threading.Thread):
             self.started.set()
 
 
-def _start_long_requests(base_url: str, rng: random.Random, count: int = 3) -> list[StreamingRequest]:
-    """``count`` long requests (max_tokens 200, ignore_eos), each generating before this returns."""
-    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=200, cache_salt=_salt()) for _ in range(count)]
+# Requests an abort must catch: on an idle machine 200 tokens take about a second, which a pause
+# or sleep call that arrives late can miss; these would take tens of seconds.
+ABORTED_MAX_TOKENS = 3000
+
+
+def _start_long_requests(
+    base_url: str, rng: random.Random, max_tokens: int = 200, count: int = 3
+) -> list[StreamingRequest]:
+    """``count`` long requests (``max_tokens``, ignore_eos), each generating before this returns."""
+    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=max_tokens, cache_salt=_salt())
+                for _ in range(count)]  # fmt: skip
     for r in requests:
         r.start()
     for r in requests:
@@ -434,9 +442,10 @@ def test_reset_prefix_cache_while_requests_run(server):
 
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_pause_with_clear_cache_then_resume(server, mode):
-    """``POST /pause?mode=<mode>&clear_cache=true`` while three 200-token requests run, then
+    """``POST /pause?mode=<mode>&clear_cache=true`` while three long requests run, then
     ``POST /resume``. ``wait`` lets them finish (all 200 tokens, their response captures published)
-    and then clears the caches; ``abort`` aborts them (counted as ``responses_aborted``) and then
+    and then clears the caches; ``abort`` aborts them (3000-token requests, so the abort always
+    finds them running; counted as ``responses_aborted``) and then
     clears. Either way the server stays healthy, the checkpoint retained before is gone, and after
     resuming a fresh prompt's resend hits P - 1."""
     base = server.base_url
@@ -444,7 +453,7 @@ def test_pause_with_clear_cache_then_resume(server, mode):
     old = _retained_prompt(base, rng)
     resets_before = len(_resets_logged(server))
     aborted_before = _last_stats(server).get("responses_aborted", 0)
-    long_requests = _start_long_requests(base, rng)
+    long_requests = _start_long_requests(base, rng, max_tokens=200 if mode == "wait" else ABORTED_MAX_TOKENS)
     status, body = _call(base, "POST", f"/pause?mode={mode}&clear_cache=true")
     assert status == 200 and json.loads(body) == {"status": "paused"}, body
     assert json.loads(_call(base, "GET", "/is_paused")[1]) == {"is_paused": True}
@@ -460,7 +469,10 @@ def test_pause_with_clear_cache_then_resume(server, mode):
     _join(long_requests)
     if mode == "abort":
         for r in long_requests:
-            assert len(r.token_ids) < 200 and (r.finish_reason == "abort" or r.error), (r.finish_reason, r.error)
+            assert len(r.token_ids) < ABORTED_MAX_TOKENS and (r.finish_reason == "abort" or r.error), (
+                r.finish_reason,
+                r.error,
+            )
     resets = _resets_logged(server)[resets_before:]
     assert len(resets) == 1 and resets[0][0] >= 1, resets
     _check_cache_emptied_then_working(base, rng, old)
@@ -483,7 +495,7 @@ def test_sleep_level1_then_wake_up(server):
     old = _retained_prompt(base, rng)
     resets_before = len(_resets_logged(server))
     aborted_before = _last_stats(server).get("responses_aborted", 0)
-    long_requests = _start_long_requests(base, rng)
+    long_requests = _start_long_requests(base, rng, max_tokens=ABORTED_MAX_TOKENS)
     status, body = _call(base, "POST", "/sleep?level=1")
     if status != 200:
         _join(long_requests)
@@ -493,7 +505,7 @@ def test_sleep_level1_then_wake_up(server):
     assert json.loads(_call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": True}
     _join(long_requests)  # aborted by the sleep
     for r in long_requests:
-        assert len(r.token_ids) < 200, (len(r.token_ids), r.finish_reason)
+        assert len(r.token_ids) < ABORTED_MAX_TOKENS, (len(r.token_ids), r.finish_reason)
     status, body = _call(base, "POST", "/wake_up")
     assert status == 200 and json.loads(body)["status"] == "awake", body
     assert json.loads(_call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": False}
