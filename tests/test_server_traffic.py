@@ -360,8 +360,8 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     stop_word = words[3]
 
     salt = _salt()
-    # max_tokens 200: the engine is still generating when the frontend's abort arrives.
-    payload = complete_json(base, prompt, cache_salt=salt, max_tokens=200, stop=[stop_word])
+    # The engine is still generating when the frontend's abort arrives.
+    payload = complete_json(base, prompt, cache_salt=salt, max_tokens=ABORTED_MAX_TOKENS, stop=[stop_word])
     choice = payload["choices"][0]
     num_prompt = len(choice["prompt_token_ids"])
     assert num_prompt == 300 and _cached(payload) == 0
