@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
+from results_out import results_dir, save_json
 
 from boundary_checkpoints.bench.probes import calibrate, probe_failures, reference_pairs
 
@@ -63,19 +63,17 @@ def run_policy(model_dir: Path, policy: str):
 @pytest.fixture(scope="module")
 def probe_results(tiny_model_dir):
     results = {policy: run_policy(tiny_model_dir, policy) for policy in ("request_boundaries", "aligned")}
-    out = os.environ.get("BC_RESULTS_DIR")
-    if out:
+    out = results_dir()
+    if out is not None:
         from boundary_checkpoints.bench.probes import summarize
 
         bounds = calibrate(reference_pairs(results["request_boundaries"][1], results["aligned"][1]))
-        Path(out).mkdir(parents=True, exist_ok=True)
         payload = {p: {"setup": s, "rows": [r.as_dict() for r in rows]} for p, (s, rows) in results.items()}
-        payload["bounds"] = bounds.as_dict()
-        (Path(out) / "gpu-probes.json").write_text(json.dumps(payload, indent=2))
+        save_json("gpu-probes.json", {**payload, "bounds": bounds.as_dict()})
         text = "\n\n".join(
             f"## {p}\n{json.dumps(s)}\n\n{summarize(rows, bounds)}" for p, (s, rows) in results.items()
         )
-        (Path(out) / "gpu-probes.md").write_text(text + "\n")
+        (out / "gpu-probes.md").write_text(text + "\n")
     return results
 
 

@@ -12,13 +12,12 @@ the negative control that must fail the same criteria. ``BC_RESULTS_DIR`` (if se
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs
 from engine_script import run_engine_script
+from results_out import save_json
 
 from boundary_checkpoints.bench.probes import (
     ProbeRow,
@@ -61,10 +60,7 @@ def runs(tiny_model_dir):
     info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), str(Path(__file__).resolve().parent))
     rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
     bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
-    if os.environ.get("BC_RESULTS_DIR"):
-        target = Path(os.environ["BC_RESULTS_DIR"])
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "cpu-engine-probes.json").write_text(json.dumps({"bounds": bounds.as_dict(), **info}, indent=2))
+    save_json("cpu-engine-probes.json", {"bounds": bounds.as_dict(), **info})
     return info, rows, bounds
 
 

@@ -13,7 +13,6 @@ server's partial block-grid hits and from cold-vs-cold pairs. ``BC_RESULTS_DIR``
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs
+from results_out import save_json
 
 from boundary_checkpoints.bench.client import complete
 from boundary_checkpoints.bench.probes import (
@@ -83,11 +83,8 @@ def results(tiny_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server_boundaries")
     rows = {run: run_server(tiny_model_dir, log_dir, run) for run in ("request_boundaries", "aligned", CORRUPT)}
     bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
-    if os.environ.get("BC_RESULTS_DIR"):
-        target = Path(os.environ["BC_RESULTS_DIR"])
-        target.mkdir(parents=True, exist_ok=True)
-        payload = {"bounds": bounds.as_dict(), **{run: [r.as_dict() for r in rs] for run, rs in rows.items()}}
-        (target / "cpu-server-probes.json").write_text(json.dumps(payload, indent=2))
+    save_json("cpu-server-probes.json",
+              {"bounds": bounds.as_dict(), **{run: [r.as_dict() for r in rs] for run, rs in rows.items()}})  # fmt: skip
     return rows, bounds
 
 

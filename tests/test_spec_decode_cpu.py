@@ -26,13 +26,12 @@ at 64 (docs/notes/spec-decode.md, "CPU feasibility").
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs
 from engine_script import run_engine_script
+from results_out import save_json
 
 from boundary_checkpoints.bench.probes import (
     ProbeRow,
@@ -135,10 +134,7 @@ def runs(tmp_path_factory):
     info, _ = run_engine_script(SCRIPT, str(model), tests_dir, str(K), str(MAX_TOKENS), str(list(LENGTHS)))
     rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
     bounds = calibrate(mtp_reference_pairs(rows["request_boundaries"], rows["aligned"]))
-    if os.environ.get("BC_RESULTS_DIR"):
-        target = Path(os.environ["BC_RESULTS_DIR"])
-        target.mkdir(parents=True, exist_ok=True)
-        (target / "cpu-mtp-probes.json").write_text(json.dumps({"bounds": bounds.as_dict(), **info}, indent=2))
+    save_json("cpu-mtp-probes.json", {"bounds": bounds.as_dict(), **info})
     return info, rows, bounds
 
 
