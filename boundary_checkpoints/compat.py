@@ -14,9 +14,14 @@ Private internals (names and the behaviour relied on):
   ``MambaManager.num_speculative_blocks`` state columns and their layout (SSM column ``t`` holds
   the state after query token ``t``; the conv window after the first query token at offset
   ``k - d`` of column 0; the V1 post-step copy of a block-aligned committed state into block
-  ``aligned // B - 1``), ``Request.num_output_placeholders`` (a step in flight under async
-  scheduling), and the EAGLE/MTP drafter's input shift (draft K/V row ``r`` computed from
-  token ``r + 1``).
+  ``aligned // B - 1``), and the EAGLE/MTP drafter's input shift (draft K/V row ``r`` computed
+  from token ``r + 1``). Async scheduling: ``num_computed_tokens`` counts a scheduled step's
+  drafts at once and ``update_from_output`` takes its rejected drafts back before the stop check
+  (which trims tokens without touching the count); a request that finishes with a step in
+  flight is freed at once and that step's output, which still carries its sampled tokens
+  (:func:`sampled_token_ids`), is dropped by the scheduler; a non-null entry of a ``MambaManager``
+  request's ``req_to_blocks`` is the block the worker's append-only block table holds at that
+  index (a relocated speculative block leaves a null behind, docs/notes/spec-decode.md §10).
 * ``KVCacheManager`` (v1/core/kv_cache_manager.py): its ``allocate_slots`` returns None without
   side effects when the pool is short, which the plugin's subclass answers by evicting retained
   checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
@@ -39,8 +44,7 @@ Private internals (names and the behaviour relied on):
   used for caches that are not block-outermost.
 * ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
   ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
-  ``num_computed_tokens``, ``num_tokens``, ``num_output_placeholders``,
-  ``skip_reading_prefix_cache``, ``sampling_params``).
+  ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).
 * V1 ``GPUModelRunner`` (v1/worker/gpu_model_runner.py; the CPU engine's ``CPUModelRunner`` is a
   subclass, Model Runner V2 is not): the plugin's workers re-class the runner instance they built
   (:func:`reclass_instance`, ``__class__`` assignment) to a subclass that overrides ``_sample`` and
@@ -135,6 +139,7 @@ __all__ = [
     "openai_serving_classes",
     "platform_is_cpu",
     "reclass_instance",
+    "sampled_token_ids",
     "v1_model_runner_class",
 ]
 
@@ -161,6 +166,16 @@ def allowed_vllm_plugins() -> list[str] | None:
     import vllm.envs as envs
 
     return envs.VLLM_PLUGINS
+
+
+def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
+    """The tokens a step sampled for ``request_id`` (``ModelRunnerOutput.sampled_token_ids``, by
+    ``req_id_to_index``); empty when the step sampled none for it."""
+    index = model_runner_output.req_id_to_index.get(request_id)
+    rows = model_runner_output.sampled_token_ids
+    if index is None or not rows or index >= len(rows):
+        return []
+    return list(rows[index])
 
 
 def platform_is_cpu() -> bool:

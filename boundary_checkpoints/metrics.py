@@ -68,8 +68,8 @@ COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:boundary_checkpoint_captures_published": ("Checkpoints published into the store.", ()),
     "vllm:boundary_checkpoint_captures_dropped": ("Planned captures dropped (no free blocks, no plan).", ()),
     "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
-    "vllm:boundary_checkpoint_responses_spec_in_flight": ("Responses finished with a speculative step in flight: "
-                                                          "no checkpoint.", ()),
+    "vllm:boundary_checkpoint_responses_spec_in_flight": ("Responses finished with a speculative step in flight "
+                                                          "that left no exact state: no checkpoint.", ()),
     "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
     "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
     "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),

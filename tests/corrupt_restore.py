@@ -36,9 +36,9 @@ class OneTokenCorruption:
         finally:
             self._pending.extend(fresh)
 
-    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None):
+    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None):
         before = len(self._pending)
-        super()._plan_capture(request, num_tokens, kind, adopt, state_end)
+        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight)
         if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
             return
         if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):
@@ -54,8 +54,10 @@ class OneTokenCorruption:
             self._discard(pending)
         else:
             pending.checkpoint.key = key
-            if pending.checkpoint.next_token is not None:  # speculative decoding: the guard follows
+            if pending.checkpoint.next_token is not None or pending.in_flight is not None:
+                # Speculative decoding: the guard follows (an in-flight step's token is not needed).
                 pending.checkpoint.next_token = request.all_token_ids[num_tokens - 1]
+                pending.in_flight = None
 
 
 class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):

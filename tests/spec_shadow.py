@@ -27,12 +27,21 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
   target's true continuation and the rest are wrong, ``m = accept(request_id, step)`` (a script).
   :class:`SpecDriver` hands them to the scheduler (``update_draft_token_ids``) as vLLM's engine
   core does after each synchronous step.
+* Async scheduling (``async_scheduling=True``, driven with ``lag=1``): as vLLM's engine core,
+  the driver hands no drafts to the scheduler, which schedules ``-1`` placeholders and counts a
+  step's drafts at once (``async_scheduler.py``); the worker runs its own latest proposal in
+  their place, and takes the scheduler's computed count of a request as the count it knows minus
+  the drafts its previous step rejected (the scheduler's count is optimistic while that step's
+  output is on its way; anything else is a mismatch). Its input is the last token it sampled, as
+  the GPU runner's. A request the scheduler finished while its next step ran still runs that
+  step (it is freed in the next ``SchedulerOutput``).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shadow_engine import MOD, ZERO, Driver, ShadowMismatch, ShadowRequest, ShadowWorker, advance, sample
 
@@ -67,17 +76,43 @@ class SpecShadowWorker(ShadowWorker):
     conv: dict[int, list[int]] = field(default_factory=dict)
     draft_rows: dict[int, list[int]] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)  # vLLM's num_accepted_tokens per request
+    async_scheduling: bool = False
+    rejected: dict[str, int] = field(default_factory=dict)  # drafts the request's last step rejected
     steps: dict[str, list[SpecStep]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
     _spec_tokens: dict = field(default_factory=dict)
 
     def execute(self, so):
         self._spec_tokens = so.scheduled_spec_decode_tokens or {}
+        if self.async_scheduling:
+            so = self._as_the_worker_knows_it(so)
         for block_id in so.new_block_ids_to_zero or ():  # zeroed before any copy into them
             self.draft_rows.pop(block_id, None)
         for new in so.scheduled_new_reqs:
             self.accepted.pop(new.req_id, None)
         return super().execute(so)
+
+    def _as_the_worker_knows_it(self, so):
+        """``so`` with the worker's own drafts and computed counts (async scheduling)."""
+        drafts = {}
+        for req_id, placeholders in self._spec_tokens.items():
+            proposal = self.drafts.get(req_id, [])
+            if any(token != -1 for token in placeholders) or len(proposal) < len(placeholders):
+                raise ShadowMismatch(f"{req_id}: {list(placeholders)} scheduled, {proposal} proposed")
+            drafts[req_id] = proposal[: len(placeholders)]
+        self._spec_tokens = drafts
+        cached = so.scheduled_cached_reqs
+        counts = list(cached.num_computed_tokens)
+        for i, req_id in enumerate(cached.req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req_id in cached.resumed_req_ids or counts[i] == req.num_computed:
+                continue
+            if counts[i] - self.rejected.get(req_id, 0) != req.num_computed:
+                raise ShadowMismatch(f"{req_id}: worker computed {req.num_computed}, scheduler says {counts[i]}")
+            counts[i] = req.num_computed
+        so = copy.copy(so)
+        so.scheduled_cached_reqs = replace(cached, num_computed_tokens=counts)
+        return so
 
     def take_drafts(self):
         """The drafts proposed since the last call, as vLLM's ``DraftTokenIds``."""
@@ -113,6 +148,7 @@ class SpecShadowWorker(ShadowWorker):
                 self._run_recurrent(req_id, req, blocks, size, previous, start, end, len(drafts), states)
         sampled = self._verify(req, start, num_known, drafts, states)
         num_accepted = len(sampled)
+        self.rejected[req_id] = len(drafts) - num_accepted + 1 if sampled else 0
         req.num_computed = start + num_known - 1 + num_accepted if sampled else end
         self._write_attention(req, start, end, states)
         self._post_copy(req_id, req, start + num_known, len(drafts), num_accepted)
@@ -229,4 +265,5 @@ class SpecDriver(Driver):
 
     def _process(self, output, runner_output) -> None:
         super()._process(output, runner_output)
-        self.scheduler.update_draft_token_ids(self.worker.take_drafts())
+        if not self.worker.async_scheduling:
+            self.scheduler.update_draft_token_ids(self.worker.take_drafts())

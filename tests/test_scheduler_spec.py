@@ -3,7 +3,9 @@
 The shadow runner (``spec_shadow.py``) mirrors align mode's speculative state columns and the MTP
 draft rows; it raises :class:`ShadowMismatch` whenever a step reads a recurrent state, a target
 row or an MTP draft row that differs from what a cold run computed. Drafts are scripted: each step
-proposes ``k`` drafts of which the first ``accept(request, step)`` are right.
+proposes ``k`` drafts of which the first ``accept(request, step)`` are right. Under async
+scheduling (driven with one step in flight, as vLLM's engine core does) the shadow runs its own
+drafts in place of the scheduler's placeholders.
 """
 
 from __future__ import annotations
@@ -11,22 +13,24 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import EMPTY_STATE, ShadowMismatch, advance, build_scheduler, make_request, sample, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.layout import describe_layout
-from boundary_checkpoints.core.scheduler import BoundaryScheduler
+from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
 
 BLOCK = 16
 
 
-def spec_engine(model_dir, k: int, accept, scheduler_cls=None):
-    scheduler, worker = build_scheduler(model_dir, num_speculative_tokens=k, worker_cls=SpecShadowWorker)
+def spec_engine(model_dir, k: int, accept, scheduler_cls=None, async_scheduling: bool = False):
+    scheduler, worker = build_scheduler(
+        model_dir, num_speculative_tokens=k, worker_cls=SpecShadowWorker, async_scheduling=async_scheduling
+    )
     if scheduler_cls is not None:
         scheduler.__class__ = scheduler_cls
-    worker.num_spec, worker.accept = k, accept
-    return scheduler, worker, SpecDriver(scheduler, worker)
+    worker.num_spec, worker.accept, worker.async_scheduling = k, accept, async_scheduling
+    return scheduler, worker, SpecDriver(scheduler, worker, lag=1 if async_scheduling else 0)
 
 
 def expected_response_boundary(step, num_tokens: int, block: int = BLOCK) -> int:
@@ -101,7 +105,7 @@ class CommittedCountScheduler(BoundaryScheduler):
     state block ``(N - 1) // B``), which reads a column written after a draft."""
 
     def _response_boundary(self, request):
-        return request.num_computed_tokens, None
+        return request.num_computed_tokens, None, None
 
 
 def test_the_committed_count_rule_reads_the_wrong_column_under_speculation(model_dir):
@@ -201,14 +205,189 @@ def test_layout_accepts_speculative_columns_only_for_the_configured_draft_count(
     assert any("for 0 draft tokens" in r for r in reasons)
 
 
-def test_a_response_finished_with_a_speculative_step_in_flight_keeps_no_checkpoint(model_dir):
-    """Async scheduling: the step still in flight rewrites the state columns a response bundle
-    would be read from, so none is planned and the skip is counted."""
-    scheduler, _, _ = spec_engine(model_dir, 1, pattern("all", 1))
-    request = make_request(tokens(random.Random(1), 20), max_tokens=3)
-    request.num_computed_tokens, request.num_output_placeholders = 19, 2
-    scheduler._last_steps[request.request_id] = (19, 0)
-    assert scheduler._response_boundary(request) == (0, None)
-    assert scheduler.boundary_stats()["responses_spec_in_flight"] == 1
-    request.num_output_placeholders = 0
-    assert scheduler._response_boundary(request) == (19, 19)
+# ---- async scheduling: a request finishes with its next verify step in flight -----------------
+
+
+def greedy_next(prefix: list[int]) -> int:
+    """The token the shadow samples after ``prefix`` (what an in-flight step samples first)."""
+    state = EMPTY_STATE
+    for token in prefix:
+        state = advance(state, token)
+    return sample(state)
+
+
+def async_path(steps, num_tokens: int, block: int = BLOCK) -> str:
+    """How the producer's last step (the shadow's record) relates to its final ``num_tokens``:
+    ``finish`` (it sampled the last token: nothing was in flight), ``trimmed`` (in flight on a
+    token a stop or length cap dropped), ``overwritten`` (in flight, accepted every draft and
+    ended on a block), ``crossing`` (in flight, ending in the block after token ``num_tokens -
+    1``) or ``in_flight``."""
+    last = steps[-1]
+    if last.start < num_tokens - 1:
+        return "finish"
+    if last.start > num_tokens - 1:
+        return "trimmed"
+    if last.num_drafts and last.num_accepted == last.num_drafts + 1 and last.end % block == 0:
+        return "overwritten"
+    return "crossing" if (num_tokens - 1) // block != (last.end - 1) // block else "in_flight"
+
+
+def expected_async_boundary(steps, num_tokens: int) -> int:
+    """Where the response checkpoint must be (0: nowhere), from the shadow's record: the
+    finishing step's rule without a step in flight, else the state after every token."""
+    path = async_path(steps, num_tokens)
+    if path == "finish":
+        return expected_response_boundary(steps[-1], num_tokens)
+    return num_tokens if path in ("in_flight", "crossing") else 0
+
+
+# (k, accept pattern, prompt length, max tokens, path of the producer's last step)
+ASYNC_CASES = [
+    (1, "one", 17, 3, "in_flight"),
+    (1, "one", 23, 9, "crossing"),
+    (1, "one", 20, 11, "overwritten"),
+    (1, "cycle", 17, 5, "finish"),
+    (2, "one", 17, 5, "in_flight"),
+    (2, "one", 20, 11, "crossing"),
+    (2, "all", 17, 13, "overwritten"),
+    (2, "all", 17, 3, "trimmed"),
+    (2, "all", 17, 5, "finish"),
+    (3, "one", 17, 7, "in_flight"),
+    (3, "all", 40, 17, "in_flight"),
+    (3, "one", 17, 13, "crossing"),
+    (3, "all", 20, 9, "overwritten"),
+    (3, "all", 17, 11, "trimmed"),
+    (3, "cycle", 17, 7, "finish"),
+]
+
+
+@pytest.mark.parametrize(("k", "accept", "prompt_len", "max_tokens", "path"), ASYNC_CASES)
+def test_async_response_bundle_adopts_the_in_flight_step_and_restores_exactly(
+    model_dir, k, accept, prompt_len, max_tokens, path
+):
+    """Async scheduling: a response finished with a verify step in flight keeps the state that
+    step leaves after every token (its column 0), keyed with the token it sampled first; a length
+    cap inside accepted drafts, or a step that overwrote its column, leaves none (counted)."""
+    scheduler, worker, driver = spec_engine(model_dir, k, pattern(accept, k), async_scheduling=True)
+    rng = random.Random(prompt_len * 7 + k)
+    prompt = tokens(rng, prompt_len)
+    producer = make_request(prompt, max_tokens=max_tokens, salt="s")
+    [answer] = driver.run([producer])
+    assert len(answer) == max_tokens
+    num_tokens = prompt_len + len(answer)
+    steps = worker.steps[producer.request_id]
+    assert async_path(steps, num_tokens) == path
+    boundary = expected_async_boundary(steps, num_tokens)
+    responses = published(scheduler, RESPONSE)
+    assert [c.num_tokens for c in responses] == ([boundary] if boundary else [])
+    assert scheduler.boundary_stats()["responses_spec_in_flight"] == (path in ("trimmed", "overwritten"))
+    assert scheduler.boundary_stats()["captures_pending"] == 0
+
+    next_token = greedy_next(prompt + answer)
+    if boundary == num_tokens:  # the in-flight step's bundle serves only its own next token
+        other = prompt + answer + [4 + (next_token - 3) % 1000] + tokens(rng, 5)
+        edited = make_request(other, max_tokens=4, salt="s")
+        driver.run([edited])
+        assert driver.cached_tokens[edited.request_id] == prompt_len - 1  # the prompt checkpoint
+    follow_up = prompt + answer + [next_token] + tokens(rng, 5)
+    continuation = make_request(follow_up, max_tokens=4, salt="s")
+    cold = make_request(follow_up, max_tokens=4, salt="cold")
+    [restored] = driver.run([continuation])
+    [from_cold] = driver.run([cold])
+    assert driver.cached_tokens[continuation.request_id] == (boundary or prompt_len - 1)
+    assert restored == from_cold
+
+
+def stop_position(steps, prompt_len: int, where: str) -> int:
+    """Output index of a token sampled by a drafting step: its last (``last``) or, in a step
+    that accepted a draft, its first (``inside``: a stop there trims the rest)."""
+    for step in steps:
+        if not step.num_drafts or (where == "inside" and step.num_accepted < 2):
+            continue
+        first = step.end - step.num_drafts - prompt_len
+        return first + step.num_accepted - 1 if where == "last" else first
+    raise AssertionError("no such step")
+
+
+@pytest.mark.parametrize(("k", "accept", "where", "path"), [
+    (1, "none", "last", "in_flight"),
+    (2, "none", "last", "in_flight"),
+    (3, "all", "last", "in_flight"),
+    (2, "one", "last", "in_flight"),
+    (3, "all", "inside", "trimmed"),
+    (2, "one", "inside", "trimmed"),
+])  # fmt: skip
+def test_async_stop_token_with_a_step_in_flight(model_dir, k, accept, where, path):
+    """A stop token sampled last by its step leaves the in-flight step's input untrimmed: the
+    response checkpoint holds every token; one among accepted drafts trims that input: none."""
+    scheduler, worker, driver = spec_engine(model_dir, k, pattern(accept, k), async_scheduling=True)
+    rng = random.Random(40 + k)
+    prompt = tokens(rng, 21)
+    probe = make_request(prompt, max_tokens=16, salt="probe")
+    [full] = driver.run([probe])
+    position = stop_position(worker.steps[probe.request_id], len(prompt), where)
+    stop = full[position]
+    assert stop not in full[:position]
+    producer = make_request(prompt, max_tokens=16, salt="s", stop_token_ids=[stop])
+    [answer] = driver.run([producer])
+    assert answer == full[: position + 1]
+    num_tokens = len(prompt) + len(answer)
+    steps = worker.steps[producer.request_id]
+    assert async_path(steps, num_tokens) == path
+    boundary = expected_async_boundary(steps, num_tokens)
+    assert [c.num_tokens for c in published(scheduler, RESPONSE) if c.producer == producer.request_id] == (
+        [boundary] if boundary else []
+    )
+    follow_up = prompt + answer + [greedy_next(prompt + answer)] + tokens(rng, 4)
+    continuation = make_request(follow_up, max_tokens=3, salt="s")
+    cold = make_request(follow_up, max_tokens=3, salt="cold")
+    [restored] = driver.run([continuation])
+    [from_cold] = driver.run([cold])
+    assert driver.cached_tokens[continuation.request_id] == (boundary or len(prompt) - 1)
+    assert restored == from_cold
+
+
+class StockColumnScheduler(BoundaryAsyncScheduler):
+    """Negative control: the in-flight step's bundle with its state read from block ``(N - 1) //
+    B`` (the column of a step that ended at ``N``), not from the in-flight step's column 0."""
+
+    def _response_boundary(self, request):
+        num_tokens, state_end, in_flight = super()._response_boundary(request)
+        return num_tokens, (num_tokens if in_flight is not None else state_end), in_flight
+
+
+def test_reading_another_column_than_the_in_flight_steps_is_caught(model_dir):
+    scheduler, worker, driver = spec_engine(model_dir, 3, pattern("one", 3), StockColumnScheduler, True)
+    rng = random.Random(17 * 7 + 3)
+    prompt = tokens(rng, 17)
+    producer = make_request(prompt, max_tokens=13, salt="s")
+    [answer] = driver.run([producer])
+    assert async_path(worker.steps[producer.request_id], len(prompt) + len(answer)) == "crossing"
+    follow_up = prompt + answer + [greedy_next(prompt + answer)] + tokens(rng, 5)
+    with pytest.raises(ShadowMismatch, match="recurrent state"):
+        driver.run([make_request(follow_up, max_tokens=4, salt="s")])
+
+
+class EarlyPublishScheduler(BoundaryAsyncScheduler):
+    """Negative control: the in-flight step's bundle published with the finishing step's output,
+    before the in-flight step's output gave its next token (so it has no next-token guard)."""
+
+    def _plan_capture(self, *args, **kwargs):
+        super()._plan_capture(*args, **kwargs)
+        for pending in self._pending:
+            if pending.in_flight is not None:
+                pending.in_flight, pending.ready_seq = None, self._processed_seq
+
+
+def test_publishing_before_the_in_flight_step_returned_is_caught(model_dir):
+    scheduler, worker, driver = spec_engine(model_dir, 2, pattern("one", 2), EarlyPublishScheduler, True)
+    rng = random.Random(17 * 7 + 2)
+    prompt = tokens(rng, 17)
+    producer = make_request(prompt, max_tokens=5, salt="s")
+    [answer] = driver.run([producer])
+    num_tokens = len(prompt) + len(answer)
+    assert async_path(worker.steps[producer.request_id], num_tokens) == "in_flight"
+    assert [c.num_tokens for c in published(scheduler, RESPONSE)] == [num_tokens]
+    other = prompt + answer + [4 + (greedy_next(prompt + answer) - 3) % 1000] + tokens(rng, 5)
+    with pytest.raises(ShadowMismatch, match=f"MTP draft row {num_tokens - 1}"):
+        driver.run([make_request(other, max_tokens=4, salt="s")])

@@ -13,7 +13,8 @@ Boundaries (all exact token counts, no alignment):
   instructions restore there (kind :data:`INSTRUCTION`, evicted last, never retired by lineage);
 * response boundary: the committed length when a request finishes STOPPED or LENGTH_CAPPED, i.e.
   every token whose KV and recurrent state were computed (``num_tokens - 1``, or ``num_tokens``
-  when async scheduling already had the last sampled token in flight).
+  when async scheduling already had the last sampled token in flight; under speculative decoding
+  see :func:`speculative_response_boundary` and :func:`in_flight_response_boundary`).
 
 A bundle at ``N`` is planned from a request's live block table (:func:`plan_bundle`):
 
@@ -117,6 +118,28 @@ def speculative_response_boundary(
     else:
         return 0
     return boundary if 0 < boundary < num_tokens else 0
+
+
+def in_flight_response_boundary(
+    num_computed_tokens: int, num_tokens: int, step_drafts: int, num_speculative_tokens: int
+) -> int:
+    """Token count of the response checkpoint of a request that finished (async scheduling) with
+    one verify step still in flight, carrying ``step_drafts`` drafts (0: none is exact).
+
+    ``num_computed_tokens`` is vLLM's count once the finishing step's rejected drafts were taken
+    back: the in-flight step's end, its drafts included. That step's input is the finishing
+    step's last sampled token (position ``num_tokens - 1``) unless a stop or length cap trimmed
+    tokens behind it, so ``num_computed_tokens - step_drafts == num_tokens`` holds exactly when
+    nothing was trimmed and no other step is in flight. The step then leaves the state after
+    ``num_tokens`` tokens whole in its column 0, block ``(num_computed_tokens - 1) // B`` (SSM
+    slot 0; the conv window at offset ``k - d``, which a restored request reads only for ``d``
+    in ``{0, k}``) -- unless it accepts every draft and ends on a block, when vLLM's post-step
+    copy overwrites that column with its own committed state (the caller checks that from the
+    step's output). ``N = num_tokens``: the bundle's next token is the step's first sampled
+    token, from which its MTP draft row ``N - 1`` is computed."""
+    if step_drafts not in (0, num_speculative_tokens) or num_computed_tokens - step_drafts != num_tokens:
+        return 0
+    return num_tokens
 
 
 @dataclass(frozen=True)

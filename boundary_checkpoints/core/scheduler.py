@@ -20,13 +20,22 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP)
    the state is the one the request's last step left whole in its column 0, which may be up to
    ``k - 1`` tokens before the committed length (``core/boundaries.py``:
-   ``speculative_response_boundary``); a request that finishes with a step in flight (async
-   scheduling) keeps none (``responses_spec_in_flight``), and every bundle records the token
-   after its boundary, which a restore must share (its MTP draft row depends on it,
-   ``core/store.py``).
+   ``speculative_response_boundary``), and every bundle records the token after its boundary,
+   which a restore must share (its MTP draft row depends on it, ``core/store.py``). A request
+   that finishes with one verify step in flight (async scheduling) is captured from that step
+   instead: when nothing was trimmed (a stop or length cap inside accepted drafts) and the step
+   carries 0 or ``k`` drafts, it leaves the state after ``num_tokens`` tokens whole in its column
+   0 (``in_flight_response_boundary``); the bundle adopts that column, its ``ready_seq`` is the
+   in-flight step, and it takes that step's first sampled token as its next token from the
+   step's output, where it is dropped if the step accepted every draft and ended on a block
+   (vLLM's post-step copy overwrote the column). Until then no restore reads it (item 6). Where
+   no exact state is left the response keeps no checkpoint (``responses_spec_in_flight``). The
+   recorded end of a request's last step is vLLM's optimistic count until the earlier step
+   returns; the plugin takes that step's rejected drafts back from it as vLLM does.
 4. Publication: a captured bundle enters the store only in ``update_from_output`` of step
    ``ready_seq`` (the step that ran its copies, or for adoption the last step scheduled before
-   the finish): the step's output exists only after every worker returned it. A producer that is
+   the finish -- under speculative decoding the request's step still in flight, item 3): the
+   step's output exists only after every worker returned it. A producer that is
    preempted or aborted before publication publishes nothing. Until then the pending bundle owns
    one reference per block (copy destinations, adopted blocks, shared pages).
 5. Lineage: when a request that resumed from a *response* checkpoint (the next turn of a
@@ -40,7 +49,8 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    request's own bundle, whose step was scheduled later.
 6. Restore: ``_get_local_prefix_cache_hit`` returns the longest of the stock hit, the longest
    published checkpoint and the longest *scheduled* pending bundle (``ready_seq`` set: adopted,
-   or its copies emitted by an earlier ``schedule()``; producer not preempted or aborted). A
+   or its copies emitted by an earlier ``schedule()``; producer not preempted or aborted; not
+   waiting for its in-flight step's output, item 3). A
    checkpoint hit gives every group the same ``N``. vLLM's own partial-hit copy-on-write then
    copies the checkpoint's tail page and recurrent state into the new request's private blocks
    (a restore never writes a retained block; the plugin's worker applies these copies with its
@@ -108,6 +118,7 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
     platform_is_cpu,
+    sampled_token_ids,
 )
 from boundary_checkpoints.config import WORKER_CLASSES, BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.boundaries import (
@@ -116,6 +127,7 @@ from boundary_checkpoints.core.boundaries import (
     RESPONSE,
     BundlePlan,
     GroupKind,
+    in_flight_response_boundary,
     plan_bundle,
     prompt_boundary,
     response_boundary,
@@ -190,6 +202,16 @@ class PressureRelievingKVCacheManager(KVCacheManager):
 
 
 @dataclass
+class StepRecord:
+    """A request's last scheduled step under speculative decoding (contract 3)."""
+
+    end: int  # where it ends, drafts included (vLLM's optimistic count until ``previous`` returned)
+    drafts: int
+    seq: int  # its step number
+    previous: int | None  # the request's step before it (None: none since it was admitted or resumed)
+
+
+@dataclass
 class PendingCapture:
     """A bundle final once step ``ready_seq`` has run; published once that step returned."""
 
@@ -198,6 +220,7 @@ class PendingCapture:
     plan: BundlePlan
     destinations: tuple[Any, ...]  # per group: private block (or adopted source) or None
     ready_seq: int | None = None  # None: copies not emitted yet
+    in_flight: StepRecord | None = None  # the step whose output settles the bundle (contract 3)
 
     @property
     def key(self) -> CheckpointKey:
@@ -271,8 +294,8 @@ class BoundaryCheckpointMixin:
         self._instruction_counts: dict[str, int] = {}
         self._sched_seq = 0
         self._processed_seq = 0
-        # Speculative decoding: per running request, (end, drafts) of its last scheduled step.
-        self._last_steps: dict[str, tuple[int, int]] = {}
+        # Speculative decoding: per running request, its last scheduled step.
+        self._last_steps: dict[str, StepRecord] = {}
         self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
         self._last_stats_log = time.monotonic()
         self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
@@ -389,7 +412,7 @@ class BoundaryCheckpointMixin:
         best: Checkpoint | None = None
         for pending in self._pending:
             num_tokens = pending.key.num_tokens
-            if pending.ready_seq is None or pending.request_id in self._tainted:
+            if pending.ready_seq is None or pending.in_flight is not None or pending.request_id in self._tainted:
                 continue
             if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
                 continue
@@ -472,6 +495,8 @@ class BoundaryCheckpointMixin:
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output):
         if self.boundaries_active and scheduler_output.total_num_scheduled_tokens > 0:
             self._processed_seq += 1
+            if self.num_spec_tokens:
+                self._settle_speculative_step(scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.boundaries_active:
             self._publish_ready()
@@ -480,32 +505,68 @@ class BoundaryCheckpointMixin:
 
     # ---- capture --------------------------------------------------------------------------
     def _record_last_steps(self, output: SchedulerOutput) -> None:
-        """Keep, per scheduled request, where this step ends (drafts included) and its draft
-        count: a response captured at finish reads the state that step wrote."""
+        """Keep, per scheduled request, this step's record: a response captured at finish reads
+        the state the request's last step wrote."""
         drafts = output.scheduled_spec_decode_tokens
         for request_id in output.num_scheduled_tokens:
             end = self.requests[request_id].num_computed_tokens
-            self._last_steps[request_id] = (end, len(drafts.get(request_id, ())))
+            previous = self._last_steps.get(request_id)
+            self._last_steps[request_id] = StepRecord(
+                end, len(drafts.get(request_id, ())), self._sched_seq, previous.seq if previous else None
+            )
 
-    def _response_boundary(self, request: Request) -> tuple[int, int | None]:
-        """(N, state_end) of the response checkpoint of a finished request (N = 0: none).
-
-        Under speculative decoding the state comes from the request's last step
-        (``speculative_response_boundary``); a step still in flight (async scheduling) would
-        overwrite the columns it is read from, so such a response keeps no checkpoint."""
-        if not self.num_spec_tokens:
-            return response_boundary(request.num_computed_tokens, request.num_tokens), None
-        if request.num_output_placeholders > 0:
+    def _settle_speculative_step(self, output: SchedulerOutput, model_runner_output) -> None:
+        """Before vLLM processes step ``_processed_seq``: take its rejected drafts back from the
+        recorded end of each request's later step (as vLLM does from ``num_computed_tokens``),
+        and settle the response bundles that waited for this step's output (contract 3)."""
+        seq = self._processed_seq
+        for request_id, drafts in output.scheduled_spec_decode_tokens.items():
+            record = self._last_steps.get(request_id)
+            sampled = sampled_token_ids(model_runner_output, request_id)
+            if record is not None and record.previous == seq and sampled:
+                record.end -= len(drafts) - (len(sampled) - 1)
+        unsettled = []
+        for pending in self._pending:
+            step = pending.in_flight
+            if step is None or step.seq != seq:
+                continue
+            sampled = sampled_token_ids(model_runner_output, pending.request_id)
+            overwritten = step.drafts > 0 and len(sampled) == step.drafts + 1 and step.end % self._state_block_size == 0
+            if sampled and not overwritten:
+                pending.checkpoint.next_token = sampled[0]
+                pending.in_flight = None
+            else:
+                unsettled.append(pending)
+        for pending in unsettled:
+            self._pending.remove(pending)
+            self._discard(pending, dropped=False)
             self.checkpoint_store.counters.responses_spec_in_flight += 1
-            return 0, None
+
+    def _response_boundary(self, request: Request) -> tuple[int, int | None, StepRecord | None]:
+        """(N, state_end, in-flight step) of the response checkpoint of a finished request (N =
+        0: none).
+
+        Under speculative decoding the state comes from the request's last step: the one that
+        finished it (``speculative_response_boundary``), or, under async scheduling, the step
+        still in flight (``in_flight_response_boundary``, contract 3)."""
+        if not self.num_spec_tokens:
+            return response_boundary(request.num_computed_tokens, request.num_tokens), None, None
         step = self._last_steps.get(request.request_id)
         if step is None:
-            return 0, None
-        end, drafts = step
+            return 0, None, None
+        if step.seq > self._processed_seq:
+            num_tokens = in_flight_response_boundary(
+                request.num_computed_tokens, request.num_tokens, step.drafts, self.num_spec_tokens
+            )
+            if not num_tokens:
+                self.checkpoint_store.counters.responses_spec_in_flight += 1
+                return 0, None, None
+            return num_tokens, request.num_computed_tokens, step
         num_tokens = speculative_response_boundary(
-            request.num_computed_tokens, request.num_tokens, end, drafts, self.num_spec_tokens, self._state_block_size
+            request.num_computed_tokens, request.num_tokens, step.end, step.drafts, self.num_spec_tokens,
+            self._state_block_size,
         )
-        return num_tokens, end
+        return num_tokens, step.end, None
 
     def _plan_chunk_captures(self, output: SchedulerOutput) -> None:
         """Plan instruction and prompt captures of the prefill chunks that ended at one."""
@@ -526,12 +587,19 @@ class BoundaryCheckpointMixin:
                 self._plan_capture(request, target, PROMPT, adopt=False)
 
     def _plan_capture(
-        self, request: Request, num_tokens: int, kind: str, adopt: bool, state_end: int | None = None
+        self,
+        request: Request,
+        num_tokens: int,
+        kind: str,
+        adopt: bool,
+        state_end: int | None = None,
+        in_flight: StepRecord | None = None,
     ) -> None:
         """Plan a bundle of ``request`` at ``num_tokens`` (its recurrent state written by the step
         that ended at ``state_end``, default ``num_tokens``); under speculative decoding the
         bundle serves only prefixes with the same token ``num_tokens`` (its MTP draft row
-        ``num_tokens - 1`` was computed from it)."""
+        ``num_tokens - 1`` was computed from it). ``in_flight``: the adopted state is written by
+        that step, still in flight, whose output gives that token (contract 3)."""
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
@@ -568,14 +636,14 @@ class BoundaryCheckpointMixin:
         # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.
         self._block_pool.touch(sources)
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
-        next_token = request.all_token_ids[num_tokens] if self.num_spec_tokens else None
+        next_token = request.all_token_ids[num_tokens] if self.num_spec_tokens and in_flight is None else None
         checkpoint = Checkpoint(
             key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
             next_token=next_token,
         )
-        pending = PendingCapture(request.request_id, checkpoint, plan, destinations)
+        pending = PendingCapture(request.request_id, checkpoint, plan, destinations, in_flight=in_flight)
         if adopt:
-            pending.ready_seq = self._sched_seq
+            pending.ready_seq = self._sched_seq if in_flight is None else in_flight.seq
         self._pending.append(pending)
 
     def _emit_pending_copies(self, output: SchedulerOutput) -> list:
@@ -633,12 +701,14 @@ class BoundaryCheckpointMixin:
         live = {p.request_id for p in self._pending}
         self._tainted &= live
 
-    def _discard(self, pending: PendingCapture) -> None:
+    def _discard(self, pending: PendingCapture, dropped: bool = True) -> None:
+        """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``."""
         self._restored_from.pop(pending.request_id, None)
         blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
         blocks += [d for d in pending.destinations if d is not None]
         self._block_pool.free_blocks(blocks)
-        self.checkpoint_store.counters.captures_dropped += 1
+        if dropped:
+            self.checkpoint_store.counters.captures_dropped += 1
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
@@ -648,9 +718,11 @@ class BoundaryCheckpointMixin:
             if request.status not in _FINISHED_WITH_CHECKPOINT:
                 self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
-                num_tokens, state_end = self._response_boundary(request)
+                num_tokens, state_end, in_flight = self._response_boundary(request)
                 if num_tokens:
-                    self._plan_capture(request, num_tokens, RESPONSE, adopt=True, state_end=state_end)
+                    self._plan_capture(
+                        request, num_tokens, RESPONSE, adopt=True, state_end=state_end, in_flight=in_flight
+                    )
                 if not any(p.request_id == request.request_id and p.kind == RESPONSE for p in self._pending):
                     self._restored_from.pop(request.request_id, None)
             else:

@@ -117,7 +117,7 @@ class StoreCounters:
     superseded: int = 0
     captures_dropped: int = 0
     responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
-    responses_spec_in_flight: int = 0  # finished with a speculative step in flight: no response checkpoint
+    responses_spec_in_flight: int = 0  # finished with a speculative step in flight that left no exact state
     capture_steps: int = 0  # steps that carried capture copies
     capture_copies: int = 0  # block copies those steps ran for captures
     capture_copy_bytes: int = 0  # bytes those copies moved
