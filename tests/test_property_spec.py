@@ -38,6 +38,7 @@ checkpoint fails the exact counts.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -55,7 +56,11 @@ from boundary_checkpoints.core.scheduler import BoundaryScheduler
 
 BLOCK = 16
 SALTS = (None, "a")
-SEED = 20261201
+SEED = int(os.environ.get("BC_PROPERTY_SEED", "20261201"))  # another seed explores other examples
+# Examples per draft count k (hypothesis test); BC_SPEC_PROPERTY_EXAMPLES=N runs N of each.
+BIG = int(os.environ.get("BC_SPEC_PROPERTY_EXAMPLES", "0") or 0)
+STREAM_EXAMPLES = BIG or 25
+CONVERSATION_EXAMPLES = BIG or 20
 STEP_LIMIT = 3000
 
 
@@ -499,14 +504,15 @@ SETTINGS = dict(
 )
 
 
-def test_spec_streams_keep_every_contract(model_dir):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_spec_streams_keep_every_contract(model_dir, k):
     totals = Totals()
     started = time.monotonic()
 
-    @settings(max_examples=40, **SETTINGS)
-    @seed(SEED)
-    @given(k=st.sampled_from([1, 2, 3]), script=acceptance, pool=pools, ops=streams)
-    def play(k, script, pool, ops):
+    @settings(max_examples=STREAM_EXAMPLES, **SETTINGS)
+    @seed(SEED + k)  # fixed examples: reruns are reproducible
+    @given(script=acceptance, pool=pools, ops=streams)
+    def play(script, pool, ops):
         note(f"k={k} script={script} {pool}")
         stream = SpecStream(model_dir, k, script, pool)
         for op in ops:
@@ -516,29 +522,32 @@ def test_spec_streams_keep_every_contract(model_dir):
 
     play()
     totals.seconds = time.monotonic() - started
-    print(f"\n[spec streams] {totals}")
+    print(f"\n[spec streams k={k}] {totals}")
+    # The streams must have exercised what they claim to test.
     assert totals.checkpoint_hits > 0 and totals.restored_reads > 0, totals
-    assert totals.accepted_drafts > 0 and totals.response_behind > 0, totals
+    assert totals.accepted_drafts > 0 and totals.response_behind > 0 and totals.stops_among_drafts > 0, totals
     assert totals.evictions > 0 and totals.preemptions > 0, totals
     assert totals.aborts > 0 and totals.resets > 0, totals
 
 
-def test_spec_conversations_restore_exactly(model_dir):
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_spec_conversations_restore_exactly(model_dir, k):
     totals = Totals()
     started = time.monotonic()
 
-    @settings(max_examples=30, **SETTINGS)
-    @seed(SEED + 1)
-    @given(k=st.sampled_from([1, 2, 3]), script=acceptance, ops=conversations)
-    def play(k, script, ops):
+    @settings(max_examples=CONVERSATION_EXAMPLES, **SETTINGS)
+    @seed(SEED + 10 + k)
+    @given(script=acceptance, ops=conversations)
+    def play(script, ops):
         note(f"k={k} script={script}")
         totals.add(play_conversation(model_dir, k, script, ops))
 
     play()
     totals.seconds = time.monotonic() - started
-    print(f"\n[spec conversations] {totals}")
+    print(f"\n[spec conversations k={k}] {totals}")
     assert totals.exact_prompt_resends > 0 and totals.response_restores > 0, totals
     assert totals.response_behind > 0 and totals.stops_among_drafts > 0, totals
+    assert totals.max_response_gap == k, totals  # every draft accepted, off the block grid
 
 
 # ---- negative controls ------------------------------------------------------------------------
@@ -561,7 +570,7 @@ def test_the_committed_count_rule_fails_the_conversation_property(model_dir):
     speculation) restores a wrong state: the property finds it."""
 
     @NEGATIVE
-    @seed(SEED + 2)
+    @seed(SEED + 20)
     @given(k=st.sampled_from([1, 2, 3]), script=acceptance, ops=conversations)
     def play(k, script, ops):
         play_conversation(model_dir, k, script, ops, CommittedLengthScheduler, exact=False)
@@ -579,7 +588,7 @@ class NoResponseScheduler(BoundaryScheduler):
 
 def test_losing_response_checkpoints_fails_the_exact_counts(model_dir):
     @NEGATIVE
-    @seed(SEED + 3)
+    @seed(SEED + 21)
     @given(k=st.sampled_from([1, 2, 3]), script=acceptance, ops=conversations)
     def play(k, script, ops):
         play_conversation(model_dir, k, script, ops, NoResponseScheduler)
