@@ -88,8 +88,12 @@ class SpecShadowWorker(ShadowWorker):
             so = self._as_the_worker_knows_it(so)
         for block_id in so.new_block_ids_to_zero or ():  # zeroed before any copy into them
             self.draft_rows.pop(block_id, None)
+        # vLLM's input batch adds a new or resumed request (preemption drops it) with
+        # num_accepted_tokens 1 (``InputBatch.add_request``).
         for new in so.scheduled_new_reqs:
             self.accepted.pop(new.req_id, None)
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            self.accepted.pop(req_id, None)
         return super().execute(so)
 
     def _as_the_worker_knows_it(self, so):
