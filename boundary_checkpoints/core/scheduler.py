@@ -19,7 +19,7 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    bundle by reference (no copy: nothing writes a finished request's blocks again); its
    ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP)
    the state is the one the request's last step left whole in its column 0, which may be up to
-   ``k - 1`` tokens before the committed length (``core/boundaries.py``:
+   ``k`` tokens before the committed length (``core/boundaries.py``:
    ``speculative_response_boundary``), and every bundle records the token after its boundary,
    which a restore must share (its MTP draft row depends on it, ``core/store.py``). A request
    that finishes with one verify step in flight (async scheduling) is captured from that step
