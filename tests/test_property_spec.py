@@ -580,7 +580,7 @@ class CommittedLengthScheduler(BoundaryScheduler):
     below the final token count so that a stop among accepted drafts does not crash the plan)."""
 
     def _response_boundary(self, request):
-        return min(request.num_computed_tokens, request.num_tokens - 1), None
+        return min(request.num_computed_tokens, request.num_tokens - 1), None, None
 
 
 def test_the_committed_count_rule_fails_the_conversation_property(model_dir):
@@ -601,7 +601,7 @@ class NoResponseScheduler(BoundaryScheduler):
     """Negative control: keeps no response checkpoint (a silent loss, never a wrong state)."""
 
     def _response_boundary(self, request):
-        return 0, None
+        return 0, None, None
 
 
 def test_losing_response_checkpoints_fails_the_exact_counts(model_dir):
