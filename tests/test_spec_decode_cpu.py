@@ -12,7 +12,7 @@ Checked: exact cached counts at the prompt (``P - 1``) and response (committed l
 boundaries -- with no draft accepted in a producer's last step, the response checkpoint is at the
 committed length (the scheduler tests cover accepted drafts, where it lands on the last step's
 first token); first-token logprobs within the bound calibrated in the same run; the corrupted
-restores fail it (:func:`mtp_reference_pairs` says which pairs calibrate the bound); and the
+restores fail it (``bench.probes.mtp_reference_pairs`` says which pairs calibrate the bound); and the
 mean accepted tokens per drafting step of restored continuations vs their cold controls
 (printed and asserted, see :func:`test_acceptance_after_a_restore_matches_cold`).
 
@@ -37,8 +37,8 @@ from boundary_checkpoints.bench.probes import (
     ProbeRow,
     calibrate,
     count_failures,
+    mtp_reference_pairs,
     probe_failures,
-    reference_pairs,
     state_failures,
 )
 
@@ -56,14 +56,10 @@ fake_triton_cpu.install()
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
-from boundary_checkpoints.bench.probes import NEW_TOKENS, TOP_LOGPROBS, Answer, ProbeRow, top_logprobs
+from boundary_checkpoints.bench.probes import NEW_TOKENS, TOP_LOGPROBS, Answer, ProbeRow, spec_counts, top_logprobs
 from corrupt_restore import CorruptScheduler
 
 K, MAX_TOKENS, LENGTHS = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
-
-def spec_counts(llm):
-    values = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")}
-    return values.get("vllm:spec_decode_num_drafts", 0), values.get("vllm:spec_decode_num_accepted_tokens", 0)
 
 def probes(llm, seed):
     rng = random.Random(seed)
@@ -108,21 +104,6 @@ for policy in ("request_boundaries", "aligned"):
     cleanup_dist_env_and_memory()
 print("RESULT " + json.dumps(out))
 """
-
-
-def mtp_reference_pairs(plugin: list[ProbeRow], stock: list[ProbeRow]) -> list:
-    """``bench.probes.reference_pairs`` plus the plugin's and stock's producers of each prompt.
-
-    Under MTP a restore at ``P - 1`` leaves one token, which vLLM runs as a padded speculative
-    row (``scheduler.py:1131-1153``: the speculative GDN kernels), while its cold control ran it
-    as a non-speculative row: a kernel-path difference that no pair of ``reference_pairs`` has
-    here (every one of them is bit-identical on this engine, and stock makes no partial hit on
-    prompts shorter than two blocks under MTP's block drop). The producers are two cold runs of
-    one prompt on different kernel paths (the plugin stops at ``P - 1`` and runs the last token
-    alone; stock prefills at once): rounding only, measured 0.07-0.26. ``bench.probes`` leaves
-    them out where they make the bound too loose to catch a one-token state error; here the
-    negative control in the same run (measured 1.44-1.47) shows the bound still catches it."""
-    return reference_pairs(plugin, stock) + [(a.producer, b.producer) for a, b in zip(plugin, stock, strict=True)]
 
 
 @pytest.fixture(scope="module")

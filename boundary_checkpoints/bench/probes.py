@@ -263,6 +263,22 @@ def reference_pairs(rows: Sequence[ProbeRow], stock_rows: Sequence[ProbeRow] = (
     return pairs
 
 
+def mtp_reference_pairs(plugin: Sequence[ProbeRow], stock: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
+    """:func:`reference_pairs` plus the plugin's and stock's producers of each prompt (MTP runs).
+
+    Under MTP a restore at ``P - 1`` leaves one token, which vLLM runs as a padded speculative
+    row (``scheduler.py:1131-1153``: the speculative GDN kernels), while its cold control ran it
+    as a non-speculative row: a kernel-path difference that no pair of :func:`reference_pairs` has
+    on the CPU engine (every one of them is bit-identical there, and stock makes no partial hit on
+    prompts shorter than two blocks under MTP's block drop). The producers are two cold runs of
+    one prompt on different kernel paths (the plugin stops at ``P - 1`` and runs the last token
+    alone; stock prefills at once): rounding only, measured 0.07-0.26 on CPU. :func:`reference_pairs`
+    leaves them out where they make the bound too loose to catch a one-token state error; under
+    MTP the negative control in the same run (measured 1.44-1.47 on CPU) shows the bound still
+    catches it."""
+    return reference_pairs(plugin, stock) + [(a.producer, b.producer) for a, b in zip(plugin, stock, strict=True)]
+
+
 def probe_failures(rows: Sequence[ProbeRow], bounds: Bounds) -> list[str]:
     """Why a plugin run is not exact (empty when it is): counts, then per restore the state
     criteria against ``bounds`` (from :func:`calibrate`)."""
@@ -298,8 +314,28 @@ def top_logprobs(vllm_logprobs) -> list[LogprobRow]:
     return [{token: float(entry.logprob) for token, entry in position.items()} for position in vllm_logprobs]
 
 
-def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, seed: int = 0) -> list[ProbeRow]:
-    """The scenario on ``llm``; every phase sends all conversations together (shared batches)."""
+def spec_counts(llm) -> tuple[int, int]:
+    """vLLM's ``(spec_decode_num_drafts, spec_decode_num_accepted_tokens)`` counters of ``llm``
+    (0, 0 without speculative decoding; needs ``disable_log_stats=False``). ``num_drafts`` counts
+    drafting steps, so ``1 + accepted / drafts`` is the mean tokens per drafting step."""
+    values = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num")}
+    drafts = values.get("vllm:spec_decode_num_drafts") or 0
+    return int(drafts), int(values.get("vllm:spec_decode_num_accepted_tokens") or 0)
+
+
+def run_probes(
+    llm,
+    lengths: list[int],
+    conversations: int,
+    max_tokens: int,
+    seed: int = 0,
+    acceptance: dict[str, list[int]] | None = None,
+) -> list[ProbeRow]:
+    """The scenario on ``llm``; every phase sends all conversations together (shared batches).
+
+    ``acceptance`` (a dict, filled in place): per phase (``producer``, ``resend``, ``restored``,
+    ``cold``, ``cold_again``) the ``[drafting steps, accepted drafts]`` of :func:`spec_counts`
+    that phase added (speculative decoding with stats enabled)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -308,9 +344,13 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
     salt = f"probe-{seed}-{random.random()}"  # unseeded: reruns on one engine never share a salt
 
-    def send(prompts, salt_of) -> list[Answer]:
+    def send(prompts, salt_of, phase: str) -> list[Answer]:
         batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
+        before = spec_counts(llm) if acceptance is not None else (0, 0)
         outs = llm.generate(batch, params, use_tqdm=False)
+        if acceptance is not None:
+            after = spec_counts(llm)
+            acceptance[phase] = [after[0] - before[0], after[1] - before[1]]
         return [Answer(o.num_cached_tokens, list(o.outputs[0].token_ids), top_logprobs(o.outputs[0].logprobs))
                 for o in outs]  # fmt: skip
 
@@ -318,12 +358,12 @@ def run_probes(llm, lengths: list[int], conversations: int, max_tokens: int, see
         return [rng.randrange(4, vocab) for _ in range(n)]
 
     prompts = [draw(lengths[i % len(lengths)]) for i in range(conversations)]
-    producers = send(prompts, lambda i: salt)
-    resends = send(prompts, lambda i: salt)
+    producers = send(prompts, lambda i: salt, "producer")
+    resends = send(prompts, lambda i: salt, "resend")
     continuations = [p + out.tokens + draw(NEW_TOKENS) for p, out in zip(prompts, producers)]
-    restored = send(continuations, lambda i: salt)
-    cold = send(continuations, lambda i: f"{salt}-cold-{i}")
-    cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}")
+    restored = send(continuations, lambda i: salt, "restored")
+    cold = send(continuations, lambda i: f"{salt}-cold-{i}", "cold")
+    cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}", "cold_again")
     return [
         ProbeRow(len(p), *answers)
         for p, *answers in zip(prompts, producers, resends, restored, cold, cold_again)
