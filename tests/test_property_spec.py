@@ -39,14 +39,25 @@ checkpoint fails the exact counts.
 from __future__ import annotations
 
 import os
-import random
 import time
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, note, seed, settings
 from hypothesis import strategies as st
-from shadow_engine import EMPTY_STATE, ShadowMismatch, advance, build_scheduler, sample
+from property_ops import (
+    Abort,
+    Branch,
+    Continue,
+    Fresh,
+    Resend,
+    Reset,
+    Steps,
+    common_prefix,
+    random_tokens,
+    reference_output,
+)
+from shadow_engine import ShadowMismatch, build_scheduler
 from shadow_engine import make_request as _make_request
 from spec_shadow import SpecDriver, SpecShadowWorker
 
@@ -64,35 +75,7 @@ CONVERSATION_EXAMPLES = BIG or 20
 STEP_LIMIT = 3000
 
 
-# ---- the shadow model's cold output and the contract's boundary ------------------------------
-def reference_output(prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
-    state = EMPTY_STATE
-    for token in prompt:
-        state = advance(state, token)
-    out: list[int] = []
-    while len(out) < max_tokens:
-        token = sample(state)
-        out.append(token)
-        if token in stop_ids:
-            break
-        state = advance(state, token)
-    return out
-
-
-def random_tokens(seed_: int, n: int) -> list[int]:
-    rng = random.Random(seed_)
-    return [rng.randrange(4, 1000) for _ in range(n)]
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
+# ---- the contract's boundary ------------------------------
 def contract_boundary(step, num_tokens: int, k: int) -> int:
     """Where the response checkpoint of a request must be (0: none), from its last step as the
     shadow ran it and its final token count (scheduler contract 3, ``speculative_response_boundary``):
@@ -113,60 +96,6 @@ def contract_boundary(step, num_tokens: int, k: int) -> int:
 def committed(step) -> int:
     """Tokens whose state the request computed after its last step (vLLM's num_computed_tokens)."""
     return step.end - step.num_drafts - 1 + step.num_accepted if step.num_accepted else step.end
-
-
-# ---- operations -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Fresh:
-    seed: int
-    length: int
-    max_tokens: int
-    salt: str | None
-    stop_at: int | None  # stop on the cold output's token at this index
-
-
-@dataclass(frozen=True)
-class Resend:
-    which: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Branch:
-    """The first ``keep`` tokens of an earlier prompt, then ``extra`` new tokens."""
-
-    which: int
-    keep: int
-    extra: int
-    seed: int
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class Continue:
-    """An earlier request's prompt + output + ``extra`` new tokens (after it finished). Continuing
-    the same turn twice with other tokens is an n > 1 style branch of the conversation."""
-
-    which: int
-    extra: int
-    seed: int
-    max_tokens: int
-    stop_at: int | None
-
-
-@dataclass(frozen=True)
-class Abort:
-    which: int
-
-
-@dataclass(frozen=True)
-class Steps:
-    k: int
-
-
-@dataclass(frozen=True)
-class Reset:
-    pass
 
 
 prompt_lengths = st.one_of(st.integers(1, 60), st.sampled_from([1, 2, 15, 16, 17, 18, 31, 32, 33, 34, 47, 48, 49]))
