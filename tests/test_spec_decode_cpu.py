@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from corrupt_restore import corrupted_pairs
 from engine_script import run_engine_script
+from mtp_checks import check_acceptance
 from results_out import save_json
 
 from boundary_checkpoints.bench.probes import (
@@ -146,20 +147,8 @@ def test_a_restore_one_token_off_fails_the_criteria_under_mtp(runs):
 
 
 def test_acceptance_after_a_restore_matches_cold(runs):
-    """Mean tokens per drafting step (1 + accepted drafts / drafting steps; vLLM's
-    ``spec_decode_num_drafts`` counts drafting steps) of the restored continuations vs their
-    cold controls. A restore that lost the MTP context (draft K/V rows
-    below ``N``) would change the drafts, not the target's tokens; with a random-weight drafter
-    nearly every draft is rejected either way (measured: 0 accepted), so both means sit at 1.0.
-    The assertion is the loose, reachable one: both in ``[1, 1 + k]`` and within 0.25 of each
-    other (a quarter of the drafts of the phase)."""
+    """Mean tokens per drafting step of the restored continuations vs their cold controls, both in
+    ``[1, 1 + k]`` and within 0.25 of each other (``mtp_checks.check_acceptance`` says why the
+    bound is loose)."""
     info, _, _ = runs
-    acceptance = info["request_boundaries"]["acceptance"]
-    means = {}
-    for phase in ("restored", "cold"):
-        drafts, accepted = acceptance[phase]
-        assert drafts > 0, acceptance
-        means[phase] = 1 + accepted / drafts
-    print(f"mean accepted tokens per drafting step: restored {means['restored']:.3f}, cold {means['cold']:.3f}")
-    assert all(1.0 <= m <= 1.0 + K for m in means.values())
-    assert abs(means["restored"] - means["cold"]) <= 0.25, means
+    check_acceptance(info, K)
