@@ -63,6 +63,17 @@ CASES = [
 ]
 
 
+def check_next_turn(driver, follow_up: list[int], max_tokens: int, expected_cached: int) -> None:
+    """``follow_up`` (same salt as its producer) caches exactly ``expected_cached`` tokens and
+    answers as the same prompt computed cold under another salt."""
+    continuation = make_request(follow_up, max_tokens=max_tokens, salt="s")
+    cold = make_request(follow_up, max_tokens=max_tokens, salt="cold")
+    [restored] = driver.run([continuation])
+    [from_cold] = driver.run([cold])
+    assert driver.cached_tokens[continuation.request_id] == expected_cached
+    assert restored == from_cold
+
+
 def pattern(name: str, k: int):
     return {
         "none": lambda request_id, step: 0,
@@ -88,13 +99,7 @@ def test_response_bundle_holds_the_committed_state_and_restores_exactly(model_di
     assert [c.num_tokens for c in published(scheduler, RESPONSE)] == ([boundary] if boundary else [])
     assert boundary == 0 or prompt_len <= boundary <= prompt_len + max_tokens - 1
 
-    follow_up = prompt + answer + tokens(rng, 5)
-    continuation = make_request(follow_up, max_tokens=4, salt="s")
-    cold = make_request(follow_up, max_tokens=4, salt="cold")
-    [restored] = driver.run([continuation])
-    [from_cold] = driver.run([cold])
-    assert driver.cached_tokens[continuation.request_id] == (boundary or prompt_len - 1)
-    assert restored == from_cold
+    check_next_turn(driver, prompt + answer + tokens(rng, 5), 4, boundary or prompt_len - 1)
     accepted = sum(s.num_accepted for s in worker.steps[producer.request_id] if s.num_drafts)
     if accept != "none":
         assert accepted > sum(1 for s in worker.steps[producer.request_id] if s.num_drafts)  # drafts were accepted
@@ -289,13 +294,7 @@ def test_async_response_bundle_adopts_the_in_flight_step_and_restores_exactly(
         edited = make_request(other, max_tokens=4, salt="s")
         driver.run([edited])
         assert driver.cached_tokens[edited.request_id] == prompt_len - 1  # the prompt checkpoint
-    follow_up = prompt + answer + [next_token] + tokens(rng, 5)
-    continuation = make_request(follow_up, max_tokens=4, salt="s")
-    cold = make_request(follow_up, max_tokens=4, salt="cold")
-    [restored] = driver.run([continuation])
-    [from_cold] = driver.run([cold])
-    assert driver.cached_tokens[continuation.request_id] == (boundary or prompt_len - 1)
-    assert restored == from_cold
+    check_next_turn(driver, prompt + answer + [next_token] + tokens(rng, 5), 4, boundary or prompt_len - 1)
 
 
 def stop_position(steps, prompt_len: int, where: str) -> int:
@@ -339,12 +338,7 @@ def test_async_stop_token_with_a_step_in_flight(model_dir, k, accept, where, pat
         [boundary] if boundary else []
     )
     follow_up = prompt + answer + [greedy_next(prompt + answer)] + tokens(rng, 4)
-    continuation = make_request(follow_up, max_tokens=3, salt="s")
-    cold = make_request(follow_up, max_tokens=3, salt="cold")
-    [restored] = driver.run([continuation])
-    [from_cold] = driver.run([cold])
-    assert driver.cached_tokens[continuation.request_id] == (boundary or len(prompt) - 1)
-    assert restored == from_cold
+    check_next_turn(driver, follow_up, 3, boundary or len(prompt) - 1)
 
 
 class StockColumnScheduler(BoundaryAsyncScheduler):
