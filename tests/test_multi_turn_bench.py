@@ -493,7 +493,12 @@ def test_the_old_script_path_runs_bc_bench():
 
 @pytest.mark.parametrize(
     "arch, architecture, vocab",
-    [("qwen3_next_80b_12l", "Qwen3NextForCausalLM", 151936), ("qwen35_9b", "Qwen3_5ForCausalLM", 248320)],
+    [
+        ("qwen3_next_80b_12l", "Qwen3NextForCausalLM", 151936),
+        ("qwen3_next_80b_24l", "Qwen3NextForCausalLM", 151936),
+        ("glm5_next_flash_dense", "Glm5NextForCausalLM", 154880),
+        ("qwen35_9b", "Qwen3_5ForCausalLM", 248320),
+    ],
 )
 def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, architecture, vocab):
     from transformers import AutoConfig, AutoTokenizer
@@ -503,16 +508,28 @@ def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, a
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == [architecture]
     assert cli.model_vocab_size(str(out)) == vocab
+    if arch == "glm5_next_flash_dense":  # vLLM's own reader (transformers' has no text-only auto class)
+        from vllm.transformers_utils.config import get_config
+
+        config = get_config(str(out), trust_remote_code=False)
+        assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (4096, 45, vocab)
+        assert config.layer_types.count("linear_attention") == 34
+        assert set(config.mlp_layer_types) == {"dense"}
+        assert (config.linear_num_heads, config.linear_head_dim, config.kv_lora_rank) == (64, 128, 512)
+        assert (config.index_topk, config.index_kpool, config.num_attention_heads) == (2048, 16, 64)
+        assert raw["mhc"] is True and raw["mla_use_nope"] is True
+        return
     config = AutoConfig.from_pretrained(str(out))
     assert config.vocab_size == vocab
-    if arch == "qwen3_next_80b_12l":
-        assert (config.hidden_size, config.num_hidden_layers) == (2048, 12)
-        assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 3
+    if arch.startswith("qwen3_next_80b"):
+        layers, experts = (12, 512) if arch == "qwen3_next_80b_12l" else (24, 64)
+        assert (config.hidden_size, config.num_hidden_layers) == (2048, layers)
+        assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
         assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 2, 256)
         assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, 32)
         dims = (config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim)
         assert dims == (128, 128, 4)
-        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (512, 10, 512)
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (experts, 10, 512)
         assert config.shared_expert_intermediate_size == 512
     else:
         assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (4096, 32, 12288)

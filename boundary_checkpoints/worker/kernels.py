@@ -139,8 +139,8 @@ if _HAS_TRITON:
         if rest > 0 and split == full % splits:
             start = full * TILE
             mask = lanes < rest
-            words = tl.load(anchor + src_page + start + lanes, mask=mask)
-            tl.store(anchor + dst_page + start + lanes, words, mask=mask)
+            tail = tl.load(anchor + src_page + start + lanes, mask=mask)
+            tl.store(anchor + dst_page + start + lanes, tail, mask=mask)
 
 
 # Triton decides at decoration time whether kernels are interpreted, so read the flag once.
