@@ -517,7 +517,7 @@ def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, a
         assert set(config.mlp_layer_types) == {"dense"}
         assert (config.linear_num_heads, config.linear_head_dim, config.kv_lora_rank) == (64, 128, 512)
         assert (config.index_topk, config.index_kpool, config.num_attention_heads) == (2048, 16, 64)
-        assert raw["mhc"] is True and raw["mla_use_nope"] is True
+        assert raw["mhc"] is False and raw["mla_use_nope"] is True
         return
     config = AutoConfig.from_pretrained(str(out))
     assert config.vocab_size == vocab
