@@ -78,6 +78,11 @@ class GroupGeometry:
     page_bytes: int
     window: int = 0  # WINDOW groups: the sliding window in tokens
 
+    @property
+    def label(self) -> str:
+        """``kind/block`` (window groups: ``window/block w<window>``), as the startup log line shows it."""
+        return f"{self.kind.value}/{self.block_size}" + (f" w{self.window}" if self.window else "")
+
 
 def first_window_page(num_tokens: int, block_size: int, window: int) -> int:
     """Index of the first page a sliding-window group needs to resume at ``num_tokens``: the page

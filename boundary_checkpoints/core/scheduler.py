@@ -310,7 +310,7 @@ class BoundaryCheckpointMixin:
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks, prompt checkpoints %s",
             len(geometries),
-            ", ".join(f"{g.kind.value}/{g.block_size}" for g in geometries),
+            ", ".join(g.label for g in geometries),
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
