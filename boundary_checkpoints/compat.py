@@ -30,7 +30,10 @@ Private internals (names and the behaviour relied on):
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
   ``num_gpu_blocks``), the coordinator's ``single_type_managers`` (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
-  GLM-5.3-Flash indexer's tail ring, named in a fallback reason only).
+  GLM-5.3-Flash indexer's tail ring, named in a fallback reason only); ``SlidingWindowManager``
+  (``sliding_window``; its spec's ``extra_retained_tokens`` and ``prefix_replay_tokens``): a request
+  resumed at ``N`` needs the pages from ``(N - W + 1) // B`` on, and vLLM lists null blocks below
+  that for a prefix hit (``add_local_computed_blocks``, ``get_num_skipped_tokens``).
 * Layout facts read at startup (``core/layout.py``): ``KVCacheConfig.kv_cache_tensors``
   (``KVCacheTensor.layers``, ``layer_stride``, ``block_stride``: a layer's page is the smaller of
   the two strides), ``MambaSpec.mamba_type`` (``MambaAttentionBackendEnum.MAMBA2`` for Mamba2
@@ -108,7 +111,12 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager, FullAttentionManager, MambaManager
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    MambaManager,
+    SlidingWindowManager,
+)
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
@@ -128,6 +136,7 @@ __all__ = [
     "RequestStatus",
     "Scheduler",
     "SchedulerOutput",
+    "SlidingWindowManager",
     "VllmConfig",
     "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",

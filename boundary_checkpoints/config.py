@@ -15,7 +15,7 @@ Contract
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
   measured on (model architectures other than the measured ones, tensor parallel, decode context
-  parallel, speculative decoding off the CPU engine).
+  parallel, speculative decoding: MTP and DFlash are not validated on GPU).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
   of either kind applies and otherwise falls back to ``aligned`` with the reasons,
@@ -308,16 +308,24 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
-SUPPORTED_SPECULATIVE_METHODS = ("mtp",)
+SUPPORTED_SPECULATIVE_METHODS = ("mtp", "dflash")
+# DFlash drafters whose KV cache the plugin's notes cover (docs/notes/spec-decode.md §11): vLLM's
+# Qwen3 DFlash and DFlash2 classes. Other architectures under method "dflash" (LiLiCorr, Laguna,
+# Muse Glimmer) are other speculators or models, not read.
+SUPPORTED_DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 
 
 def speculative_reasons(vllm_config: Any) -> list[str]:
     """Why the speculative decoding of ``vllm_config`` cannot work with boundary retention (empty
-    without speculative decoding, or with single-module MTP). See docs/notes/spec-decode.md:
+    without speculative decoding, with single-module MTP, or with a DFlash / DFlash2 drafter of
+    :data:`SUPPORTED_DFLASH_ARCHITECTURES`). See docs/notes/spec-decode.md:
 
-    * other methods (EAGLE, DFlash, ngram, draft models, ...) have not been run with the plugin;
-    * dynamic speculation changes the draft count per step, which the response capture's source
-      column (``core/boundaries.py``: ``speculative_response_boundary``) does not follow;
+    * other methods (EAGLE, ngram, draft models, ...) and other DFlash architectures have not been
+      run with the plugin;
+    * dynamic speculation and adaptive verification change the draft count per step, which the
+      response capture's source column (``core/boundaries.py``: ``speculative_response_boundary``)
+      does not follow; adaptive verification also keeps a per-request acceptance estimate a
+      restore would not carry;
     * multi-module MTP reads ``k > 1`` prefill tokens ahead: vLLM then cuts every prefill chunk
       that would end within ``k`` tokens of the prompt end, so the ``P - 1`` stop livelocks, and
       its later modules re-prefill the last ``k - 1`` rows of shared pages."""
@@ -326,10 +334,22 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
         return []
     method = getattr(spec, "method", None)
     if method not in SUPPORTED_SPECULATIVE_METHODS:
-        return [f"speculative decoding method {method!r} is not supported (only single-module MTP is)"]
+        return [
+            f"speculative decoding method {method!r} is not supported (only single-module MTP and DFlash / "
+            "DFlash2 are)"
+        ]
     reasons = []
+    if method == "dflash":
+        architectures = list(getattr(getattr(spec, "draft_model_config", None), "architectures", None) or [])
+        if not set(architectures) & set(SUPPORTED_DFLASH_ARCHITECTURES):
+            reasons.append(
+                f"DFlash drafter architecture {', '.join(architectures) or 'unknown'} is not supported "
+                f"(only {', '.join(SUPPORTED_DFLASH_ARCHITECTURES)})"
+            )
     if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None:
         reasons.append("dynamic speculative decoding (num_speculative_tokens_per_batch_size) is not supported")
+    if getattr(spec, "enable_adaptive_verification", False):
+        reasons.append("adaptive verification (enable_adaptive_verification) varies the drafts per step: not supported")
     lookahead = getattr(vllm_config, "num_prefill_lookahead_tokens", None) or 1
     if lookahead > 1:
         reasons.append(
@@ -338,6 +358,12 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
         )
     return reasons
 
+
+# How far each supported speculative method has been measured (the unvalidated tier's reason).
+_SPECULATIVE_MEASURED = {
+    "mtp": "is measured on the CPU engine only",
+    "dflash": "is checked at the scheduler level only (not run on an engine)",
+}
 
 # Model architectures whose boundaries have been measured end to end (docs/compatibility.md).
 VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
@@ -356,9 +382,10 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     attention pages too (``worker/geometry.py``: a boundary's partial virtual page is one block
     id on every rank), but neither has run on several GPUs yet.
 
-    Speculative decoding (single-module MTP; others are unsupported, :func:`speculative_reasons`):
-    measured on the CPU engine (V1 runner, synchronous scheduling), not on a GPU (Model Runner V2,
-    async scheduling)."""
+    Speculative decoding (others are unsupported, :func:`speculative_reasons`): single-module MTP
+    is measured on the CPU engine (V1 runner, synchronous scheduling), not on a GPU (Model Runner
+    V2, async scheduling); DFlash and DFlash2 (which vLLM runs on GPUs only) are checked at the
+    scheduler level (the shadow runner of ``tests/dflash_shadow.py``), not run on an engine."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -375,11 +402,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
         reasons.append(f"decode context parallel size {decode_context_parallel} is not validated yet")
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and not speculative_reasons(vllm_config):
-        k = getattr(spec, "num_speculative_tokens", None)
-        reasons.append(
-            f"speculative decoding ({getattr(spec, 'method', None)}, k={k}) is measured on the CPU "
-            "engine only, not validated on GPU"
-        )
+        method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None)
+        measured = _SPECULATIVE_MEASURED.get(method, "has not been measured")
+        reasons.append(f"speculative decoding ({method}, k={k}) {measured}, not validated on GPU")
     return reasons
 
 

@@ -8,9 +8,11 @@
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
 #                                     tiny families end to end (tests/test_gpu_spec_families.py only;
 #                                     e.g. -k mtp or -k "not mtp" to split it)
+#   bash scripts/gpu_host.sh dflash [PYTEST ARGS]  DFlash and DFlash2 (k = 3, full + sliding draft layers)
+#                                     end to end (tests/test_gpu_dflash.py only; -k dflash2 to split it)
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
-stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|families}"
+stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|families|dflash}"
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -39,6 +41,10 @@ case "$stage" in
   families)
     shift
     python3 -m pytest -q -p no:cacheprovider -rA -s tests/test_gpu_spec_families.py "$@" 2>&1 | tee "$out/gpu-spec-families.log" || rc=1
+    ;;
+  dflash)
+    shift
+    python3 -m pytest -q -p no:cacheprovider -rA -s tests/test_gpu_dflash.py "$@" 2>&1 | tee "$out/gpu-dflash.log" || rc=1
     ;;
   bench)
     shift

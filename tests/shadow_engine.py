@@ -226,6 +226,7 @@ def build_scheduler(
     ring_kpool: int | None = None,
     num_speculative_tokens: int = 0,
     worker_cls: type | None = None,
+    drafter: Path | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -244,6 +245,9 @@ def build_scheduler(
     shadow worker keeps one row per token of a virtual page: a whole-block copy on every rank
     moves every rank's rows of that page (``worker/geometry.py``), so a page is the unit it
     checks.
+
+    ``drafter``: a DFlash drafter directory (``fixtures/dflash.py``): the speculative decoding of
+    ``num_speculative_tokens`` tokens is DFlash with that drafter instead of MTP.
 
     ``kv_cache_groups``: a layout grouped by vLLM (``tests/test_family_layouts.py``) used instead of
     the synthetic one; the returned worker does not model it.
@@ -281,8 +285,9 @@ def build_scheduler(
         cp_kv_cache_interleave_size=interleave,
         distributed_executor_backend="mp" if dcp > 1 else None,
         speculative_config=(
-            {"method": "mtp", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else None
-        ),
+            {"method": "dflash" if drafter else "mtp", "num_speculative_tokens": num_speculative_tokens,
+             **({"model": str(drafter)} if drafter else {})} if num_speculative_tokens else None
+        ),  # fmt: skip
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
             "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,

@@ -356,7 +356,8 @@ def test_summary_example_from_the_brief():
     )
     assert decision.summary() == (
         "boundary_checkpoints: policy=auto -> aligned (fallback: speculative decoding method None "
-        "is not supported (only single-module MTP is); LoRA adapters are part of the key but not supported yet)"
+        "is not supported (only single-module MTP and DFlash / DFlash2 are); LoRA adapters are part of the key but "
+        "not supported yet)"
     )
 
 
@@ -584,15 +585,46 @@ def test_single_module_mtp_is_unvalidated_off_the_cpu_engine(k):
     assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
 
 
+def dflash_fake(k: int = 3, architecture: str = "DFlashDraftModel", **spec) -> SimpleNamespace:
+    """A supported fake with a DFlash drafter of ``architecture`` drafting ``k`` tokens (prefill
+    lookahead 1, as vLLM gives every EAGLE-family drafter but multi-module MTP)."""
+    drafter = SimpleNamespace(architectures=[architecture])
+    spec_config = SimpleNamespace(method="dflash", num_speculative_tokens=k, draft_model_config=drafter, **spec)
+    fake = supported_fake(speculative_config=spec_config)
+    fake.num_prefill_lookahead_tokens = 1
+    return fake
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+@pytest.mark.parametrize("k", [1, 3, 15])
+def test_dflash_drafters_are_unvalidated(architecture, k):
+    """DFlash and DFlash2 are in the unvalidated tier (like single-module MTP): auto falls back
+    naming it, an explicit request_boundaries runs and says so."""
+    fake = dflash_fake(k, architecture)
+    assert unsupported_reasons(fake) == []
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and auto.reasons == (
+        f"speculative decoding (dflash, k={k}) is checked at the scheduler level only (not run on an engine), "
+        "not validated on GPU",
+    )
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    assert explicit.boundaries_enabled and "checked at the scheduler level only" in explicit.summary()
+
+
 @pytest.mark.parametrize(
     "fake, text",
     [
         (mtp_fake(2, lookahead=2), "multi-module MTP (prefill lookahead 2 > 1) livelocks the P - 1 chunk stop"),
         (mtp_fake(2, num_speculative_tokens_per_batch_size=[(1, 8, 2)]), "dynamic speculative decoding"),
-        (supported_fake(speculative_config=SimpleNamespace(method="dflash")), "method 'dflash' is not supported"),
+        (dflash_fake(3, "LiLiCorrDraftModel"), "DFlash drafter architecture LiLiCorrDraftModel is not supported"),
+        (supported_fake(speculative_config=SimpleNamespace(method="dflash")), "DFlash drafter architecture unknown"),
+        (dflash_fake(3, enable_adaptive_verification=True), "adaptive verification (enable_adaptive_verification)"),
+        (dflash_fake(3, num_speculative_tokens_per_batch_size=[(1, 8, 3)]), "dynamic speculative decoding"),
+        (supported_fake(speculative_config=SimpleNamespace(method="eagle3")), "method 'eagle3' is not supported"),
         (supported_fake(speculative_config=SimpleNamespace(method="ngram")), "method 'ngram' is not supported"),
     ],
-    ids=["multi_module_mtp", "dynamic", "dflash", "ngram"],
+    ids=["multi_module_mtp", "dynamic", "lilicorr", "dflash_no_drafter", "dflash_adaptive", "dflash_dynamic",
+         "eagle3", "ngram"],
 )
 def test_speculative_configs_that_cannot_work_are_refused(fake, text):
     """Refused at startup under request_boundaries, naming the reason; auto falls back with it."""

