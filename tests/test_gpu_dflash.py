@@ -13,9 +13,9 @@ graphs, async scheduling) and ``speculative_config={"method": "dflash", "model":
    of state off), the negative control;
 3. stock ``aligned`` on a second engine (calibrates the bounds).
 
-Prompt lengths 1, B - 1, B + 1, 600 (``B``: the engine's block size) and 65 (one past the window)
-and 150, 16 answer tokens. Checked: the plugin was in force with a window group of the drafter's
-window among its KV groups (its startup log line); exact cached counts (the continuation within
+Prompt lengths of ``test_gpu_spec_families.py`` (1, B - 1, B, B + 1, 8193, 32768; ``B``: the
+engine's block size) plus 65 (one past the window) and 150, 32 conversations, 16 answer tokens.
+Checked: the plugin was in force with a window group of the drafter's window among its KV groups (its startup log line); exact cached counts (the continuation within
 ``[committed - k, committed]`` when producers accepted drafts, spec-decode.md §9 option B); first
 tokens within the bound calibrated in the same run; the corrupted restores fail; stock never
 caches more; mean accepted tokens per drafting step after a restore vs cold
@@ -35,17 +35,9 @@ import pytest
 from engine_script import run_engine_script
 from mtp_checks import check_acceptance
 from results_out import results_dir, save_json
-from test_gpu_spec_families import (
-    BASE_LENGTHS,
-    CASE_TIMEOUT_S,
-    MAX_MODEL_LEN,
-    MAX_TOKENS,
-    SCRIPT,
-    check_corrupted_run,
-    check_plugin_run,
-)
+from test_gpu_spec_families import CASE_TIMEOUT_S, SCRIPT, bounds_for, check_corrupted_run, check_plugin_run, make_case
 
-from boundary_checkpoints.bench.probes import ProbeRow, calibrate, mtp_reference_pairs
+from boundary_checkpoints.bench.probes import ProbeRow
 
 pytestmark = pytest.mark.gpu
 
@@ -63,15 +55,14 @@ def run_dflash_case(variant: str, drafter_dir: Path):
     model = make_tiny_model(default_model_dir("qwen3_next", 0), family="qwen3_next", seed=0)
     drafter = write_dflash_drafter(drafter_dir, model, variant=variant, layer_types=LAYER_TYPES, window=WINDOW)
     speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
-    case = {"k": K, "lengths": [*BASE_LENGTHS, WINDOW + 1, 150], "max_tokens": MAX_TOKENS,
-            "max_model_len": MAX_MODEL_LEN, "engine": {"speculative_config": speculative}}  # fmt: skip
+    case = make_case(K, (WINDOW + 1, 150), engine={"speculative_config": speculative})
     tests_dir = str(Path(__file__).resolve().parent)
     info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
         (out / f"gpu-dflash-{variant}.log").write_text(log)
     rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
-    bounds = calibrate(mtp_reference_pairs(rows["request_boundaries"], rows["aligned"]))
+    bounds = bounds_for(rows, K)
     save_json(f"gpu-dflash-{variant}.json", {"variant": variant, "k": K, "bounds": bounds.as_dict(), **info})
     return info, rows, bounds, log
 

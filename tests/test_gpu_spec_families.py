@@ -152,21 +152,35 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def make_case(k: int, extra_lengths: tuple[int, ...] = (), engine: dict | None = None) -> dict:
+    """The SCRIPT's case: lengths, answer length, model length, conversations, engine overrides."""
+    case = {"k": k, "lengths": [*BASE_LENGTHS, *extra_lengths], "max_tokens": MAX_TOKENS,
+            "max_model_len": MAX_MODEL_LEN, "conversations": CONVERSATIONS}  # fmt: skip
+    if engine:
+        case["engine"] = engine
+    return case
+
+
+def bounds_for(rows: dict, k: int):
+    """Bounds calibrated on this run's reference pairs (``MARGIN``; speculative runs add the
+    producers, ``mtp_reference_pairs``)."""
+    pairs = mtp_reference_pairs if k else reference_pairs
+    return calibrate(pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
+
+
 def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int, ...] = ()):
     """Runs the three scenarios of the module docstring; returns (info, rows per run, bounds)."""
     from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
-    case = {"k": k, "lengths": [*BASE_LENGTHS, *extra_lengths], "max_tokens": MAX_TOKENS,
-            "max_model_len": MAX_MODEL_LEN, "conversations": CONVERSATIONS}  # fmt: skip
+    case = make_case(k, extra_lengths)
     tests_dir = str(Path(__file__).resolve().parent)
     info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
         (out / f"gpu-spec-{name}.log").write_text(log)  # the engines' own log (block sizes, backends)
     rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
-    pairs = mtp_reference_pairs if k else reference_pairs
-    bounds = calibrate(pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
+    bounds = bounds_for(rows, k)
     save_json(f"gpu-spec-{name}.json", {"family": family, "k": k, "bounds": bounds.as_dict(), **info})
     return info, rows, bounds
 
