@@ -15,7 +15,8 @@ graphs, async scheduling) and ``speculative_config={"method": "dflash", "model":
 
 Prompt lengths of ``test_gpu_spec_families.py`` (1, B - 1, B, B + 1, 8193, 32768; ``B``: the
 engine's block size) plus 65 (one past the window) and 150, 32 conversations, 16 answer tokens.
-Checked: the plugin was in force with a window group of the drafter's window among its KV groups (its startup log line); exact cached counts (the continuation within
+Checked: the plugin was in force with a window group of the drafter's window among its KV
+groups (its startup log line); exact cached counts (the continuation within
 ``[committed - k, committed]`` when producers accepted drafts, spec-decode.md §9 option B); first
 tokens within the bound calibrated in the same run; the corrupted restores fail; stock never
 caches more; mean accepted tokens per drafting step after a restore vs cold
