@@ -361,7 +361,7 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
 
 # How far each supported speculative method has been measured (the unvalidated tier's reason).
 _SPECULATIVE_MEASURED = {
-    "mtp": "is measured on the CPU engine only",
+    "mtp": "ran on the H200 with no draft accepted (accepted drafts: measured on the CPU engine only)",
     "dflash": "is checked at the scheduler level only (not run on an engine)",
 }
 
@@ -383,8 +383,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     id on every rank), but neither has run on several GPUs yet.
 
     Speculative decoding (others are unsupported, :func:`speculative_reasons`): single-module MTP
-    is measured on the CPU engine (V1 runner, synchronous scheduling), not on a GPU (Model Runner
-    V2, async scheduling); DFlash and DFlash2 (which vLLM runs on GPUs only) are checked at the
+    is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
+    V2, async scheduling) with a random MTP layer that accepted no draft, so its accepted-draft
+    paths are CPU-measured only; DFlash and DFlash2 (which vLLM runs on GPUs only) are checked at the
     scheduler level (the shadow runner of ``tests/dflash_shadow.py``), not run on an engine."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
