@@ -365,8 +365,9 @@ _SPECULATIVE_MEASURED = {
     "dflash": "is checked at the scheduler level only (not run on an engine)",
 }
 
-# Model architectures whose boundaries have been measured end to end (docs/compatibility.md).
-VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
+# Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md).
+VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM", "NemotronHForCausalLM")
 
 
 def unvalidated_reasons(vllm_config: Any) -> list[str]:

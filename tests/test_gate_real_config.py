@@ -139,7 +139,7 @@ def test_multi_module_mtp_is_refused_on_a_real_config(engine_args_cls, hybrid_di
 # what vLLM 0.32 makes of each config on CPU and the decision line the gate derives from it. Their KV
 # cache layouts are judged in test_family_layouts.py.
 
-MEASURED = "(measured: Qwen3NextForCausalLM; see docs/compatibility.md)"
+MEASURED = "(measured: Qwen3NextForCausalLM, NemotronHForCausalLM; see docs/compatibility.md)"
 
 
 @pytest.fixture(scope="module")
@@ -154,18 +154,13 @@ def family_dir(tmp_path_factory):
     return write
 
 
-def test_nemotron_h_is_unvalidated(engine_args_cls, family_dir):
+def test_nemotron_h_is_validated(engine_args_cls, family_dir):
+    """Measured on the H200 (2026-12-01): ``auto`` turns boundary retention on for Nemotron-H."""
     cfg = build(engine_args_cls, family_dir("nemotron_h"))
     assert cfg.model_config.is_hybrid and cfg.cache_config.mamba_cache_mode == "align"
     assert unsupported_reasons(cfg) == []
-    reason = f"model architecture NemotronHForCausalLM is not validated yet {MEASURED}"
     assert decide_policy(BoundaryConfig(), cfg).summary() == (
-        f"boundary_checkpoints: policy=auto -> aligned (fallback: {reason})"
-    )
-    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), cfg)
-    assert explicit.summary() == (
-        "boundary_checkpoints: policy=request_boundaries -> request_boundaries "
-        f"(on a layout not validated yet: {reason})"
+        "boundary_checkpoints: policy=auto -> request_boundaries"
     )
 
 
