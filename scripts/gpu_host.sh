@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# Bundle: `PART_MB=40 bash ../shared/gpu/build_bundle.sh` here (each transfer carries the working
+# tree, about 16 MB, beside one part, and may not exceed 64 MiB), then send each part into
+# /tmp/gpu-parts on the host. Files back from $OUT are capped at 8: run a stage with OUT set to a
+# scratch folder and tar that folder into the real $OUT.
 # Runs on the GPU host (through the device tool) once every bundle part sits in /tmp/gpu-parts:
 #   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
 #   bash scripts/gpu_host.sh tests    kernel tests and end-to-end probes only (every gpu-marked test)
