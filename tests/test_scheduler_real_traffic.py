@@ -46,11 +46,14 @@ def _response_adopted(scheduler) -> bool:
 def test_reset_with_running_requests_at_every_point_of_a_capture(model_dir, lag, moment):
     """``reset_prefix_cache(reset_running_requests=True)`` (POST /reset_prefix_cache, pause and
     sleep) succeeds wherever a capture is in its life -- planned (copies not emitted), emitted
-    (copy step in flight), adopted response (finishing step in flight), published -- leaks
-    nothing, and the preempted requests then finish with an undisturbed run's output. (Sync
-    scheduling processes each step before the engine can reset, so the two in-flight moments
-    exist only with async scheduling.)"""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag))
+    (copy step, or the in-step capture's step, in flight), adopted response (finishing step in
+    flight), published -- leaks nothing, and the preempted requests then finish with an
+    undisturbed run's output. (Sync scheduling processes each step before the engine can reset,
+    so the two in-flight moments exist only with async scheduling.)"""
+    # Planned copies not yet emitted exist only where the prompt stops at P - 1 (in step, a capture
+    # is planned and emitted by one schedule()); "emitted" and "published" run the in-step capture.
+    prompt_capture = "stop" if moment == "planned" else "in_step"
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_capture=prompt_capture)
     driver = Driver(scheduler, worker, lag=lag)
     rng = random.Random(100)
     total = free_blocks(scheduler)
