@@ -80,16 +80,17 @@ class CorruptAsyncScheduler(OneTokenCorruption, BoundaryAsyncScheduler):
     """Async scheduler with one-token-off restores."""
 
 
-def corrupted_pairs(prompt_len: int, committed: int, block_size: int, in_step: bool = False) -> set[str]:
-    """Which restores of a probe row (``"resend"``, ``"continuation"``) these schedulers corrupt
-    (``in_step``: the engine captures prompts in the step).
+def corrupted_pairs(prompt_len: int, committed: int, block_size: int) -> set[str]:
+    """Which restores of a probe row (``"resend"``, ``"continuation"``) these schedulers corrupt.
 
-    Stopped at ``P - 1``: a prompt with ``P - 1`` a multiple of the block keeps its ``P - 1`` state
-    in a block the last prompt token no longer writes (aligned mode moves on to the next block), so
-    the late copy is still exact. In step, the copied blocks hold the state after ``P`` for every
-    ``P``. ``P = 1`` has no prompt checkpoint. Responses: see the docstring."""
+    A prompt of ``P`` tokens with ``P - 1`` a multiple of the block keeps its ``P - 1`` state in a
+    block the last prompt token no longer writes (aligned mode moves on to the next block), so the
+    late copy is still exact; vLLM's own align-mode split ends a chunk at such a ``P - 1`` (the last
+    block boundary below ``P``), so those prompts take the copy path under in-step capture too,
+    and every other prompt's in-step capture holds the state after ``P``. ``P = 1`` has no prompt
+    checkpoint. Responses: see the docstring."""
     out = set()
-    if prompt_len > 1 and (in_step or (prompt_len - 1) % block_size):
+    if prompt_len > 1 and (prompt_len - 1) % block_size:
         out.add("resend")
     if committed >= 2 and (committed - 1) % block_size:
         out.add("continuation")
