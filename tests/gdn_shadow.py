@@ -3,8 +3,9 @@
 :func:`compare` runs inside the engine's worker (``LLM.collective_rpc(compare)``) on its first
 re-classed GDN layer, with that layer's real weights and KV cache, on random inputs:
 
-* in step: one mixed batch (decode rows first, then prefill rows, some of them capture rows)
-  through the plugin's ``_forward_core`` with the capture pairs begun, as a step would run it;
+* in step: one mixed batch (decode rows first, then prefill rows, some of them capture rows, and
+  a zero-token padding row) through the plugin's ``_forward_core`` with the capture pairs begun,
+  as a step would run it;
 * reference: every row alone through vLLM's own core, a capture row in the two steps of the
   ``P - 1`` stop (its first ``L - 1`` tokens as a prefill, the state copied out, then its last
   token as a decode row).
@@ -38,14 +39,17 @@ ROWS = [
 NUM_DECODES = 2
 
 
-def _metadata(rows, num_decodes, slots, device, cuda):
+def _metadata(rows, num_decodes, slots, device, cuda, padding: int = 0):
+    """GDN metadata of ``rows`` ((tokens, has initial state), decodes first) on state ``slots``,
+    followed by ``padding`` zero-token rows on the null block (as vLLM's builder may leave them)."""
     from boundary_checkpoints.compat import conv_metadata, fla_chunk_metadata, gdn_metadata_class
 
+    num_prefills = len(rows) - num_decodes
+    rows, slots = [*rows, *[(0, False)] * padding], [*slots, *[0] * padding]
     starts = torch.tensor([0, *itertools.accumulate(length for length, _ in rows)], dtype=torch.int32)
     indices = torch.tensor(slots, dtype=torch.int32)
     has_initial = torch.tensor([initial for _, initial in rows])
     decode_tokens, num_tokens = int(starts[num_decodes]), int(starts[-1])
-    num_prefills = len(rows) - num_decodes
     metadata = gdn_metadata_class()(
         num_prefills=num_prefills, num_prefill_tokens=num_tokens - decode_tokens, num_decodes=num_decodes,
         num_decode_tokens=decode_tokens, num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens,
@@ -137,7 +141,7 @@ def compare(worker, seed: int = 0) -> dict:
     out = empty(num_tokens)
     captures = layer.boundary_captures
     captures.begin(destinations.items())
-    batch = _metadata([row[:2] for row in ROWS], NUM_DECODES, slots, device, cuda)
+    batch = _metadata([row[:2] for row in ROWS], NUM_DECODES, slots, device, cuda, padding=1)
     with set_forward_context({layer.prefix: batch}, config):
         layer._forward_core(mixed_qkv, b, a, out)
     untaken = captures.end()

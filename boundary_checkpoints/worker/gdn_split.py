@@ -62,11 +62,11 @@ class RowSplit:
 def split_rows(metadata, pairs: dict[int, int], rebuild_kernel_metadata: bool) -> RowSplit | None:
     """The split of a non-speculative GDN batch whose prefill rows with a state index in ``pairs``
     are capture rows (None: there are none). ``rebuild_kernel_metadata``: the CUDA core's Triton
-    chunk and conv metadata follow the shortened rows."""
+    chunk and conv metadata follow the shortened rows. Every row of the batch keeps its place,
+    zero-token padding rows included, so the per-row tensors of ``metadata`` still line up."""
     num_decodes, num_rows = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
-    with gpu_sync_allowed():  # one device-to-host read per step and KV group with capture rows
-        starts = metadata.non_spec_query_start_loc[: num_rows + 1].cpu()
-        indices = metadata.prefill_state_indices[: metadata.num_prefills].tolist()
+    starts = metadata.non_spec_query_start_loc.cpu()  # zero-token padding rows (if any) follow the real ones
+    indices = metadata.prefill_state_indices[: metadata.num_prefills].tolist()
     rows = [num_decodes + r for r, index in enumerate(indices) if index in pairs]
     if not rows:
         return None
@@ -141,7 +141,8 @@ class StepCaptures:
             return None
         key = id(metadata)
         if key not in self._splits:
-            split = split_rows(metadata, self._pairs, self.rebuild_kernel_metadata)
+            with gpu_sync_allowed():  # reads the row layout: once per step and KV group with capture pairs
+                split = split_rows(metadata, self._pairs, self.rebuild_kernel_metadata)
             self._splits[key] = (metadata, split)  # the metadata is kept so that its id stays unique
             if split is not None:
                 self._taken.update(split.slots.tolist())
