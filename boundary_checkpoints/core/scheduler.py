@@ -153,7 +153,7 @@ from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, r
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
-from boundary_checkpoints.prompt_capture import IN_STEP, STOP, PromptCaptureDecision, decide_for
+from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -251,7 +251,7 @@ class PendingCapture:
 def prompt_checkpoint_mode(config: BoundaryConfig, decision: PromptCaptureDecision) -> str:
     """How prompt checkpoints are taken, for the startup log line."""
     text = decision.describe()
-    if config.prompt_checkpoint_min_tokens and decision.mode != "off":
+    if config.prompt_checkpoint_min_tokens and decision.mode != OFF:
         text += f", when the prompt's last step computes >= {config.prompt_checkpoint_min_tokens} tokens"
     return text
 
