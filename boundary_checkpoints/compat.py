@@ -93,7 +93,9 @@ Private internals (names and the behaviour relied on):
 * In-step prompt capture (``prompt_capture.py``, ``worker/gdn_split.py``; worker processes only,
   imported lazily): ``QwenGatedDeltaNetAttention`` (model_executor/layers/mamba/gdn/
   qwen_gdn_linear_attn.py), re-classed per instance (:func:`reclass_instance`) after
-  ``Worker.load_model``; every recurrent layer subclasses ``MambaBase``. Relied on: the custom op
+  ``Worker.load_model``, found in ``compilation_config.static_forward_context``
+  (:func:`forward_context_layers`, the forward context's ``no_compile_layers``); every recurrent
+  layer subclasses ``MambaBase``. Relied on: the custom op
   ``vllm::qwen_gdn_attention_core`` (called by ``forward_cuda``) looks the layer up in the forward
   context's ``no_compile_layers`` and calls its ``_forward_core(mixed_qkv, b, a, core_attn_out)``,
   which reads the layer's ``GDNAttentionMetadata`` from ``forward_context.attn_metadata[prefix]``
