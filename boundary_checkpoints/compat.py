@@ -93,6 +93,31 @@ Private internals (names and the behaviour relied on):
   ``_extract_prompt_len``, ``_extract_prompt_components``, ``create_error_response`` and
   ``online_renderer.render_chat``; ``ErrorResponse``. :func:`frontend_interface_mismatches`
   checks these before the plugin installs its subclasses.
+* In-step prompt capture (``prompt_capture.py``, ``worker/gdn_split.py``; worker processes only,
+  imported lazily): ``QwenGatedDeltaNetAttention`` (model_executor/layers/mamba/gdn/
+  qwen_gdn_linear_attn.py), re-classed per instance (:func:`reclass_instance`) after
+  ``Worker.load_model``, found in ``compilation_config.static_forward_context``
+  (:func:`forward_context_layers`, the forward context's ``no_compile_layers``); every recurrent
+  layer subclasses ``MambaBase``. Relied on: the custom op
+  ``vllm::qwen_gdn_attention_core`` (called by ``forward_cuda``) looks the layer up in the forward
+  context's ``no_compile_layers`` and calls its ``_forward_core(mixed_qkv, b, a, core_attn_out)``,
+  which reads the layer's ``GDNAttentionMetadata`` from ``forward_context.attn_metadata[prefix]``
+  (a dict per layer name outside DBO); ``forward_cpu`` computes the same projections as
+  ``forward_cuda`` and calls ``vllm::cpu_gdn_attention_core`` (:func:`cpu_gdn_core`, same
+  arguments, same metadata lookup), so the CPU subclass runs ``forward_cuda`` and calls the CPU
+  core from ``_forward_core``. Metadata: rows ordered decodes first; without speculative decoding
+  ``non_spec_query_start_loc`` / ``non_spec_state_indices_tensor`` cover every row,
+  ``prefill_query_start_loc`` (rebased to the first prefill token) / ``prefill_state_indices`` /
+  ``prefill_has_initial_state`` the prefill rows, ``chunk_indices`` / ``chunk_offsets`` (FLA Triton,
+  :func:`fla_chunk_metadata`) follow ``prefill_query_start_loc``, ``nums_dict`` / ``batch_ptr`` /
+  ``token_chunk_offset_ptr`` (Triton causal conv, :func:`conv_metadata`) follow
+  ``non_spec_query_start_loc``; a decode row (one token, ``num_decodes``) reads and writes its state
+  at its index; the state index of a row is the block holding its state after the step (align
+  mode: column ``(end - 1) // B``), which the core reads the initial state from and writes the
+  final conv and SSM state to; ``layer.kv_cache`` is ``(conv_state, ssm_state)``, both indexed by
+  block id first. ``_resolve_gdn_prefill_backend(vllm_config)`` (:func:`gdn_prefill_backend`) is
+  the kernel the layers pick; ``vllm.utils.gpu_sync_debug.gpu_sync_allowed`` marks the split's one
+  device-to-host read per step and KV group.
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -102,7 +127,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from vllm.config import VllmConfig
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -141,7 +167,19 @@ __all__ = [
     "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",
     "install_vllm_config_hook",
+    "conv_metadata",
+    "cpu_gdn_core",
     "cpu_worker_class",
+    "fla_chunk_metadata",
+    "forward_context_layers",
+    "forward_metadata",
+    "gdn_metadata_class",
+    "gdn_prefill_backend",
+    "gpu_sync_allowed",
+    "layer_metadata",
+    "platform_name",
+    "qwen_gdn_layer_class",
+    "recurrent_layer_base",
     "frontend_interface_mismatches",
     "gpu_worker_class",
     "interface_mismatches",
@@ -192,6 +230,109 @@ def platform_is_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def platform_name() -> str:
+    """``"cpu"``, ``"cuda"``, ``"rocm"``, or vLLM's name of another platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_rocm():
+        return "rocm"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(current_platform.device_name)
+
+
+def gdn_prefill_backend(vllm_config) -> str:
+    """The GDN prefill kernel vLLM's Qwen GDN layers use under ``vllm_config`` (``triton``,
+    ``flashinfer``, ``cutedsl`` or ``aiter_flydsl``)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
+
+    return _resolve_gdn_prefill_backend(vllm_config)[1]
+
+
+def qwen_gdn_layer_class() -> type:
+    """vLLM's ``QwenGatedDeltaNetAttention``."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    return QwenGatedDeltaNetAttention
+
+
+def recurrent_layer_base() -> type:
+    """``MambaBase``: the base of every recurrent mixer layer (GDN, KDA, Mamba2, ...)."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    return MambaBase
+
+
+def gdn_metadata_class() -> type:
+    """``GDNAttentionMetadata``."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    return GDNAttentionMetadata
+
+
+def cpu_gdn_core(mixed_qkv, b, a, core_attn_out, layer_name: str) -> None:
+    """vLLM's CPU GDN core (the body of ``vllm::cpu_gdn_attention_core``)."""
+    from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import cpu_gdn_attention_core
+
+    cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
+
+
+def fla_chunk_metadata(prefill_query_start_loc_cpu, device):
+    """``(chunk_indices, chunk_offsets)`` of the FLA Triton chunk kernel for these prefill
+    ``cu_seqlens`` (as ``GDNAttentionMetadataBuilder._build_chunk_metadata`` makes them)."""
+    from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices, prepare_chunk_offsets
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+
+    indices = prepare_chunk_indices(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE)
+    offsets = prepare_chunk_offsets(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE)
+    return indices.to(device), offsets.to(device)
+
+
+def conv_metadata(query_start_loc_cpu, device):
+    """``(nums_dict, batch_ptr, token_chunk_offset_ptr)`` of the Triton causal conv kernel."""
+    from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+
+    return compute_causal_conv1d_metadata(query_start_loc_cpu, device=device)
+
+
+def gpu_sync_allowed():
+    """vLLM's context that marks a deliberate device-to-host read (its sync checker's allowlist)."""
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed as allowed
+
+    return allowed()
+
+
+def forward_metadata(layer_name: str):
+    """The attention metadata of ``layer_name`` in the current forward pass, or None (no metadata:
+    a profile or warm-up run; a list of them: DBO micro-batches)."""
+    from vllm.forward_context import get_forward_context
+
+    table = get_forward_context().attn_metadata
+    return table.get(layer_name) if isinstance(table, dict) else None
+
+
+def forward_context_layers(vllm_config) -> list:
+    """The layers vLLM registered for its forward context (``static_forward_context``, by prefix)."""
+    return list(vllm_config.compilation_config.static_forward_context.values())
+
+
+@contextmanager
+def layer_metadata(layer_name: str, metadata) -> Iterator[None]:
+    """Make ``metadata`` the attention metadata the current forward context gives ``layer_name``
+    for the duration of the block."""
+    from vllm.forward_context import get_forward_context
+
+    table = get_forward_context().attn_metadata
+    saved = table[layer_name]
+    table[layer_name] = metadata
+    try:
+        yield
+    finally:
+        table[layer_name] = saved
 
 
 def v1_model_runner_class() -> type:

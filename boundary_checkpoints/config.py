@@ -108,6 +108,15 @@ def _check_token_count(value: Any, name: str) -> int:
     return value
 
 
+def _check_prompt_capture(value: Any, name: str) -> str:
+    from boundary_checkpoints.prompt_capture import PROMPT_CAPTURES
+
+    allowed = ", ".join(PROMPT_CAPTURES)
+    if not isinstance(value, str) or value not in PROMPT_CAPTURES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
+    return value
+
+
 def _check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise BoundaryConfigError(f"{name} must be true or false (got {type(value).__name__} {value!r})")
@@ -118,6 +127,7 @@ _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
     "prompt_checkpoint_min_tokens": _check_token_count,
+    "prompt_capture": _check_prompt_capture,
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
 }
@@ -138,18 +148,25 @@ class BoundaryConfig:
     stats_log_interval_s: float = 30.0
     """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
     prompt_checkpoints: bool = True
-    """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. It costs
-    one engine step per prompt (the prefill stops at ``P - 1``; the last token runs in the next
-    step). False: no chunk stop and no prompt checkpoint; response checkpoints (the next turn of a
-    conversation) are unaffected; a resend restores only from an older checkpoint or the stock
-    block grid."""
+    """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. Where
+    ``prompt_capture`` is ``in_step`` this costs no extra step; otherwise one engine step per prompt
+    (the prefill stops at ``P - 1``; the last token runs in the next step). False: no prompt
+    checkpoint; response checkpoints (the next turn of a conversation) are unaffected; a resend
+    restores only from an older checkpoint or the stock block grid."""
+    prompt_capture: str = "in_step"
+    """How the prompt checkpoint is taken (``prompt_capture.py``): ``in_step`` (default) computes
+    the whole prompt in one step and splits its last token off inside each Gated DeltaNet layer,
+    where the engine supports it (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next /
+    Qwen3.5; no speculative decoding), and otherwise stops the prefill at ``P - 1`` (the startup
+    log line says which and why); ``stop`` always stops at ``P - 1``."""
     prompt_checkpoint_min_tokens: int = 0
-    """With ``prompt_checkpoints``, stop at ``P - 1`` only when the step that reaches the end of the
-    prompt computes at least this many tokens (counted from where that step starts: the restore
-    point of a short prompt, the last chunk boundary of a long one). A shorter tail is computed in
-    one step either way, so the stop would add a step to this prompt to save a resend little: the
-    resend then recomputes that tail (fewer than this many tokens) from the earlier checkpoint or
-    cached block it starts from. 0 (default): every prompt stops at ``P - 1``."""
+    """With ``prompt_checkpoints``, take the prompt checkpoint (stop at ``P - 1``, or capture it in
+    the step) only when the step that reaches the end of the prompt computes at least this many
+    tokens (counted from where that step starts: the restore point of a short prompt, the last
+    chunk boundary of a long one). A shorter tail is computed in one step either way, so a stop
+    would add a step to this prompt to save a resend little: the resend then recomputes that tail
+    (fewer than this many tokens) from the earlier checkpoint or cached block it starts from. 0
+    (default): every prompt keeps one."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

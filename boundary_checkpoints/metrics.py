@@ -73,6 +73,10 @@ COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
     "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
     "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),
+    "vllm:boundary_checkpoint_prompt_stops": ("Prefill chunks the plugin ended at P - 1: the last prompt token "
+                                              "ran in an engine step of its own.", ()),
+    "vllm:boundary_checkpoint_prompt_captures_in_step": ("Prompt checkpoints taken inside the step that "
+                                                         "computed the prompt (no P - 1 stop).", ()),
 }  # fmt: skip
 GAUGE_HELP: dict[str, str] = {
     "vllm:boundary_checkpoints_retained": "Boundary checkpoints retained.",
@@ -95,6 +99,8 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "capture_steps": ("vllm:boundary_checkpoint_capture_steps", ()),
     "capture_copies": ("vllm:boundary_checkpoint_capture_copies", ()),
     "capture_copy_bytes": ("vllm:boundary_checkpoint_capture_copy_bytes", ()),
+    "prompt_stops": ("vllm:boundary_checkpoint_prompt_stops", ()),
+    "prompt_captures_in_step": ("vllm:boundary_checkpoint_prompt_captures_in_step", ()),
 }
 _GAUGE_KEYS: dict[str, str] = {
     "checkpoints_retained": "vllm:boundary_checkpoints_retained",

@@ -9,6 +9,9 @@
 #   bash scripts/gpu_host.sh all      every gpu-marked test, then the copy-kernel benchmark
 #   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark (bc-bench), stock vs plugin
+#   bash scripts/gpu_host.sh in_step  in-step prompt capture: the GDN split against the two-step stop on a
+#                                     real layer, and the probes with no P - 1 stop (tests/test_gdn_split.py,
+#                                     tests/test_gpu_in_step.py; gpu-marked tests only)
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
 #                                     tiny families end to end (tests/test_gpu_spec_families.py only;
 #                                     e.g. -k mtp or -k "not mtp" to split it)
@@ -16,7 +19,7 @@
 #                                     end to end (tests/test_gpu_dflash.py only; -k dflash2 to split it)
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
-stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|families|dflash}"
+stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|in_step|families|dflash}"
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -41,6 +44,9 @@ case "$stage" in
   kernel)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
     python3 benchmarks/copy_kernel.py --no-sweep --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
+    ;;
+  in_step)
+    python3 -m pytest -q -p no:cacheprovider -rA -s -m gpu tests/test_gdn_split.py tests/test_gpu_in_step.py 2>&1 | tee "$out/gpu-in-step.log" || rc=1
     ;;
   families)
     shift

@@ -6,9 +6,11 @@ on ``PYTHONPATH``; ``scheduler_cls=`` for an in-process ``vllm.LLM``). The plugi
 scheduler class that extends its mixin (``config.unsupported_reasons``), so the corruption runs
 with everything else of the plugin unchanged. Two corruptions, one per boundary kind:
 
-* prompt checkpoint: the capture copies are held back one engine step, so the bundle keyed
-  ``P - 1`` holds the state after ``P`` tokens (the last prompt token ran in between). A resend
-  reports exactly ``P - 1`` cached tokens -- only the state criteria can catch it;
+* prompt checkpoint: the bundle keyed ``P - 1`` holds the state after ``P`` tokens. Where the
+  prefill stops at ``P - 1``, the capture copies are held back one engine step (the last prompt
+  token ran in between); where the checkpoint is captured in the step, the recurrent state blocks
+  are copied after that step's forward instead of split inside it. A resend reports exactly
+  ``P - 1`` cached tokens -- only the state criteria can catch it;
 * response checkpoint: keyed ``N - 1`` while its state and pages are those after ``N`` (the
   committed length), so a continuation runs token ``N - 1`` a second time on top of it (its
   cached count, ``N - 1``, is off by one as well). Skipped where ``N - 1`` is a multiple of a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
+from boundary_checkpoints.worker.capture import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 
 class OneTokenCorruption:
@@ -36,9 +39,18 @@ class OneTokenCorruption:
         finally:
             self._pending.extend(fresh)
 
-    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None):
+    def _emit_in_step_captures(self, output):
+        # The state blocks hold the state after P once the step's forward ran: copy them then.
+        pairs = super()._emit_in_step_captures(output)
+        late = getattr(output, IN_STEP_CAPTURES_ATTR, None)
+        if late:
+            delattr(output, IN_STEP_CAPTURES_ATTR)
+            setattr(output, POST_FORWARD_COPIES_ATTR, [*(getattr(output, POST_FORWARD_COPIES_ATTR, None) or ()), *late])
+        return pairs
+
+    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None, in_step=False):
         before = len(self._pending)
-        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight)
+        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight, in_step)
         if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
             return
         if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):
@@ -73,7 +85,10 @@ def corrupted_pairs(prompt_len: int, committed: int, block_size: int) -> set[str
 
     A prompt of ``P`` tokens with ``P - 1`` a multiple of the block keeps its ``P - 1`` state in a
     block the last prompt token no longer writes (aligned mode moves on to the next block), so the
-    late copy is still exact; ``P = 1`` has no prompt checkpoint. Responses: see the docstring."""
+    late copy is still exact; vLLM's own align-mode split ends a chunk at such a ``P - 1`` (the last
+    block boundary below ``P``), so those prompts take the copy path under in-step capture too,
+    and every other prompt's in-step capture holds the state after ``P``. ``P = 1`` has no prompt
+    checkpoint. Responses: see the docstring."""
     out = set()
     if prompt_len > 1 and (prompt_len - 1) % block_size:
         out.add("resend")

@@ -11,6 +11,12 @@ prefix. Every read is checked against the hash recomputed from the request's tok
 restore, missing copy, or block reused too early shows up as a :class:`ShadowMismatch`. Greedy
 "sampling" is a function of the state, so a wrong state also changes the tokens.
 
+In-step prompt captures (``prompt_capture: in_step``) are modelled like the plugin's GDN layers do
+them: a request whose recurrent state block of this step is the source of a pair in
+``boundary_in_step_captures`` gets the state after all but its step's last token written into the
+pair's destination (a step of fewer than two tokens, or a pair no request takes, is a mismatch);
+``boundary_post_forward_copies`` are applied after every request's forward.
+
 A "ring" group (the GLM indexer tail ring, block size = the pool size ``kpool``) holds, in the
 request's one block, the tokens of the pool in progress. Like GLM's indexer, a step that starts off
 the pool grid must be a single (decode) token, which reads the ring: a longer step, or a ring that
@@ -70,6 +76,8 @@ class ShadowWorker:
     requests: dict[str, ShadowRequest] = field(default_factory=dict)
     copies_applied: int = 0
     restored_reads: int = 0
+    in_step_captures: int = 0
+    in_step: dict[int, int] = field(default_factory=dict)  # this step's in-step capture pairs
 
     def execute(self, so):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -110,11 +118,16 @@ class ShadowWorker:
         for copy in so.kv_cache_block_copies or ():
             self._copy(copy.src_block_id, copy.dst_block_id)
 
+        self.in_step = dict(getattr(so, "boundary_in_step_captures", None) or ())
         req_ids, sampled = [], []
         for req_id, num in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             sampled.append(self._forward(req_id, req, num))
             req_ids.append(req_id)
+        if self.in_step:
+            raise ShadowMismatch(f"in-step captures {self.in_step} taken by no request")
+        for src, dst in getattr(so, "boundary_post_forward_copies", None) or ():
+            self._copy(src, dst)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -171,9 +184,15 @@ class ShadowWorker:
                     self.restored_reads += 1
                 if state != req.prefix_state(start):
                     raise ShadowMismatch(f"{req_id}: recurrent group {group} state at {start} is wrong")
-                for token in req.tokens[start:end]:
-                    state = advance(state, token)
                 current = -(-end // size) - 1
+                destination = self.in_step.pop(blocks[current], None)
+                for position, token in enumerate(req.tokens[start:end], start):
+                    if destination is not None and position == end - 1:
+                        if end - start < 2:
+                            raise ShadowMismatch(f"{req_id}: in-step capture of a {end - start}-token step")
+                        self.states[destination] = state
+                        self.in_step_captures += 1
+                    state = advance(state, token)
                 self.states[blocks[current]] = state
                 req.state_idx = current
                 final_state = state
@@ -219,6 +238,7 @@ def build_scheduler(
     max_retained_fraction: float = 0.5,
     prompt_checkpoints: bool = True,
     prompt_checkpoint_min_tokens: int = 0,
+    prompt_capture: str = "in_step",
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
@@ -290,7 +310,7 @@ def build_scheduler(
         ),  # fmt: skip
         additional_config={"boundary_checkpoints": {
             "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
-            "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
+            "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens, "prompt_capture": prompt_capture,
         }},
     ).create_engine_config()
     cache = vllm_config.cache_config

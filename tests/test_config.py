@@ -40,6 +40,7 @@ def test_defaults(additional_config):
     assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
     assert cfg.prompt_checkpoints is True
     assert cfg.prompt_checkpoint_min_tokens == 0
+    assert cfg.prompt_capture == "in_step"
 
 
 def test_public_constants():
@@ -51,8 +52,9 @@ def test_public_constants():
 
 def test_all_fields_parsed():
     cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0,
-                 "prompt_checkpoints": False, "prompt_checkpoint_min_tokens": 512})
+                 "prompt_checkpoints": False, "prompt_checkpoint_min_tokens": 512, "prompt_capture": "stop"})
     assert cfg.prompt_checkpoints is False
+    assert cfg.prompt_capture == "stop"
     assert cfg.prompt_checkpoint_min_tokens == 512
     assert cfg.policy == "request_boundaries"
     assert cfg.max_retained_fraction == 1.0 and isinstance(cfg.max_retained_fraction, float)
@@ -89,6 +91,9 @@ BAD_VALUES = [
     ("prompt_checkpoint_min_tokens", 1.5, "integer >= 0"),
     ("prompt_checkpoint_min_tokens", True, "integer >= 0"),
     ("prompt_checkpoint_min_tokens", "512", "integer >= 0"),
+    ("prompt_capture", "auto", "in_step, stop"),
+    ("prompt_capture", True, "in_step, stop"),
+    ("prompt_capture", None, "in_step, stop"),
 ]
 
 

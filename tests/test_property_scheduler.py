@@ -1,6 +1,7 @@
 """Property tests: random streams of scheduler operations against the shadow model.
 
-Hypothesis draws a block-pool configuration and a stream of operations -- add a fresh request,
+Hypothesis draws a block-pool configuration (and how prompt checkpoints are taken: in the step
+that computes the prompt, or by stopping at ``P - 1``) and a stream of operations -- add a fresh request,
 resend an earlier prompt (same or another salt), branch off an earlier prompt, send the next
 turn of a conversation, abort an unfinished request, run a few engine steps, reset the prefix
 cache with running requests (as POST /reset_prefix_cache, pause and sleep do) -- and plays it on
@@ -108,6 +109,7 @@ class PoolConfig:
     max_num_batched_tokens: int
     max_retained_fraction: float
     reserve_full_prompt: bool  # False: admit on the first chunk, so prefills can preempt
+    prompt_capture: str = "in_step"  # or "stop" at P - 1 (BoundaryConfig.prompt_capture)
     max_num_seqs: int = 4
 
     @property
@@ -122,6 +124,7 @@ pool_configs = st.builds(
     st.sampled_from([32, 48, 64]),
     st.sampled_from([0.25, 0.5, 1.0]),
     st.booleans(),
+    st.sampled_from(["in_step", "stop"]),
 )
 
 
@@ -153,6 +156,8 @@ class Totals:
     aborts: int = 0
     resets: int = 0
     stopped_early: int = 0
+    prompt_stops: int = 0
+    prompt_captures_in_step: int = 0
     seconds: float = 0.0
 
     def add(self, other: Totals) -> None:
@@ -172,6 +177,7 @@ class Stream:
             max_retained_fraction=config.max_retained_fraction,
             async_scheduling=bool(lag),
             scheduler_reserve_full_isl=config.reserve_full_prompt,
+            prompt_capture=config.prompt_capture,
         )
         self.driver = Driver(self.scheduler, self.worker, lag=lag)
         self.pool = self.scheduler.kv_cache_manager.block_pool
@@ -319,6 +325,8 @@ class Stream:
         self.totals.checkpoint_hits = stats["hits"]
         self.totals.evictions = stats["evictions"]
         self.totals.captures_dropped = stats["captures_dropped"]
+        self.totals.prompt_stops = stats["prompt_stops"]
+        self.totals.prompt_captures_in_step = stats["prompt_captures_in_step"]
         self.totals.restored_reads = self.worker.restored_reads
         self.totals.preemptions = sum(t.request.num_preemptions for t in self.tracked)
         assert not self.scheduler.requests, "finished requests still known to the scheduler"
@@ -382,6 +390,7 @@ def test_operation_streams_keep_every_contract(model_dir, mode):
     assert totals.aborts > 0 and totals.captures_dropped > 0, totals
     assert totals.resets > 0, totals
     assert totals.stopped_early > 0, totals
+    assert totals.prompt_stops > 0 and totals.prompt_captures_in_step > 0, totals  # both capture modes ran
     if TARGET_OPS:
         assert totals.operations >= math.ceil(TARGET_OPS / len(MODES)), totals
 
@@ -396,12 +405,15 @@ def test_operation_streams_keep_every_contract(model_dir, mode):
     salt=st.sampled_from(SALTS),
     lag=st.sampled_from([0, 1]),
     token_seed=seeds,
+    prompt_capture=st.sampled_from(["in_step", "stop"]),
 )
-def test_boundaries_hit_exactly_on_a_roomy_pool(model_dir, length, max_tokens, stop_at, extra, salt, lag, token_seed):
+def test_boundaries_hit_exactly_on_a_roomy_pool(
+    model_dir, length, max_tokens, stop_at, extra, salt, lag, token_seed, prompt_capture
+):
     """Without pressure nothing is lost: an exact resend restores ``P - 1`` tokens and each next
     turn restores at least the committed length of the turn before (the streams above only bound
     cached tokens from above; this catches captures that silently go missing)."""
-    stream = Stream(model_dir, lag, PoolConfig(256, 64, 0.5, reserve_full_prompt=True))
+    stream = Stream(model_dir, lag, PoolConfig(256, 64, 0.5, reserve_full_prompt=True, prompt_capture=prompt_capture))
 
     def turn(op, drain: bool = True) -> Tracked:
         """One request at a time, like a client: send it and wait for its last token. With

@@ -29,13 +29,15 @@ def one_kv_head_model(tmp_path_factory):
 
 
 def recorded_capture_copies(scheduler) -> list[tuple[int, int]]:
-    """Every capture copy the scheduler attaches to a step, in order."""
+    """Every capture copy the scheduler attaches to a step (before or, for in-step captures, after
+    its forward), in order."""
     copies: list[tuple[int, int]] = []
     schedule = scheduler.schedule
 
     def recording_schedule(*args, **kwargs):
         output = schedule(*args, **kwargs)
         copies.extend(getattr(output, "boundary_capture_copies", None) or [])
+        copies.extend(getattr(output, "boundary_post_forward_copies", None) or [])
         return output
 
     scheduler.schedule = recording_schedule
@@ -86,13 +88,13 @@ def test_each_capture_copies_every_ranks_partial_page(one_kv_head_model, dcp, in
     driver = Driver(scheduler, worker)
     rng = random.Random(7)
     for length in (page + 5, 3 * page - 2):
-        request = make_request(tokens(rng, length), salt="s", max_tokens=1)
+        request = make_request(tokens(rng, length), salt="s", max_tokens=2)  # still running after P
         scheduler.add_request(request)
         while request.num_computed_tokens < length - 1:  # the chunk that reaches P - 1
             driver.step()
         attention = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
         blocks = [b.block_id for b in attention.req_to_blocks[request.request_id]]
-        driver.finish([request])  # the next step carries the capture copies
+        driver.finish([request])  # that step (in step) or the next (stop) carries the capture copies
         n = length - 1
         tails = layout.tail_pages(n)
         # Every rank's tail rows sit under one block-table entry, and the capture copied it.

@@ -76,7 +76,9 @@ def test_different_salt_never_hits(model_dir):
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
 def test_prompt_checkpoint_is_published_only_after_its_copy_step_returned(model_dir, lag):
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), max_num_batched_tokens=64)
+    scheduler, worker = build_scheduler(
+        model_dir, async_scheduling=bool(lag), max_num_batched_tokens=64, prompt_capture="stop"
+    )
     driver = Driver(scheduler, worker, lag=lag)
     prompt = tokens(random.Random(3), 40)
     request = make_request(prompt, max_tokens=4)
@@ -111,20 +113,64 @@ def test_prompt_checkpoint_is_published_only_after_its_copy_step_returned(model_
     driver.finish([request])
 
 
-def test_aborted_producer_publishes_nothing(model_dir):
-    scheduler, worker = build_scheduler(model_dir)
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+def test_in_step_prompt_checkpoint_is_taken_by_the_step_that_computes_the_prompt(model_dir, lag):
+    """In-step capture: no stop at P - 1; the step that ends the prompt carries the recurrent
+    (slot, destination) pairs and the attention tail copy, and its return publishes the bundle."""
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), max_num_batched_tokens=64)
+    driver = Driver(scheduler, worker, lag=lag)
+    request = make_request(tokens(random.Random(3), 40), max_tokens=4)
+    scheduler.add_request(request)
+    step1 = scheduler.schedule()  # prefill chunk [0, 32): aligned split
+    assert step1.num_scheduled_tokens[request.request_id] == 32
+    assert not getattr(step1, "boundary_in_step_captures", None)
+    out1 = worker.execute(step1)
+    if not lag:
+        scheduler.update_from_output(step1, out1)
+    step2 = scheduler.schedule()  # [32, 40): the whole rest of the prompt, no stop at 39
+    assert step2.num_scheduled_tokens[request.request_id] == 8
+    in_step, after = step2.boundary_in_step_captures, step2.boundary_post_forward_copies
+    recurrent = scheduler.kv_cache_manager.coordinator.single_type_managers[1:]
+    slots = {manager.req_to_blocks[request.request_id][39 // BLOCK].block_id for manager in recurrent}
+    assert {slot for slot, _ in in_step} == slots  # the blocks holding the state after this step
+    assert len(after) == 1  # the attention tail page of rows [32, 39)
+    assert not getattr(step2, "boundary_capture_copies", None)
+    out2 = worker.execute(step2)
+    assert worker.in_step_captures == 2
+    if lag:
+        scheduler.update_from_output(step1, out1)
+    assert len(scheduler.checkpoint_store) == 0
+    scheduler.update_from_output(step2, out2)
+    [checkpoint] = scheduler.checkpoint_store.checkpoints()
+    assert checkpoint.kind == "prompt" and checkpoint.num_tokens == 39
+    stats = scheduler.boundary_stats()
+    assert stats["prompt_captures_in_step"] == 1 and stats["prompt_stops"] == 0
+    driver.finish([request])
+    resend = make_request(request.prompt_token_ids, max_tokens=4)
+    assert driver.run([resend]) == [list(request.output_token_ids)]
+    assert driver.cached_tokens[resend.request_id] == 39
+
+
+@pytest.mark.parametrize("prompt_capture", ["stop", "in_step"])
+def test_aborted_producer_publishes_nothing(model_dir, prompt_capture):
+    """Aborted before the step that takes its prompt capture returned (stop: the copy step, one
+    step after the chunk that reached P - 1; in step: the step that computes the prompt, with one
+    step in flight under async scheduling)."""
+    lag = 0 if prompt_capture == "stop" else 1
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_capture=prompt_capture)
+    driver = Driver(scheduler, worker, lag=lag)
     prompt = tokens(random.Random(4), 40)
     request = make_request(prompt, max_tokens=4)
     scheduler.add_request(request)
     baseline = free_blocks(scheduler) + 0
-    for _ in range(2):  # [0, 32) then [32, 39): the prompt capture is planned
-        output = scheduler.schedule()
-        scheduler.update_from_output(output, worker.execute(output))
+    for _ in range(2):  # stop: [0, 32) then [32, 39), the capture is planned; in step: [32, 40) in flight
+        driver.step()
+    assert scheduler._pending
     from vllm.v1.request import RequestStatus
 
     scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
-    output = scheduler.schedule()
-    scheduler.update_from_output(output, worker.execute(output))
+    driver.step()
+    driver.drain()
     assert len(scheduler.checkpoint_store) == 0
     assert scheduler.boundary_stats()["captures_dropped"] == 1
     assert free_blocks(scheduler) == baseline  # nothing leaked
@@ -300,11 +346,15 @@ def record_chunk_ends(scheduler) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
-@pytest.mark.parametrize("prompt_checkpoints", [True, False], ids=["prompt-on", "prompt-off"])
-def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
+@pytest.mark.parametrize("mode", ["in_step", "stop", "off"])
+def test_prompt_checkpoints_switch(model_dir, lag, mode):
     """Off: the prefill runs in one chunk (no stop at P - 1) and no prompt checkpoint exists, so a
-    resend falls back to the stock block grid; the next turn still restores the response."""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoints=prompt_checkpoints)
+    resend falls back to the stock block grid; the next turn still restores the response. Stop:
+    a chunk ends at P - 1. In step: no chunk ends at P - 1, and the prompt checkpoint is there."""
+    scheduler, worker = build_scheduler(
+        model_dir, async_scheduling=bool(lag), prompt_checkpoints=mode != "off",
+        prompt_capture="stop" if mode == "stop" else "in_step",
+    )  # fmt: skip
     driver = Driver(scheduler, worker, lag=lag)
     chunk_ends = record_chunk_ends(scheduler)
     rng = random.Random(40)
@@ -318,10 +368,13 @@ def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
     assert out_resend == out_first
     assert driver.cached_tokens[cont.request_id] >= len(prompt) + len(out_first) - 1
     kinds = {c.kind for c in scheduler.checkpoint_store.checkpoints()}
-    if prompt_checkpoints:
-        assert len(prompt) - 1 in chunk_ends[first.request_id]
+    stats = scheduler.boundary_stats()
+    if mode != "off":
+        assert (len(prompt) - 1 in chunk_ends[first.request_id]) == (mode == "stop")
         assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
         assert "prompt" in kinds
+        # Two prompt checkpoints: the first turn's and the next turn's (the resend restored one).
+        assert (stats["prompt_stops"], stats["prompt_captures_in_step"]) == ((2, 0) if mode == "stop" else (0, 2))
     else:
         assert len(prompt) - 1 not in chunk_ends[first.request_id]  # 39: on no block grid
         assert driver.cached_tokens[resend.request_id] == (len(prompt) - 1) // BLOCK * BLOCK
@@ -329,12 +382,15 @@ def test_prompt_checkpoints_switch(model_dir, lag, prompt_checkpoints):
 
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])
-def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, lag):
+@pytest.mark.parametrize("prompt_capture", ["stop", "in_step"])
+def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, lag, prompt_capture):
     """min 10: a cold 47-token prompt (vLLM's split runs 0-32, then 32-46: a 14-token last step)
-    still stops at P - 1; the next turn, restored from the response checkpoint with 5 new tokens,
-    runs without the stop, and its resend restores that response checkpoint (kept, not superseded)
-    and recomputes the 5 tokens (same answer)."""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_checkpoint_min_tokens=10)
+    still keeps its prompt checkpoint (stop: a chunk ends at P - 1); the next turn, restored from
+    the response checkpoint with 5 new tokens, keeps none (no stop), and its resend restores that
+    response checkpoint (kept, not superseded) and recomputes the 5 tokens (same answer)."""
+    scheduler, worker = build_scheduler(
+        model_dir, async_scheduling=bool(lag), prompt_checkpoint_min_tokens=10, prompt_capture=prompt_capture
+    )
     driver = Driver(scheduler, worker, lag=lag)
     chunk_ends = record_chunk_ends(scheduler)
     rng = random.Random(41)
@@ -343,7 +399,7 @@ def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, 
     [out_first] = driver.run([first])
     resend = make_request(prompt, salt="s")
     [out_resend] = driver.run([resend])
-    assert len(prompt) - 1 in chunk_ends[first.request_id]
+    assert (len(prompt) - 1 in chunk_ends[first.request_id]) == (prompt_capture == "stop")
     assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
     assert out_resend == out_first
     cont_prompt = prompt + out_first + tokens(rng, 5)
@@ -352,6 +408,7 @@ def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, 
     committed = driver.cached_tokens[cont.request_id]
     assert committed >= len(prompt) + len(out_first) - 1
     assert len(cont_prompt) - 1 not in chunk_ends[cont.request_id]
+    assert scheduler.boundary_stats()["prompt_captures_in_step"] == (prompt_capture == "in_step")
     cont_resend = make_request(cont_prompt, salt="s")
     [out_cont_resend] = driver.run([cont_resend])
     assert driver.cached_tokens[cont_resend.request_id] == committed

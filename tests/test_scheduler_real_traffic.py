@@ -46,11 +46,14 @@ def _response_adopted(scheduler) -> bool:
 def test_reset_with_running_requests_at_every_point_of_a_capture(model_dir, lag, moment):
     """``reset_prefix_cache(reset_running_requests=True)`` (POST /reset_prefix_cache, pause and
     sleep) succeeds wherever a capture is in its life -- planned (copies not emitted), emitted
-    (copy step in flight), adopted response (finishing step in flight), published -- leaks
-    nothing, and the preempted requests then finish with an undisturbed run's output. (Sync
-    scheduling processes each step before the engine can reset, so the two in-flight moments
-    exist only with async scheduling.)"""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag))
+    (copy step, or the in-step capture's step, in flight), adopted response (finishing step in
+    flight), published -- leaks nothing, and the preempted requests then finish with an
+    undisturbed run's output. (Sync scheduling processes each step before the engine can reset,
+    so the two in-flight moments exist only with async scheduling.)"""
+    # Planned copies not yet emitted exist only where the prompt stops at P - 1 (in step, a capture
+    # is planned and emitted by one schedule()); "emitted" and "published" run the in-step capture.
+    prompt_capture = "stop" if moment == "planned" else "in_step"
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_capture=prompt_capture)
     driver = Driver(scheduler, worker, lag=lag)
     rng = random.Random(100)
     total = free_blocks(scheduler)
@@ -219,15 +222,16 @@ def test_an_oversize_newcomer_is_refused_without_evicting_older_bundles(model_di
 
 # ---- branches ----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("prompt_capture", ["in_step", "stop"])
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
 @pytest.mark.parametrize("lengths", [(3, 6), (6, 3)], ids=["owner-first", "owner-last"])
-def test_every_live_branch_keeps_its_latest_turn(model_dir, lag, lengths):
+def test_every_live_branch_keeps_its_latest_turn(model_dir, lag, lengths, prompt_capture):
     """Two branches of one conversation (n > 1 siblings) share a prompt: the prompt checkpoint
     is deduplicated, so the second sibling keeps none of its own. Whichever finishes first, each
     branch's next turn must still restore its own fresh response. (Before: when the sibling
     without a prompt checkpoint finished first, it took over turn 1's response under its own
     name, and the other sibling's retirement of turn 1 then dropped its fresh response.)"""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag))
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), prompt_capture=prompt_capture)
     driver = Driver(scheduler, worker, lag=lag)
     rng = random.Random(106)
     prompt = tokens(rng, 30)

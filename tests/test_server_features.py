@@ -1,8 +1,10 @@
 """End to end: per-request sampling features on a plugin server whose prefills stop at ``P - 1``.
 
-The plugin ends every prompt's prefill one token early, so every request has at least one
-partial-prefill step whose sampled row is discarded. These tests check each per-request feature
-that could see that extra step (one CPU server with the plugin for the whole module):
+With ``prompt_capture: stop`` (this module's server) the plugin ends every prompt's prefill one
+token early, so every request has at least one partial-prefill step whose sampled row is
+discarded. (In-step capture, the default, has no such step: a prompt then prefills as in stock
+vLLM; the other server tests run it.) These tests check each per-request feature that could see
+that extra step (one CPU server with the plugin for the whole module):
 
 * ``seed``: the discarded step's draw must not crash the engine (vLLM's V1 runner rewinds a CUDA
   generator's offset, which a CPU generator does not have) and must not advance the request's
@@ -33,9 +35,9 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server_features.log"
-    with RunningServer(
-        tiny_model_dir, log_path, additional_config=policy_config("request_boundaries"), timeout=300
-    ) as running:
+    config = policy_config("request_boundaries")
+    config["boundary_checkpoints"]["prompt_capture"] = "stop"  # the partial-prefill step under test
+    with RunningServer(tiny_model_dir, log_path, additional_config=config, timeout=300) as running:
         yield running
 
 

@@ -271,7 +271,12 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
 
     salt = _salt()
     answer1, turn2, payload = conversation(salt, seed=seed, stop_token_ids=[stop_token])
-    assert _cached(payload) == len(turn1) + len(answer1) - 1  # turn 2 resumed from turn 1's response
+    # Turn 2 resumed from turn 1's response. vLLM hands the engine the n = 2 children as two
+    # requests; one admitted a step after its sibling restores the sibling's prompt checkpoint
+    # (P2 - 1), which in-step capture makes restorable as soon as the sibling's step is scheduled.
+    # (Siblings admitted together, the case of the lineage fix, are checked on vLLM's scheduler by
+    # test_scheduler_real_traffic.py::test_every_live_branch_keeps_its_latest_turn in both modes.)
+    assert _cached(payload) in (len(turn1) + len(answer1) - 1, len(turn2) - 1)
     choices = _choices(payload)
     assert len(choices) == 2
     early, late = choices[early_child], choices[1 - early_child]

@@ -97,6 +97,8 @@ for policy in ("request_boundaries", "aligned"):
     out[policy] = {"rows": rows, "acceptance": acceptance, "block": block, "scheduler": type(scheduler).__name__}
     if policy == "request_boundaries":
         out[policy]["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
+        stats, decision = scheduler.boundary_stats(), scheduler._prompt_capture  # MTP: the P - 1 stop
+        out[policy]["prompt"] = [stats["prompt_stops"], stats["prompt_captures_in_step"], decision.reason]
         scheduler.__class__ = CorruptScheduler  # same instance, restores one token off from now on
         rows, acceptance = probes(llm, 1)
         out["corrupt"] = {"rows": rows, "acceptance": acceptance, "block": block}
@@ -129,6 +131,8 @@ def test_mtp_boundaries_hit_exactly_within_the_calibrated_bound(runs):
     assert probe_failures(plugin, bounds) == [], bounds
     captures, restores = info["request_boundaries"]["copies"]
     assert captures > 0 and restores > 0
+    stops, in_step, reason = info["request_boundaries"]["prompt"]  # the fallback: every prompt stops at P - 1
+    assert stops >= 2 * len(LENGTHS) and in_step == 0 and "speculative" in reason
     stock = rows["aligned"]
     assert all(row.resend.cached < row.prompt_len - 1 for row in stock)  # stock drops a block under MTP
 

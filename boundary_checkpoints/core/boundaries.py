@@ -5,8 +5,10 @@ Contract
 Boundaries (all exact token counts, no alignment):
 
 * prompt boundary ``P - 1``: the scheduler ends a prefill chunk there, so the state after ``P - 1``
-  prompt tokens exists for one step; an exact resend then reports ``P - 1`` cached tokens and
-  recomputes only the last prompt token to get its logits (vLLM never reports ``P`` of ``P``);
+  prompt tokens exists for one step, or the Gated DeltaNet layers of the step that computes the
+  prompt write that state into the bundle's block (in-step capture, ``worker/gdn_split.py``); an
+  exact resend then reports ``P - 1`` cached tokens and recomputes only the last prompt token to
+  get its logits (vLLM never reports ``P`` of ``P``);
 * instruction boundary ``N_i`` (``core/instruction.py``): the token count of the request's leading
   instructions, when the request carries a valid one; the scheduler ends a prefill chunk there, so
   the state after ``N_i`` tokens exists for one step, and many conversations that share those

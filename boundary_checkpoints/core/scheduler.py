@@ -3,10 +3,17 @@
 Contract (one engine step at a time; data flows scheduler -> worker -> scheduler):
 
 1. Chunk stop: a prompt of ``P`` tokens is prefilled so that a chunk ends at ``P - 1``
-   (``_mamba_block_aligned_split``); the last prompt token runs in the next step. With
-   ``prompt_checkpoints: false`` there is no chunk stop and no prompt capture (item 2); with
-   ``prompt_checkpoint_min_tokens: N`` a chunk that would cross ``P - 1`` after computing fewer
-   than ``N`` tokens is not stopped (and so, unless it happens to end there, captures nothing).
+   (``_mamba_block_aligned_split``); the last prompt token runs in the next step -- unless the
+   prompt is captured in the step (item 2, ``prompt_capture.py`` decides per engine): then a
+   prefill step that ends at ``P`` is not stopped when its part before ``P - 1`` would run as a
+   prefill row of its own (it starts at 0, or holds two tokens or more); other steps that cross
+   ``P - 1`` (a one-token remainder after a restore, a resumed request that runs past ``P``) are
+   stopped. With ``prompt_checkpoints: false`` there is no chunk stop and no prompt capture
+   (item 2); with ``prompt_checkpoint_min_tokens: N`` a step that would cross ``P - 1`` after
+   computing fewer than ``N`` tokens is neither stopped nor captured in (and so, unless it
+   happens to end there, captures nothing). Counters: ``prompt_stops`` (chunks the plugin ended
+   at ``P - 1``; vLLM's own align-mode split also ends one there when ``P - 1`` is a multiple of
+   the block), ``prompt_captures_in_step``.
 2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
    bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
    the *next* ``SchedulerOutput`` (attribute ``boundary_capture_copies``, applied by the plugin's
@@ -14,6 +21,14 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    run on every worker after the forward that produced the state and before any later forward
    touches it (workers execute steps in order). The pins on the sources are dropped when that
    ``schedule()`` returns: any reuse of those blocks is scheduled later and so runs later.
+   In-step capture: the ``schedule()`` that schedules the step ending at ``P`` plans the bundle
+   at ``P - 1`` from the blocks that step writes (``plan_bundle`` with ``state_end = P``: the
+   recurrent source is the block that holds the state after this step) and attaches to that
+   step's output the recurrent ``(source, destination)`` pairs (``boundary_in_step_captures``:
+   the GDN layers write the state after ``P - 1`` into the destination during the forward,
+   ``worker/gdn_split.py``) and the attention tail copies (``boundary_post_forward_copies``:
+   applied right after the forward). ``ready_seq`` is that step; the source pins are dropped at
+   once (this step is their last writer before the capture, and any reuse runs later).
 3. Capture (response): when a request finishes STOPPED or LENGTH_CAPPED its blocks hold the state
    after ``num_computed_tokens`` once every step scheduled so far has run. The plugin adopts the
    bundle by reference (no copy: nothing writes a finished request's blocks again); its
@@ -141,7 +156,8 @@ from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, r
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
-from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR
+from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
+from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -224,6 +240,7 @@ class PendingCapture:
     destinations: tuple[Any, ...]  # per group: private block (or adopted source) or None
     ready_seq: int | None = None  # None: copies not emitted yet
     in_flight: StepRecord | None = None  # the step whose output settles the bundle (contract 3)
+    in_step: bool = False  # taken inside the step that computes the prompt (contract 2)
 
     @property
     def key(self) -> CheckpointKey:
@@ -234,12 +251,12 @@ class PendingCapture:
         return self.checkpoint.kind
 
 
-def prompt_checkpoint_mode(config: BoundaryConfig) -> str:
-    """How prompts are stopped at ``P - 1``, for the startup log line."""
-    if config.prompt_checkpoint_min_tokens:
-        minimum = config.prompt_checkpoint_min_tokens
-        return f"on (prefills stop at P - 1 when their last step computes >= {minimum} tokens)"
-    return "on (prefills stop at P - 1)"
+def prompt_checkpoint_mode(config: BoundaryConfig, decision: PromptCaptureDecision) -> str:
+    """How prompt checkpoints are taken, for the startup log line."""
+    text = decision.describe()
+    if config.prompt_checkpoint_min_tokens and decision.mode != OFF:
+        text += f", when the prompt's last step computes >= {config.prompt_checkpoint_min_tokens} tokens"
+    return text
 
 
 def request_is_eligible(request: Request) -> bool:
@@ -278,6 +295,10 @@ class BoundaryCheckpointMixin:
             return
         self._geometries = geometries
         self._ring_groups = [g for g, geometry in enumerate(geometries) if geometry.kind is GroupKind.RING]
+        self._prompt_capture = decide_for(self.boundary_config, self.vllm_config)
+        if self._prompt_capture.mode == IN_STEP and self._ring_groups:
+            self._prompt_capture = PromptCaptureDecision(STOP, "an indexer tail ring is captured after its step")
+        self._prompt_in_step = self._prompt_captures_on and self._prompt_capture.mode == IN_STEP
         self._kpool = geometries[self._ring_groups[0]].block_size if self._ring_groups else None
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
@@ -295,6 +316,7 @@ class BoundaryCheckpointMixin:
         self._tainted: set[str] = set()
         self._instruction_targets: dict[str, int | None] = {}  # request id -> valid N_i or None
         self._instruction_counts: dict[str, int] = {}
+        self._stopped_at: dict[str, int] = {}  # request id -> P - 1 where the plugin cut its next chunk
         self._sched_seq = 0
         self._processed_seq = 0
         # Speculative decoding: per running request, its last scheduled step.
@@ -314,7 +336,7 @@ class BoundaryCheckpointMixin:
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
-            prompt_checkpoint_mode(self.boundary_config) if self._prompt_captures_on else "off",
+            prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -452,10 +474,25 @@ class BoundaryCheckpointMixin:
         if not self._prompt_captures_on:
             return num_new_tokens
         stop = prompt_boundary(request.num_prompt_tokens)
-        long_enough = stop - start >= self.boundary_config.prompt_checkpoint_min_tokens
-        if start < stop < start + num_new_tokens and long_enough:
-            return stop - start
-        return num_new_tokens
+        if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
+            return num_new_tokens
+        if self._captures_in_step(request, start, start + num_new_tokens):
+            return num_new_tokens
+        self._stopped_at[request.request_id] = stop  # counted once the step is scheduled
+        return stop - start
+
+    def _keeps_prompt_checkpoint(self, request: Request, start: int) -> bool:
+        """Whether a prefill step from ``start`` that crosses ``P - 1`` keeps the prompt checkpoint
+        (``prompt_checkpoint_min_tokens``)."""
+        return prompt_boundary(request.num_prompt_tokens) - start >= self.boundary_config.prompt_checkpoint_min_tokens
+
+    def _captures_in_step(self, request: Request, start: int, end: int) -> bool:
+        """Whether the prefill step ``[start, end)`` that crosses ``P - 1`` takes the prompt
+        checkpoint inside itself rather than stopping there (contract 1): in-step capture is on,
+        the step ends at ``P``, and the part before ``P - 1`` would run as a prefill row of its
+        own (a first chunk, or two tokens or more), as it does after the stop."""
+        stop = prompt_boundary(request.num_prompt_tokens)
+        return self._prompt_in_step and end == request.num_prompt_tokens and (start == 0 or stop - start >= 2)
 
     # ---- step boundaries ------------------------------------------------------------------
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
@@ -469,8 +506,10 @@ class BoundaryCheckpointMixin:
         copies = self._emit_pending_copies(output)
         if copies:
             setattr(output, CAPTURE_COPIES_ATTR, copies)
-            self._record_capture_cost(copies)
         self._plan_chunk_captures(output)
+        all_copies = copies + self._emit_in_step_captures(output)
+        if all_copies:
+            self._record_capture_cost(all_copies)
         if self._ring_restores:
             self._copy_restored_rings(output)
         if self._lookup_pins:
@@ -577,6 +616,7 @@ class BoundaryCheckpointMixin:
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens
+            stopped = self._stopped_at.pop(request_id, None) == end  # the plugin's P - 1 stop
             if end - num_scheduled < request.num_prompt_tokens and request_is_eligible(request):
                 instruction = self._instruction_target(request)
                 if instruction is not None and end == instruction:
@@ -584,11 +624,14 @@ class BoundaryCheckpointMixin:
                     continue  # an instruction boundary at P - 1 is kept as the lasting kind
             if not self._prompt_captures_on:
                 continue
-            target = prompt_boundary(request.num_prompt_tokens)
-            if target == 0 or end != target or end - num_scheduled >= target:
+            target, start = prompt_boundary(request.num_prompt_tokens), end - num_scheduled
+            if target == 0 or start >= target or end < target or not request_is_eligible(request):
                 continue
-            if request_is_eligible(request):
+            if end == target:
+                self.checkpoint_store.counters.prompt_stops += stopped
                 self._plan_capture(request, target, PROMPT, adopt=False)
+            elif self._keeps_prompt_checkpoint(request, start) and self._captures_in_step(request, start, end):
+                self._plan_capture(request, target, PROMPT, adopt=False, state_end=end, in_step=True)
 
     def _plan_capture(
         self,
@@ -598,12 +641,15 @@ class BoundaryCheckpointMixin:
         adopt: bool,
         state_end: int | None = None,
         in_flight: StepRecord | None = None,
+        in_step: bool = False,
     ) -> None:
         """Plan a bundle of ``request`` at ``num_tokens`` (its recurrent state written by the step
         that ended at ``state_end``, default ``num_tokens``); under MTP the bundle serves only
         prefixes with the same token ``num_tokens`` (its draft row ``num_tokens - 1`` was computed
         from it). ``in_flight``: the adopted state is written by that step, still in flight, whose
-        output gives that token (contract 3)."""
+        output gives that token (contract 3). ``in_step``: the step being scheduled computes the
+        prompt through ``state_end`` and takes the state after ``num_tokens`` inside its GDN
+        layers (contract 2)."""
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
@@ -645,7 +691,9 @@ class BoundaryCheckpointMixin:
             key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
             next_token=next_token,
         )
-        pending = PendingCapture(request.request_id, checkpoint, plan, destinations, in_flight=in_flight)
+        pending = PendingCapture(
+            request.request_id, checkpoint, plan, destinations, in_flight=in_flight, in_step=in_step
+        )
         if adopt:
             pending.ready_seq = self._sched_seq if in_flight is None else in_flight.seq
         self._pending.append(pending)
@@ -671,6 +719,28 @@ class BoundaryCheckpointMixin:
             self._block_pool.free_blocks(pending.plan.copy_sources())
         self._pending = kept
         return copies
+
+    def _emit_in_step_captures(self, output: SchedulerOutput) -> list:
+        """Attach the in-step captures planned for this step: recurrent ``(slot, destination)``
+        pairs the GDN layers fill during the forward, and the pages copied after it (the attention
+        tail, which this step writes). Their source pins are dropped: the step itself is their
+        last writer before the capture. Returns every pair."""
+        in_step, after = [], []
+        for pending in self._pending:
+            if not pending.in_step or pending.ready_seq is not None:
+                continue
+            for geometry, source, destination in zip(self._geometries, pending.plan.sources, pending.destinations):
+                if source is not None:
+                    pairs = in_step if geometry.kind is GroupKind.RECURRENT else after
+                    pairs.append((source.block_id, destination.block_id))
+            pending.ready_seq = self._sched_seq
+            self._block_pool.free_blocks(pending.plan.copy_sources())
+            self.checkpoint_store.counters.prompt_captures_in_step += 1
+        if in_step:
+            setattr(output, IN_STEP_CAPTURES_ATTR, in_step)
+        if after:
+            setattr(output, POST_FORWARD_COPIES_ATTR, after)
+        return in_step + after
 
     def _publish_ready(self) -> None:
         still_pending: list[PendingCapture] = []
@@ -719,6 +789,7 @@ class BoundaryCheckpointMixin:
         if self.boundaries_active:
             self._counted_requests.discard(request.request_id)
             self._instruction_targets.pop(request.request_id, None)
+            self._stopped_at.pop(request.request_id, None)
             if request.status not in _FINISHED_WITH_CHECKPOINT:
                 self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):

@@ -121,6 +121,8 @@ class StoreCounters:
     capture_steps: int = 0  # steps that carried capture copies
     capture_copies: int = 0  # block copies those steps ran for captures
     capture_copy_bytes: int = 0  # bytes those copies moved
+    prompt_stops: int = 0  # prefill chunks the plugin ended at P - 1: the last prompt token then runs alone
+    prompt_captures_in_step: int = 0  # prompt checkpoints taken inside the step that computed the prompt
     misses_by_reason: dict[str, int] = field(default_factory=dict)
     hits_by_kind: dict[str, int] = field(default_factory=dict)  # by the restored checkpoint's kind
 

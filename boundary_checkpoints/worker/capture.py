@@ -1,4 +1,5 @@
-"""Worker-side copies: apply a step's capture and restore copies with one kernel before the model runs.
+"""Worker-side copies: a step's capture and restore copies around the model's forward, and the
+in-step prompt captures inside it.
 
 Contract:
 
@@ -17,6 +18,16 @@ Contract:
   shallow copy of the step without those copies and without their destinations in
   ``new_block_ids_to_zero``: a copied block is overwritten whole in every storage, so zeroing it
   first changes nothing. Sources are retained or cached blocks, never a step's new blocks.
+* In-step capture (``prompt_capture: in_step``, ``worker/gdn_split.py``). The scheduler lists
+  ``(slot, destination)`` block pairs under :data:`IN_STEP_CAPTURES_ATTR`: the GDN layers write
+  the recurrent state after ``P - 1`` of the prompt computed in this step into the destination
+  during the forward. After ``load_model`` the worker re-classes the model's GDN layers when the
+  engine's configuration decides ``in_step`` (the scheduler decides from the same configuration);
+  a step whose pairs no layer took (the split never ran: a FULL CUDA graph replayed it, say)
+  fails with an error rather than leaving a checkpoint unwritten.
+* Post-forward copies. Pages the scheduler lists under :data:`POST_FORWARD_COPIES_ATTR` (the
+  attention tail page of an in-step capture, written by this step's forward) are copied right
+  after the runner's ``execute_model`` returned, on the same stream, so before any later step.
 
 The copier (storage split and device-side region table) is built on first use and rebuilt
 whenever the runner's KV cache tensors change. The only runner attributes read are
@@ -31,6 +42,8 @@ import copy
 from boundary_checkpoints.worker.kernels import PageCopier
 
 CAPTURE_COPIES_ATTR = "boundary_capture_copies"
+IN_STEP_CAPTURES_ATTR = "boundary_in_step_captures"
+POST_FORWARD_COPIES_ATTR = "boundary_post_forward_copies"
 
 
 class CaptureCopyWorkerMixin:
@@ -38,12 +51,28 @@ class CaptureCopyWorkerMixin:
 
     boundary_capture_copies_applied = 0
     boundary_restore_copies_applied = 0
+    boundary_in_step_captures_applied = 0
     _page_copier: PageCopier | None = None
+    _step_captures = None  # worker/gdn_split.StepCaptures once the GDN layers are re-classed
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        from boundary_checkpoints.compat import platform_is_cpu
+        from boundary_checkpoints.config import BoundaryConfig
+        from boundary_checkpoints.prompt_capture import IN_STEP, decide_for
+
+        config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
+        if decide_for(config, self.vllm_config).mode == IN_STEP:
+            from boundary_checkpoints.worker.gdn_split import install
+
+            self._step_captures = install(self.vllm_config, on_cpu=platform_is_cpu())
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         captures = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)
+        in_step = getattr(scheduler_output, IN_STEP_CAPTURES_ATTR, None)
+        after = getattr(scheduler_output, POST_FORWARD_COPIES_ATTR, None)
         restores = scheduler_output.kv_cache_block_copies
-        copier = self._copier() if captures or restores else None
+        copier = self._copier() if captures or restores or after else None
         if captures:
             copier.copy(captures)
             self.boundary_capture_copies_applied += len(captures)
@@ -56,7 +85,34 @@ class CaptureCopyWorkerMixin:
             if scheduler_output.new_block_ids_to_zero:
                 to_zero = [b for b in scheduler_output.new_block_ids_to_zero if b not in copied]
                 scheduler_output.new_block_ids_to_zero = to_zero or None
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        if in_step:
+            output = self._execute_with_in_step_captures(in_step, scheduler_output, *args, **kwargs)
+        else:
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+        if after:
+            copier.copy(after)
+            self.boundary_capture_copies_applied += len(after)
+        return output
+
+    def _execute_with_in_step_captures(self, pairs, scheduler_output, *args, **kwargs):
+        if self._step_captures is None:
+            raise RuntimeError("in-step prompt captures were scheduled, but this worker's GDN layers are vLLM's")
+        self._step_captures.begin(pairs)
+        try:
+            output = super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            missing = self._step_captures.end()
+        if missing:
+            raise RuntimeError(
+                f"in-step prompt captures of state blocks {missing} were not taken: no GDN layer split "
+                "their rows (was the step replayed from a FULL CUDA graph?)"
+            )
+        self.boundary_in_step_captures_applied += len(pairs)
+        return output
+
+    def boundary_in_step_count(self) -> int:
+        """In-step captures taken so far (``collective_rpc("boundary_in_step_count")``)."""
+        return self.boundary_in_step_captures_applied
 
     def boundary_copy_counts(self) -> list[int]:
         """Capture and restore copies applied so far (``collective_rpc("boundary_copy_counts")``)."""

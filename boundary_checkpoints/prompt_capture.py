@@ -1,0 +1,115 @@
+"""Where a prompt checkpoint (the state after ``P - 1`` prompt tokens) is taken.
+
+Contract
+--------
+Two ways, chosen once per engine from its configuration:
+
+* ``in_step``: the whole prompt is prefilled in one step; inside every Gated DeltaNet layer the
+  last token of each prompt that is captured is split off (``worker/gdn_split.py``), so the state
+  after ``P - 1`` is written to the checkpoint's block during the step that computes the prompt.
+* ``stop``: the prefill stops at ``P - 1``, the state is copied after that step and the last prompt
+  token runs in one more engine step (the first-turn tax, ``docs/notes/first-turn-tax.md``).
+
+:func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
+``prompt_capture: in_step`` (the default), no speculative decoding (the split handles
+non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
+plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), and a GDN core the split
+knows: the CPU kernels, or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved
+to ``triton``). Anything else gives ``stop`` and names the first reason that applies.
+:func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
+it on the same configuration, so they agree without talking to each other. Nothing here imports
+vLLM at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IN_STEP = "in_step"
+STOP = "stop"
+OFF = "off"
+PROMPT_CAPTURES = (IN_STEP, STOP)
+
+# vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention
+# (model_executor/models/qwen3_next.py and qwen3_5.py).
+IN_STEP_ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the decision depends on, read from a ``VllmConfig`` (:func:`facts_of`)."""
+
+    platform: str  # "cpu", "cuda", "rocm", or another platform's name
+    gdn_prefill_backend: str | None  # vLLM's resolved GDN prefill kernel on CUDA, else None
+    architectures: tuple[str, ...]
+    speculative: bool
+    micro_batching: bool
+
+
+@dataclass(frozen=True)
+class PromptCaptureDecision:
+    mode: str  # IN_STEP, STOP or OFF (no prompt checkpoints)
+    reason: str = ""  # why STOP when in_step was asked for ("" otherwise)
+
+    def describe(self) -> str:
+        """The phrase the scheduler's startup line uses for prompt checkpoints."""
+        if self.mode == OFF:
+            return "off"
+        if self.mode == IN_STEP:
+            return "on (captured inside the step that computes the prompt: no P - 1 stop)"
+        return f"on (prefills stop at P - 1: {self.reason})"
+
+
+def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) -> PromptCaptureDecision:
+    """How prompt checkpoints are taken for an engine with ``facts`` (module docstring)."""
+    if not prompt_checkpoints:
+        return PromptCaptureDecision(OFF)
+    if prompt_capture == STOP:
+        return PromptCaptureDecision(STOP, "prompt_capture is 'stop'")
+    if facts.speculative:
+        return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
+    if facts.micro_batching:
+        return PromptCaptureDecision(STOP, "micro-batching (DBO) splits the step's GDN metadata")
+    if not facts.architectures or any(a not in IN_STEP_ARCHITECTURES for a in facts.architectures):
+        return PromptCaptureDecision(
+            STOP, f"model architecture {', '.join(facts.architectures) or '(none)'} has no plain Gated DeltaNet "
+            "layers the in-step split knows"
+        )
+    if facts.platform == "cpu":
+        return PromptCaptureDecision(IN_STEP)
+    if facts.platform != "cuda":
+        return PromptCaptureDecision(STOP, f"platform {facts.platform} (in-step capture knows CPU and CUDA kernels)")
+    if facts.gdn_prefill_backend != "triton":
+        return PromptCaptureDecision(
+            STOP, f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "
+            "additional_config gdn_prefill_backend=triton)"
+        )
+    return PromptCaptureDecision(IN_STEP)
+
+
+def facts_of(vllm_config: Any) -> EngineFacts:
+    """The :class:`EngineFacts` of a ``VllmConfig`` (vLLM's platform and GDN backend via compat)."""
+    from boundary_checkpoints.compat import gdn_prefill_backend, platform_name
+
+    platform = platform_name()
+    model = getattr(vllm_config, "model_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return EngineFacts(
+        platform=platform,
+        gdn_prefill_backend=gdn_prefill_backend(vllm_config) if platform == "cuda" else None,
+        architectures=tuple(getattr(model, "architectures", None) or ()),
+        speculative=getattr(vllm_config, "speculative_config", None) is not None,
+        micro_batching=bool(getattr(parallel, "use_ubatching", False)),
+    )
+
+
+def decide_for(config: Any, vllm_config: Any) -> PromptCaptureDecision:
+    """:func:`decide` for a ``BoundaryConfig`` on an engine's ``VllmConfig``."""
+    return decide(config.prompt_checkpoints, config.prompt_capture, facts_of(vllm_config))

@@ -1,0 +1,72 @@
+"""The per-engine choice between in-step prompt capture and the ``P - 1`` stop
+(``boundary_checkpoints/prompt_capture.py``): pure decisions on facts, and the facts of real
+``VllmConfig`` objects on this (CPU) machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from boundary_checkpoints.config import BoundaryConfig
+from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, EngineFacts, decide, decide_for
+
+SUPPORTED = dict(platform="cuda", gdn_prefill_backend="triton", architectures=("Qwen3NextForCausalLM",),
+                 speculative=False, micro_batching=False)  # fmt: skip
+
+
+def facts(**overrides) -> EngineFacts:
+    return EngineFacts(**{**SUPPORTED, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"platform": "cpu", "gdn_prefill_backend": None}, {"architectures": ("Qwen3_5MoeForCausalLM",)}],
+)
+def test_in_step_where_the_split_knows_the_layers_and_kernels(overrides):
+    decision = decide(True, "in_step", facts(**overrides))
+    assert (decision.mode, decision.reason) == (IN_STEP, "")
+    assert "no P - 1 stop" in decision.describe()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"gdn_prefill_backend": "flashinfer"}, "GDN prefill backend flashinfer"),
+        ({"gdn_prefill_backend": "cutedsl"}, "GDN prefill backend cutedsl"),
+        ({"platform": "rocm", "gdn_prefill_backend": None}, "platform rocm"),
+        ({"platform": "xpu", "gdn_prefill_backend": None}, "platform xpu"),
+        ({"architectures": ("Glm5NextForCausalLM",)}, "Glm5NextForCausalLM"),
+        ({"architectures": ("KimiLinearForCausalLM",)}, "KimiLinearForCausalLM"),
+        ({"architectures": ("NemotronHForCausalLM",)}, "NemotronHForCausalLM"),
+        ({"architectures": ()}, "(none)"),
+        ({"speculative": True}, "speculative decoding"),
+        ({"micro_batching": True}, "micro-batching"),
+    ],
+)
+def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
+    decision = decide(True, "in_step", facts(**overrides))
+    assert decision.mode == STOP and reason in decision.reason
+    assert decision.describe() == f"on (prefills stop at P - 1: {decision.reason})"
+
+
+def test_configured_stop_and_off():
+    assert decide(True, "stop", facts()).mode == STOP
+    assert decide(False, "in_step", facts()).mode == OFF
+    assert decide(False, "in_step", facts()).describe() == "off"
+
+
+def real_config(model_dir, **engine_args):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(model_dir), skip_tokenizer_init=True, enable_prefix_caching=True, max_model_len=1024, **engine_args
+    ).create_engine_config()
+
+
+def test_real_cpu_configs(model_dir):
+    """This machine's vLLM (CPU platform) on the Qwen3-Next config: in step by default, the stop
+    under MTP speculative decoding or when configured."""
+    config = BoundaryConfig()
+    assert decide_for(config, real_config(model_dir)).mode == IN_STEP
+    mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert decide_for(config, mtp).mode == STOP and "speculative" in decide_for(config, mtp).reason
+    assert decide_for(BoundaryConfig(prompt_capture="stop"), real_config(model_dir)).mode == STOP
