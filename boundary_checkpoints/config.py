@@ -149,16 +149,17 @@ class BoundaryConfig:
     """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
     prompt_checkpoints: bool = True
     """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. Where
-    ``prompt_capture`` is ``in_step`` this costs no extra step; otherwise one engine step per prompt
+    the prompt is captured in step (``prompt_capture``) this costs no extra step; otherwise one engine step per prompt
     (the prefill stops at ``P - 1``; the last token runs in the next step). False: no prompt
     checkpoint; response checkpoints (the next turn of a conversation) are unaffected; a resend
     restores only from an older checkpoint or the stock block grid."""
-    prompt_capture: str = "in_step"
-    """How the prompt checkpoint is taken (``prompt_capture.py``): ``in_step`` (default) computes
-    the whole prompt in one step and splits its last token off inside each Gated DeltaNet layer,
-    where the engine supports it (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next /
-    Qwen3.5; no speculative decoding), and otherwise stops the prefill at ``P - 1`` (the startup
-    log line says which and why); ``stop`` always stops at ``P - 1``."""
+    prompt_capture: str = "auto"
+    """How the prompt checkpoint is taken (``prompt_capture.py``): ``in_step`` computes the whole
+    prompt in one step and splits its last token off inside each Gated DeltaNet layer, where the
+    engine supports it (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next / Qwen3.5;
+    no speculative decoding), and otherwise stops the prefill at ``P - 1`` (the startup log line
+    says which and why); ``auto`` (default) is ``in_step`` where that is validated (the CPU engine)
+    and the stop elsewhere; ``stop`` always stops at ``P - 1``."""
     prompt_checkpoint_min_tokens: int = 0
     """With ``prompt_checkpoints``, take the prompt checkpoint (stop at ``P - 1``, or capture it in
     the step) only when the step that reaches the end of the prompt computes at least this many

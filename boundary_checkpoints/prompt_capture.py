@@ -11,11 +11,13 @@ Two ways, chosen once per engine from its configuration:
   token runs in one more engine step (the first-turn tax, ``docs/notes/first-turn-tax.md``).
 
 :func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
-``prompt_capture: in_step`` (the default), no speculative decoding (the split handles
+``prompt_capture`` ``auto`` (the default) or ``in_step``, no speculative decoding (the split handles
 non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
 plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), and a GDN core the split
 knows: the CPU kernels, or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved
-to ``triton``). Anything else gives ``stop`` and names the first reason that applies.
+to ``triton``). ``auto`` takes ``in_step`` only where it has been validated, the CPU kernels;
+on CUDA it keeps the stop until a GPU run has validated the split (``in_step`` asks for it there).
+Anything else gives ``stop`` and names the first reason that applies.
 :func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
 it on the same configuration, so they agree without talking to each other. Nothing here imports
 vLLM at import time.
@@ -26,10 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+AUTO = "auto"
 IN_STEP = "in_step"
 STOP = "stop"
 OFF = "off"
-PROMPT_CAPTURES = (IN_STEP, STOP)
+PROMPT_CAPTURES = (AUTO, IN_STEP, STOP)
 
 # vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention
 # (model_executor/models/qwen3_next.py and qwen3_5.py).
@@ -86,6 +89,10 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(IN_STEP)
     if facts.platform != "cuda":
         return PromptCaptureDecision(STOP, f"platform {facts.platform} (in-step capture knows CPU and CUDA kernels)")
+    if prompt_capture == AUTO:
+        return PromptCaptureDecision(
+            STOP, "in-step capture is validated on the CPU engine only (prompt_capture: in_step turns it on on CUDA)"
+        )
     if facts.gdn_prefill_backend != "triton":
         return PromptCaptureDecision(
             STOP, f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "

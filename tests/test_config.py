@@ -40,7 +40,7 @@ def test_defaults(additional_config):
     assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
     assert cfg.prompt_checkpoints is True
     assert cfg.prompt_checkpoint_min_tokens == 0
-    assert cfg.prompt_capture == "in_step"
+    assert cfg.prompt_capture == "auto"
 
 
 def test_public_constants():
@@ -91,9 +91,9 @@ BAD_VALUES = [
     ("prompt_checkpoint_min_tokens", 1.5, "integer >= 0"),
     ("prompt_checkpoint_min_tokens", True, "integer >= 0"),
     ("prompt_checkpoint_min_tokens", "512", "integer >= 0"),
-    ("prompt_capture", "auto", "in_step, stop"),
-    ("prompt_capture", True, "in_step, stop"),
-    ("prompt_capture", None, "in_step, stop"),
+    ("prompt_capture", "always", "auto, in_step, stop"),
+    ("prompt_capture", True, "auto, in_step, stop"),
+    ("prompt_capture", None, "auto, in_step, stop"),
 ]
 
 

@@ -5,7 +5,7 @@ One fresh process (:func:`engine_script.run_engine_script`: engine core and work
 ``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the
 response, two cold controls; every phase one shared batch of 10 conversations, prompt lengths 1,
 B - 1, B, B + 1 and 3000, B the engine's block size) three times: the plugin (``prompt_capture``
-left at its default, ``in_step``); the same engine with its scheduler re-classed to
+set to ``in_step``: its default ``auto`` keeps the stop on CUDA until this test has passed); the same engine with its scheduler re-classed to
 ``corrupt_restore``'s corrupting scheduler (its prompt checkpoints hold the state after ``P``:
 the negative control, fresh prompts); stock ``aligned`` on a second engine, the plugin's prompts
 (its partial hits and cold controls calibrate the bounds). Each scheduler records the prefill
@@ -44,7 +44,8 @@ from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 def engine(policy):
     return LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=4096,
                max_num_seqs=16, gpu_memory_utilization=0.3, enable_prefix_caching=True, seed=0,
-               additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": policy}})
+               additional_config={"gdn_prefill_backend": "triton",
+                                  "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step"}})
 
 def record_p_minus_1_chunks(scheduler):
     # The prompt length of every prefill chunk that ends at P - 1 (the last prompt token then runs alone).

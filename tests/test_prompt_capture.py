@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from boundary_checkpoints.config import BoundaryConfig
-from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, EngineFacts, decide, decide_for
+from boundary_checkpoints.prompt_capture import AUTO, IN_STEP, OFF, STOP, EngineFacts, decide, decide_for
 
 SUPPORTED = dict(platform="cuda", gdn_prefill_backend="triton", architectures=("Qwen3NextForCausalLM",),
                  speculative=False, micro_batching=False)  # fmt: skip
@@ -46,6 +46,15 @@ def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
     decision = decide(True, "in_step", facts(**overrides))
     assert decision.mode == STOP and reason in decision.reason
     assert decision.describe() == f"on (prefills stop at P - 1: {decision.reason})"
+
+
+def test_auto_takes_in_step_only_where_validated():
+    """``auto`` (the default): in step on the CPU kernels; on CUDA the stop until a GPU run has
+    validated the split, with a reason that names the way to ask for it."""
+    assert decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None)).mode == IN_STEP
+    decision = decide(True, AUTO, facts())
+    assert decision.mode == STOP and "prompt_capture: in_step" in decision.reason
+    assert decide(True, AUTO, facts(speculative=True)).reason.startswith("speculative decoding")
 
 
 def test_configured_stop_and_off():
