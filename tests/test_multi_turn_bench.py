@@ -496,6 +496,7 @@ def test_the_old_script_path_runs_bc_bench():
     [
         ("qwen3_next_80b_12l", "Qwen3NextForCausalLM", 151936),
         ("qwen3_next_80b_24l", "Qwen3NextForCausalLM", 151936),
+        ("qwen3_next_80b_24l_mtp", "Qwen3NextForCausalLM", 151936),
         ("glm5_next_flash_dense", "Glm5NextForCausalLM", 154880),
         ("qwen35_9b", "Qwen3_5ForCausalLM", 248320),
     ],
@@ -523,6 +524,7 @@ def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, a
     assert config.vocab_size == vocab
     if arch.startswith("qwen3_next_80b"):
         layers, experts = (12, 512) if arch == "qwen3_next_80b_12l" else (24, 64)
+        assert raw.get("num_nextn_predict_layers", 0) == (1 if arch.endswith("_mtp") else 0)
         assert (config.hidden_size, config.num_hidden_layers) == (2048, layers)
         assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
         assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 2, 256)
