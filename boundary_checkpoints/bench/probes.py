@@ -177,7 +177,12 @@ class Bounds:
         return asdict(self)
 
 
-def calibrate(pairs: Iterable[tuple[Answer, Answer]], margin: float = MARGIN, floor: float = BF16_STEP) -> Bounds:
+def calibrate(
+    pairs: Iterable[tuple[Answer, Answer]],
+    margin: float = MARGIN,
+    floor: float = BF16_STEP,
+    reference_floor: float = 0.0,
+) -> Bounds:
     """Bounds from reference pairs whose difference is rounding only (see :func:`reference_pairs`).
 
     * ``first_token = max(floor, margin * max first-token deviation)``;
@@ -185,15 +190,21 @@ def calibrate(pairs: Iterable[tuple[Answer, Answer]], margin: float = MARGIN, fl
       positions)``: a greedy flip between two tokens needs their logprob difference to move by the
       cold run's preference, i.e. one of the two by at least half of it; rounding compounds over
       decode steps, so the bound at position ``i`` comes from the noise seen up to ``i``.
+
+    ``reference_floor``: the least reference deviation assumed at every position, for a restore
+    whose kernel path no reference pair takes (a measured constant of that engine; the CPU MTP test
+    uses it for the padded speculative row of a restored resend).
     """
     pairs = list(pairs)
     if not pairs:
         raise ValueError("calibration needs at least one reference pair")
-    first = max(first_token_deviation(a, b) for a, b in pairs)
+    first = max(reference_floor, max(first_token_deviation(a, b) for a, b in pairs))
     profiles = [deviation_profile(a, b) for a, b in pairs]
     length = max(len(p) for p in profiles) or 1
     # A pair that parted at position j keeps its running maximum for the positions after j.
-    reference = tuple(max((p[min(i, len(p) - 1)] for p in profiles if p), default=0.0) for i in range(length))
+    reference = tuple(
+        max(reference_floor, max((p[min(i, len(p) - 1)] for p in profiles if p), default=0.0)) for i in range(length)
+    )
     tie = tuple(max(floor, 2 * margin * value) for value in reference)
     return Bounds(max(floor, margin * first), tie, first, reference, len(pairs))
 
