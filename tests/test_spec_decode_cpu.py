@@ -32,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from corrupt_restore import corrupted_pairs
+from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
 from engine_script import run_engine_script
 from mtp_checks import check_acceptance
 from results_out import save_json
@@ -114,7 +114,8 @@ for policy in ("request_boundaries", "aligned"):
         out[policy]["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
         scheduler.__class__ = CorruptScheduler  # same instance, restores one token off from now on
         rows, acceptance = probes(llm, 1)
-        out["corrupt"] = {"rows": rows, "acceptance": acceptance, "block": block}
+        responses = getattr(scheduler, "corrupted_responses", [])
+        out["corrupt"] = {"rows": rows, "acceptance": acceptance, "block": block, "responses": responses}
     del llm, scheduler
     gc.collect()
     cleanup_dist_env_and_memory()
@@ -181,8 +182,10 @@ def test_a_restore_one_token_off_fails_the_criteria_under_mtp(runs):
     token less than the response boundary (which a correct restore hits, see above)."""
     info, rows, bounds = runs
     block = info["corrupt"]["block"]
+    kept = corrupted_response_boundaries(info["corrupt"]["responses"])
     for row in rows["corrupt"]:
         boundary = response_boundary(row.prompt_len, row.producer.tokens)
+        assert kept[(row.prompt_len, tuple(row.producer.tokens))] == boundary  # the scheduler's own record
         assert corrupted_pairs(row.prompt_len, boundary, block) == {"resend", "continuation"}
         assert row.resend.cached == row.prompt_len - 1
         assert state_failures("resend", row.resend, row.producer, bounds), (row.prompt_len, bounds)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 NEW_TOKENS = 50
@@ -341,12 +341,20 @@ def run_probes(
     max_tokens: int,
     seed: int = 0,
     acceptance: dict[str, list[int]] | None = None,
+    next_token: Callable[[list[int]], int] | None = None,
 ) -> list[ProbeRow]:
     """The scenario on ``llm``; every phase sends all conversations together (shared batches).
 
     ``acceptance`` (a dict, filled in place): per phase (``producer``, ``resend``, ``restored``,
     ``cold``, ``cold_again``) the ``[drafting steps, accepted drafts]`` of :func:`spec_counts`
-    that phase added (speculative decoding with stats enabled)."""
+    that phase added (speculative decoding with stats enabled).
+
+    ``next_token`` (optional): the first of a continuation's new tokens from its producer's answer
+    (random otherwise, like the rest). Under MTP with async scheduling a response finished with a
+    step in flight is kept at ``num_tokens`` and serves only a next turn that continues with the
+    token that step sampled (the next-token guard, docs/notes/spec-decode.md §10); a caller that
+    can predict that token (the planted fixture: the successor of the answer's last token) makes
+    those bundles restorable."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -371,7 +379,13 @@ def run_probes(
     prompts = [draw(lengths[i % len(lengths)]) for i in range(conversations)]
     producers = send(prompts, lambda i: salt, "producer")
     resends = send(prompts, lambda i: salt, "resend")
-    continuations = [p + out.tokens + draw(NEW_TOKENS) for p, out in zip(prompts, producers)]
+    def new_tokens(answer: list[int]) -> list[int]:
+        tokens = draw(NEW_TOKENS)
+        if next_token is not None and answer:
+            tokens[0] = next_token(answer)
+        return tokens
+
+    continuations = [p + out.tokens + new_tokens(out.tokens) for p, out in zip(prompts, producers)]
     restored = send(continuations, lambda i: salt, "restored")
     cold = send(continuations, lambda i: f"{salt}-cold-{i}", "cold")
     cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}", "cold_again")
