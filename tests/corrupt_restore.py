@@ -12,10 +12,12 @@ with everything else of the plugin unchanged. Two corruptions, one per boundary 
   are copied after that step's forward instead of split inside it. A resend reports exactly
   ``P - 1`` cached tokens -- only the state criteria can catch it;
 * response checkpoint: keyed ``N - 1`` while its state and pages are those after ``N`` (the
-  committed length), so a continuation runs token ``N - 1`` a second time on top of it (its
-  cached count, ``N - 1``, is off by one as well). Skipped where ``N - 1`` is a multiple of a
-  group's block size (the bundle would have one block too many for ``N - 1``); the tests pick
-  lengths that avoid it.
+  committed length, or the last step's first token under speculative decoding), so a continuation
+  runs token ``N - 1`` a second time on top of it (its cached count, ``N - 1``, is off by one as
+  well). Skipped where ``N - 1`` is a multiple of a group's block size (the bundle would have one
+  block too many for ``N - 1``); the tests pick lengths that avoid it. The scheduler lists every
+  response it corrupted in ``corrupted_responses`` (prompt length, answer, ``N``), read by
+  :func:`corrupted_response_boundaries`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,11 @@ class OneTokenCorruption:
                 # Speculative decoding: the guard follows (an in-flight step's token is not needed).
                 pending.checkpoint.next_token = request.all_token_ids[num_tokens - 1]
                 pending.in_flight = None
+            # Where the exact bundle was (under speculation it need not be the committed length), so
+            # that a test can expect its continuation at exactly one token less (``corrupted_responses``).
+            self.__dict__.setdefault("corrupted_responses", []).append(
+                {"prompt_len": request.num_prompt_tokens, "answer": list(request.output_token_ids), "kept": num_tokens}
+            )
 
 
 class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):
@@ -95,3 +102,9 @@ def corrupted_pairs(prompt_len: int, committed: int, block_size: int) -> set[str
     if committed >= 2 and (committed - 1) % block_size:
         out.add("continuation")
     return out
+
+
+def corrupted_response_boundaries(responses: list[dict]) -> dict[tuple[int, tuple[int, ...]], int]:
+    """``{(prompt length, answer): N}`` from a corrupting scheduler's ``corrupted_responses``: the
+    exact response boundary of each producer whose bundle was keyed ``N - 1``."""
+    return {(r["prompt_len"], tuple(r["answer"])): r["kept"] for r in responses}

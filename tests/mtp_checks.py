@@ -1,30 +1,57 @@
 """The acceptance check the MTP end-to-end tests share (CPU engine: ``test_spec_decode_cpu.py``,
-GPU host: ``test_gpu_spec_families.py``)."""
+GPU host: ``test_gpu_spec_families.py``), on the ``qwen3_next_mtp_planted`` fixture, whose MTP
+layer predicts the target's greedy answers (``fixtures/families.py``; ~0.7 of drafts accepted at
+``k = 1``)."""
 
 from __future__ import annotations
 
-# Largest difference of the mean tokens per drafting step, restored vs cold (see check_acceptance).
-ACCEPTANCE_GAP = 0.25
+import math
+
+# Acceptance may differ, restored vs cold, by this many standard errors of the difference.
+NOISE_SIGMAS = 3.0
+# Least accepted drafts per drafting step, as a share of k, restored and cold alike: the drafter
+# works. The planted fixture measured 0.6-0.9 per phase at k = 1 on the CPU engine (2026-12-01);
+# at k = 3 a draft counts only after every earlier one was accepted (~0.5 expected).
+MIN_ACCEPTED_SHARE = 0.3
 
 
-def check_acceptance(info: dict, k: int) -> dict[str, float]:
-    """Mean tokens per drafting step (``1 + accepted / drafting steps``; vLLM's
-    ``spec_decode_num_drafts`` counts drafting steps) of the restored continuations vs their cold
-    controls, from ``info["request_boundaries"]["acceptance"]``. A restore that lost the MTP
-    context (draft K/V rows below ``N``, docs/notes/spec-decode.md §1.5) would change the drafts,
-    not the target's tokens, so only acceptance shows it. The tiny fixture's MTP layer has random
-    weights: nearly every draft is rejected, restored or cold (CPU: 0 accepted), and both means
-    sit near 1.0. The assertion is therefore the loose, reachable one: both within ``[1, 1 + k]``
-    and within ``ACCEPTANCE_GAP`` of each other; a real MTP checkpoint (accepting drafts) is what
-    can tighten it."""
+def acceptance_stats(drafting_steps: int, accepted: int, k: int) -> tuple[float, float]:
+    """(mean accepted drafts per drafting step, its standard error). Per step the accepted count
+    lies in ``[0, k]``, so its variance is at most ``mean * (k - mean)`` (Bhatia-Davis; the
+    binomial variance at ``k = 1``): a conservative error from the counts alone."""
+    mean = accepted / drafting_steps
+    return mean, math.sqrt(max(mean * (k - mean), 0.0) / drafting_steps)
+
+
+def check_acceptance(info: dict, k: int, min_share: float = MIN_ACCEPTED_SHARE) -> dict[str, dict[str, float]]:
+    """Acceptance of the restored continuations vs their cold controls, from
+    ``info["request_boundaries"]["acceptance"]`` (per phase ``[drafting steps, accepted drafts]``;
+    vLLM's ``spec_decode_num_drafts`` counts drafting steps). A restore that lost the MTP context
+    (draft K/V rows below ``N``, docs/notes/spec-decode.md §1.5) or fed the drafter another state
+    would change the drafts, not the target's tokens, so only acceptance shows it. (The planted
+    fixture's drafter reads only the next token -- its decoder layer is an identity -- so on it
+    this check sees the drafts and the target's tokens, not the draft K/V.)
+
+    Asserted: each phase accepts at least ``min_share * k`` drafts per drafting step (drafts are
+    really accepted, so the accepted-draft paths ran), and the two means differ by at most
+    ``NOISE_SIGMAS`` standard errors of the difference (:func:`acceptance_stats`) plus one
+    accepted draft over the smaller phase (the counts are integers). Both are printed (mean tokens
+    per drafting step, ``1 + accepted / steps``) and returned."""
     acceptance = info["request_boundaries"]["acceptance"]
-    means = {}
+    stats = {}
     for phase in ("restored", "cold"):
-        drafts, accepted = acceptance[phase]
-        assert drafts > 0, acceptance
-        means[phase] = 1 + accepted / drafts
-    print(f"k={k}: mean accepted tokens per drafting step: restored {means['restored']:.3f}, "
-          f"cold {means['cold']:.3f} (all phases: {acceptance})")  # fmt: skip
-    assert all(1.0 <= m <= 1.0 + k for m in means.values()), means
-    assert abs(means["restored"] - means["cold"]) <= ACCEPTANCE_GAP, means
-    return means
+        steps, accepted = acceptance[phase]
+        assert steps > 0, acceptance
+        mean, error = acceptance_stats(steps, accepted, k)
+        stats[phase] = {"steps": steps, "accepted": accepted, "tokens_per_step": 1 + mean, "stderr": error}
+    gap = abs(stats["restored"]["tokens_per_step"] - stats["cold"]["tokens_per_step"])
+    noise = math.hypot(stats["restored"]["stderr"], stats["cold"]["stderr"])
+    allowed = NOISE_SIGMAS * noise + 1 / min(stats["restored"]["steps"], stats["cold"]["steps"])
+    restored, cold = stats["restored"], stats["cold"]
+    print(f"k={k}: mean tokens per drafting step: restored {restored['tokens_per_step']:.3f} "
+          f"+- {restored['stderr']:.3f}, cold {cold['tokens_per_step']:.3f} +- {cold['stderr']:.3f}; "
+          f"gap {gap:.3f}, allowed {allowed:.3f} (all phases: {acceptance})")  # fmt: skip
+    for phase, values in stats.items():
+        assert values["accepted"] >= min_share * k * values["steps"], (phase, stats)
+    assert gap <= allowed, (gap, allowed, stats)
+    return stats

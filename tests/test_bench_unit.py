@@ -235,6 +235,10 @@ def test_calibrate_scales_the_largest_reference_deviation():
     assert exact.first_token == BF16_STEP and exact.tie == (BF16_STEP, BF16_STEP)
     with pytest.raises(ValueError):
         calibrate([])
+    floored = calibrate([(a, b)], reference_floor=0.2)  # a kernel path no reference pair takes
+    assert floored.reference_profile == pytest.approx((0.2, 0.3))
+    assert floored.first_token == pytest.approx(MARGIN * 0.2)
+    assert floored.tie == pytest.approx((2 * MARGIN * 0.2, 2 * MARGIN * 0.3))
 
 
 def test_deviation_profile_stops_after_the_first_difference():

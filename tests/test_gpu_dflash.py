@@ -20,8 +20,8 @@ groups (its startup log line); exact cached counts (the continuation within
 ``[committed - k, committed]`` when producers accepted drafts, spec-decode.md §9 option B); first
 tokens within the bound calibrated in the same run; the corrupted restores fail; stock never
 caches more; mean accepted tokens per drafting step after a restore vs cold
-(``mtp_checks.check_acceptance``: with a random drafter both are near 1.0, so it is a loose
-check). ``BC_RESULTS_DIR`` receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts
+(``mtp_checks.check_acceptance``, within noise; with a random drafter both are near 1.0 and no
+least acceptance is asserted). ``BC_RESULTS_DIR`` receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts
 per case, about 1 min each on an H200: ``bash scripts/gpu_host.sh dflash`` runs this file alone
 (``-k dflash2`` or ``-k "not dflash2"`` to split it).
 """
@@ -86,5 +86,5 @@ def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
     assert any(re.fullmatch(rf"window/\d+ w{WINDOW}", g) for g in groups), groups  # the sliding draft layer
     assert info["corrupt"]["scheduler"] == "CorruptAsyncScheduler"
     check_plugin_run(info, rows, bounds, K)
-    check_corrupted_run(info, rows, bounds)
-    check_acceptance(info, K)
+    check_corrupted_run(info, rows, bounds, speculative=True)
+    check_acceptance(info, K, min_share=0.0)  # a random drafter: acceptance near 0, compared only

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 NEW_TOKENS = 50
@@ -177,7 +177,12 @@ class Bounds:
         return asdict(self)
 
 
-def calibrate(pairs: Iterable[tuple[Answer, Answer]], margin: float = MARGIN, floor: float = BF16_STEP) -> Bounds:
+def calibrate(
+    pairs: Iterable[tuple[Answer, Answer]],
+    margin: float = MARGIN,
+    floor: float = BF16_STEP,
+    reference_floor: float = 0.0,
+) -> Bounds:
     """Bounds from reference pairs whose difference is rounding only (see :func:`reference_pairs`).
 
     * ``first_token = max(floor, margin * max first-token deviation)``;
@@ -185,15 +190,21 @@ def calibrate(pairs: Iterable[tuple[Answer, Answer]], margin: float = MARGIN, fl
       positions)``: a greedy flip between two tokens needs their logprob difference to move by the
       cold run's preference, i.e. one of the two by at least half of it; rounding compounds over
       decode steps, so the bound at position ``i`` comes from the noise seen up to ``i``.
+
+    ``reference_floor``: the least reference deviation assumed at every position, for a restore
+    whose kernel path no reference pair takes (a measured constant of that engine; the CPU MTP test
+    uses it for the padded speculative row of a restored resend).
     """
     pairs = list(pairs)
     if not pairs:
         raise ValueError("calibration needs at least one reference pair")
-    first = max(first_token_deviation(a, b) for a, b in pairs)
+    first = max(reference_floor, max(first_token_deviation(a, b) for a, b in pairs))
     profiles = [deviation_profile(a, b) for a, b in pairs]
     length = max(len(p) for p in profiles) or 1
     # A pair that parted at position j keeps its running maximum for the positions after j.
-    reference = tuple(max((p[min(i, len(p) - 1)] for p in profiles if p), default=0.0) for i in range(length))
+    reference = tuple(
+        max(reference_floor, max((p[min(i, len(p) - 1)] for p in profiles if p), default=0.0)) for i in range(length)
+    )
     tie = tuple(max(floor, 2 * margin * value) for value in reference)
     return Bounds(max(floor, margin * first), tie, first, reference, len(pairs))
 
@@ -330,12 +341,20 @@ def run_probes(
     max_tokens: int,
     seed: int = 0,
     acceptance: dict[str, list[int]] | None = None,
+    next_token: Callable[[list[int]], int] | None = None,
 ) -> list[ProbeRow]:
     """The scenario on ``llm``; every phase sends all conversations together (shared batches).
 
     ``acceptance`` (a dict, filled in place): per phase (``producer``, ``resend``, ``restored``,
     ``cold``, ``cold_again``) the ``[drafting steps, accepted drafts]`` of :func:`spec_counts`
-    that phase added (speculative decoding with stats enabled)."""
+    that phase added (speculative decoding with stats enabled).
+
+    ``next_token`` (optional): the first of a continuation's new tokens from its producer's answer
+    (random otherwise, like the rest). Under MTP with async scheduling a response finished with a
+    step in flight is kept at ``num_tokens`` and serves only a next turn that continues with the
+    token that step sampled (the next-token guard, docs/notes/spec-decode.md §10); a caller that
+    can predict that token (the planted fixture: the successor of the answer's last token) makes
+    those bundles restorable."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -360,7 +379,13 @@ def run_probes(
     prompts = [draw(lengths[i % len(lengths)]) for i in range(conversations)]
     producers = send(prompts, lambda i: salt, "producer")
     resends = send(prompts, lambda i: salt, "resend")
-    continuations = [p + out.tokens + draw(NEW_TOKENS) for p, out in zip(prompts, producers)]
+    def new_tokens(answer: list[int]) -> list[int]:
+        tokens = draw(NEW_TOKENS)
+        if next_token is not None and answer:
+            tokens[0] = next_token(answer)
+        return tokens
+
+    continuations = [p + out.tokens + new_tokens(out.tokens) for p, out in zip(prompts, producers)]
     restored = send(continuations, lambda i: salt, "restored")
     cold = send(continuations, lambda i: f"{salt}-cold-{i}", "cold")
     cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}", "cold_again")
