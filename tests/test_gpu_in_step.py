@@ -41,25 +41,13 @@ from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from boundary_checkpoints.bench.probes import run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
+from chunk_recorder import record_p_minus_1_chunks
 
 def engine(policy):
     return LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=4096,
                max_num_seqs=16, gpu_memory_utilization=0.3, enable_prefix_caching=True, seed=0,
                additional_config={"gdn_prefill_backend": "triton",
                                   "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step"}})
-
-def record_p_minus_1_chunks(scheduler):
-    # The prompt length of every prefill chunk that ends at P - 1 (the last prompt token then runs alone).
-    lengths, schedule = [], scheduler.schedule
-    def recording(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        for request_id, n in output.num_scheduled_tokens.items():
-            request = scheduler.requests[request_id]
-            if request.num_computed_tokens - n < request.num_prompt_tokens - 1 == request.num_computed_tokens:
-                lengths.append(request.num_prompt_tokens)
-        return output
-    scheduler.schedule = recording
-    return lengths
 
 def run(llm, scheduler, lengths, seed):
     chunks = record_p_minus_1_chunks(scheduler)

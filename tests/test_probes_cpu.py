@@ -39,19 +39,7 @@ sys.path.insert(0, sys.argv[2])  # tests/: the corrupting scheduler
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from boundary_checkpoints.bench.probes import run_probes
-
-def record_p_minus_1_chunks(scheduler):
-    # The prompt length of every prefill chunk that ends at P - 1 (the last prompt token then runs alone).
-    lengths, schedule = [], scheduler.schedule
-    def recording(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        for request_id, n in output.num_scheduled_tokens.items():
-            request = scheduler.requests[request_id]
-            if request.num_computed_tokens - n < request.num_prompt_tokens - 1 == request.num_computed_tokens:
-                lengths.append(request.num_prompt_tokens)
-        return output
-    scheduler.schedule = recording
-    return lengths
+from chunk_recorder import record_p_minus_1_chunks
 
 out = {}
 for run in ("request_boundaries", "aligned", "corrupt", "stop"):
