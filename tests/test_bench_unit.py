@@ -334,3 +334,20 @@ def test_same_greedy_output_tells_ties_from_differences():
     missing = [{1: -1.0}, {2: -1.0}, {3: -2.0, 9: -2.01}]  # 4 not among the cold run's candidates
     verdict, detail = same_greedy_output(b, a, tied, missing)
     assert verdict == "tie" and detail.startswith("token 2:")  # 4 <= -2.01: within 0.01 of 3
+
+
+def test_answer_variety_is_the_median_distinct_tokens_of_the_first_labels_answers():
+    from boundary_checkpoints.bench.runner import answer_variety
+    from boundary_checkpoints.bench.stats import RequestRecord
+
+    def record(policy, ids, phase="conversation"):
+        return RequestRecord(policy=policy, phase=phase, conversation=0, turn=1, prompt_tokens=4, cached_tokens=0,
+                             completion_tokens=len(ids), boundary=0, ttft_s=0.1, latency_s=0.2, start_s=0.0,
+                             end_s=0.2, answer_ids=ids)  # fmt: skip
+
+    records = [record("aligned", [7] * 8), record("aligned", [7, 8] * 4), record("aligned", list(range(8))),
+               record("request_boundaries", list(range(8))),
+               record("aligned", list(range(8)), phase="floor")]  # fmt: skip
+    assert answer_variety(records, "aligned") == 2.0
+    assert answer_variety(records, "request_boundaries") == 8.0
+    assert answer_variety([], "aligned") is None

@@ -165,8 +165,14 @@ def level_text(result: dict, level: dict, markdown: bool = False) -> str:
             parts.append(text)
     same = level["summary"].get("same_answers")
     if same:
+        variety = level["summary"].get("answer_variety")
+        note = ""
+        if variety is not None:
+            note = f" (median {variety:g} distinct tokens per answer"
+            note += "; answers repeat one or two tokens, so this compares little more than first tokens)" \
+                if variety <= 2 else ")"
         parts.append("answers same as " + result["policies"][0] + ": "
-                     + ", ".join(f"{p} {v}" for p, v in same.items()))  # fmt: skip
+                     + ", ".join(f"{p} {v}" for p, v in same.items()) + note)  # fmt: skip
     return "\n\n".join(parts)
 
 

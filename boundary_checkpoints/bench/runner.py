@@ -467,6 +467,18 @@ def same_answers(records: list[RequestRecord], labels: list[str]) -> dict[str, s
     return out
 
 
+def answer_variety(records: list[RequestRecord], label: str) -> float | None:
+    """Median number of distinct token ids per conversation answer of ``label`` (None: no answer).
+    Dummy weights tend to answer with one token repeated, and then ``same_answers`` compares
+    first tokens only; the report says so."""
+    counts = sorted(len(set(r.answer_ids)) for r in records
+                    if r.phase == "conversation" and r.policy == label and r.answer_ids)  # fmt: skip
+    if not counts:
+        return None
+    mid = len(counts) // 2
+    return float(counts[mid]) if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2
+
+
 def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress) -> dict[str, Any]:
     """Every round at one in-flight level: the level's part of the result, with its records."""
     s = servers.settings
@@ -497,6 +509,7 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
             "ratios": ratios,
             "targets": stats.targets(ratios[PLUGIN_POLICY]) if PLUGIN_POLICY in ratios else None,
             "same_answers": same_answers(records, s.labels),
+            "answer_variety": answer_variety(records, s.labels[0]),
             "per_turn": {p: stats.per_turn([r for r in records if r.policy == p]) for p in s.labels},
             "floor_per_turn": stats.per_turn(records, "floor") or None,
         },
