@@ -351,3 +351,12 @@ def test_answer_variety_is_the_median_distinct_tokens_of_the_first_labels_answer
     assert answer_variety(records, "aligned") == 2.0
     assert answer_variety(records, "request_boundaries") == 8.0
     assert answer_variety([], "aligned") is None
+
+
+def test_kv_pool_bytes_reads_the_last_allotment():
+    from boundary_checkpoints.bench.logs import kv_pool_bytes
+
+    log = ("INFO [gpu_worker.py:759] Available KV cache memory: 0.50 GiB\n"
+           "(EngineCore pid=2569) INFO [gpu_worker.py:759] Available KV cache memory: 28.04 GiB\n")  # fmt: skip
+    assert kv_pool_bytes(log) == int(28.04 * 2**30)
+    assert kv_pool_bytes("no such line") is None

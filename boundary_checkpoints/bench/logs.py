@@ -5,6 +5,8 @@ Contract (pure functions except ``read_text``):
 - ``parse_boundary_stats``: the counters of the last ``boundary_checkpoints: name=value, ...``
   stats line the plugin logs every ``stats_log_interval_s``; ``peak_bytes_retained``: the largest
   ``bytes_retained`` of every such line in a piece of log (None when there is none).
+- ``kv_pool_bytes``: the KV cache pool vLLM allotted ("Available KV cache memory: X GiB"), the
+  denominator of the retained share the report gives.
 - ``parse_block_size``: the attention block size vLLM chose for a hybrid ("Setting attention block
   size to N tokens"); ``resolve_block_size`` picks the block size from the command line, that log
   line or a ``--block-size`` server flag, in that order, and says where it came from.
@@ -23,6 +25,7 @@ from typing import Sequence
 _STATS_RE = re.compile(r"boundary_checkpoints: ((?:\w+=-?\d+(?:, )?)+)\s*$")
 _BYTES_RE = re.compile(r"boundary_checkpoints:.*\bbytes_retained=(\d+)")
 _BLOCK_SIZE_RE = re.compile(r"Setting attention block size to (\d+) tokens")
+_KV_POOL_RE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 
 
 def parse_boundary_stats(log_text: str) -> dict[str, int] | None:
@@ -47,6 +50,12 @@ def peak_bytes_retained(log_text: str) -> int | None:
     """The largest ``bytes_retained=N`` of the plugin's stats lines in ``log_text``, or None."""
     found = _BYTES_RE.findall(log_text)
     return max(int(v) for v in found) if found else None
+
+
+def kv_pool_bytes(log_text: str) -> int | None:
+    """The KV cache memory vLLM allotted (the last such line of the log), in bytes, or None."""
+    found = _KV_POOL_RE.findall(log_text)
+    return int(float(found[-1]) * 2**30) if found else None
 
 
 def parse_block_size(log_text: str) -> int | None:

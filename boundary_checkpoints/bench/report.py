@@ -92,6 +92,7 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
         row("exact hits (turns >= 2)", "exact_hits", lambda v: num(v, 0))
         row("turns >= 2", "later_turns", lambda v: num(v, 0))
     row("peak retained checkpoint MiB", "peak_bytes_retained", mib)
+    row("peak retained share of KV pool", "peak_retained_share_of_pool", lambda v: num(v, 3))
     row("retained MiB added by the slot", "retained_bytes_added", mib)
     row("time per output token p50 ms", "tpot_p50_s", lambda v: num(None if v is None else v * 1000, 1))
     row("preemptions", "preemptions", lambda v: num(v, 0))

@@ -441,15 +441,17 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
         after = scrape_preemptions(target.base_url)
         if label == s.floor_label and s.block_size and workload.turns >= 2:
             slot.run_floor(s.block_size)
-        peak = None
+        peak = pool = None
         if track_memory:
             flush_plugin_stats(target, s.stats_log_interval, salt)
             peak = logs.peak_bytes_retained(logs.read_text(target.log_path, offset))
+            pool = logs.kv_pool_bytes(logs.read_text(target.log_path))
     finally:
         servers.release(label)
     summary = stats.summarize_policy(slot.records)
     summary["preemptions"] = after - preempted if after is not None and preempted is not None else None
     summary["peak_bytes_retained"] = peak
+    summary["peak_retained_share_of_pool"] = peak / pool if peak is not None and pool else None
     summary["retained_bytes_added"] = None if peak is None else peak - (before or {}).get("bytes_retained", 0)
     return slot.records, summary
 
