@@ -432,7 +432,8 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     try:
         track_memory = label != STOCK_POLICY and bool(target.log_path) and s.stats_log_interval > 0
         offset = logs.log_size(target.log_path)
-        before = logs.parse_boundary_stats(logs.read_text(target.log_path)) if track_memory else None
+        startup_log = logs.read_text(target.log_path) if track_memory else ""  # stats so far, KV pool size
+        before = logs.parse_boundary_stats(startup_log) if track_memory else None
         preempted = scrape_preemptions(target.base_url)
         salt = f"{s.run_salt}-c{workload.concurrency}-r{round_index}-{label}"
         slot = Slot(target, workload, plans, salt, clock=clock, progress=progress, round_index=round_index,
@@ -445,7 +446,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
         if track_memory:
             flush_plugin_stats(target, s.stats_log_interval, salt)
             peak = logs.peak_bytes_retained(logs.read_text(target.log_path, offset))
-            pool = logs.kv_pool_bytes(logs.read_text(target.log_path))
+            pool = logs.kv_pool_bytes(startup_log)
     finally:
         servers.release(label)
     summary = stats.summarize_policy(slot.records)
@@ -473,12 +474,10 @@ def answer_variety(records: list[RequestRecord], label: str) -> float | None:
     """Median number of distinct token ids per conversation answer of ``label`` (None: no answer).
     Dummy weights tend to answer with one token repeated, and then ``same_answers`` compares
     first tokens only; the report says so."""
-    counts = sorted(len(set(r.answer_ids)) for r in records
-                    if r.phase == "conversation" and r.policy == label and r.answer_ids)  # fmt: skip
-    if not counts:
-        return None
-    mid = len(counts) // 2
-    return float(counts[mid]) if len(counts) % 2 else (counts[mid - 1] + counts[mid]) / 2
+    return stats.percentile(
+        (len(set(r.answer_ids)) for r in records if r.phase == "conversation" and r.policy == label and r.answer_ids),
+        50,
+    )
 
 
 def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress) -> dict[str, Any]:
