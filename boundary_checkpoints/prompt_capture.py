@@ -15,9 +15,11 @@ Two ways, chosen once per engine from its configuration:
 non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
 plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), and a GDN core the split
 knows: the CPU kernels, or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved
-to ``triton``). ``auto`` takes ``in_step`` only where it has been validated, the CPU kernels;
-on CUDA it keeps the stop until a GPU run has validated the split (``in_step`` asks for it there).
-Anything else gives ``stop`` and names the first reason that applies.
+to ``triton``). ``auto`` and ``in_step`` decide alike: both kernels are validated end to end (the
+CPU engine in CI; the H200 under Model Runner V2, CUDA graphs and async scheduling,
+``docs/results/gpu-in-step-h200.md``). vLLM's Hopper default GDN prefill kernel is FlashInfer's,
+which the split does not know: there the prompt stops at ``P - 1`` and the reason names
+``gdn_prefill_backend=triton``. Anything else gives ``stop`` and names the first reason that applies.
 :func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
 it on the same configuration, so they agree without talking to each other. Nothing here imports
 vLLM at import time.
@@ -89,10 +91,6 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(IN_STEP)
     if facts.platform != "cuda":
         return PromptCaptureDecision(STOP, f"platform {facts.platform} (in-step capture knows CPU and CUDA kernels)")
-    if prompt_capture == AUTO:
-        return PromptCaptureDecision(
-            STOP, "in-step capture is validated on the CPU engine only (prompt_capture: in_step turns it on on CUDA)"
-        )
     if facts.gdn_prefill_backend != "triton":
         return PromptCaptureDecision(
             STOP, f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "

@@ -26,7 +26,8 @@ from gdn_shadow import compare
 extra = json.loads(sys.argv[3])
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
           enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True, seed=0, **extra,
-          additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": "request_boundaries"}})
+          additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": "request_boundaries",
+                                                                                 "prompt_capture": "in_step"}})
 print("RESULT " + json.dumps(llm.collective_rpc(compare)[0]))
 """
 TESTS_DIR = str(Path(__file__).resolve().parent)

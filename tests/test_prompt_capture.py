@@ -48,12 +48,14 @@ def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
     assert decision.describe() == f"on (prefills stop at P - 1: {decision.reason})"
 
 
-def test_auto_takes_in_step_only_where_validated():
-    """``auto`` (the default): in step on the CPU kernels; on CUDA the stop until a GPU run has
-    validated the split, with a reason that names the way to ask for it."""
+def test_auto_takes_in_step_where_a_validated_kernel_runs():
+    """``auto`` (the default): in step on the CPU kernels and on CUDA's FLA Triton kernel (both
+    validated end to end); on vLLM's Hopper default, FlashInfer, the stop, with a reason that names
+    the backend setting that avoids it."""
     assert decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None)).mode == IN_STEP
-    decision = decide(True, AUTO, facts())
-    assert decision.mode == STOP and "prompt_capture: in_step" in decision.reason
+    assert decide(True, AUTO, facts()).mode == IN_STEP
+    decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
+    assert decision.mode == STOP and "gdn_prefill_backend=triton" in decision.reason
     assert decide(True, AUTO, facts(speculative=True)).reason.startswith("speculative decoding")
 
 
