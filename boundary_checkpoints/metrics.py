@@ -70,6 +70,8 @@ COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
     "vllm:boundary_checkpoint_responses_spec_in_flight": ("Responses finished with a speculative step in flight "
                                                           "that left no exact state: no checkpoint.", ()),
+    "vllm:boundary_checkpoint_draft_next_token_fallbacks": ("Hits on a shorter prefix than a checkpoint whose MTP "
+                                                            "draft row was computed from another next token.", ()),
     "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
     "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
     "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),
@@ -96,6 +98,7 @@ _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "captures_dropped": ("vllm:boundary_checkpoint_captures_dropped", ()),
     "responses_aborted": ("vllm:boundary_checkpoint_responses_aborted", ()),
     "responses_spec_in_flight": ("vllm:boundary_checkpoint_responses_spec_in_flight", ()),
+    "draft_next_token_fallbacks": ("vllm:boundary_checkpoint_draft_next_token_fallbacks", ()),
     "capture_steps": ("vllm:boundary_checkpoint_capture_steps", ()),
     "capture_copies": ("vllm:boundary_checkpoint_capture_copies", ()),
     "capture_copy_bytes": ("vllm:boundary_checkpoint_capture_copy_bytes", ()),

@@ -1,7 +1,8 @@
 """The acceptance check the MTP end-to-end tests share (CPU engine: ``test_spec_decode_cpu.py``,
 GPU host: ``test_gpu_spec_families.py``), on the ``qwen3_next_mtp_planted`` fixture, whose MTP
 layer predicts the target's greedy answers (``fixtures/families.py``; ~0.7 of drafts accepted at
-``k = 1``)."""
+``k = 1``); and the plugin's own account of continuations that could not restore their producer's
+response bundle (:func:`unserved_responses`, also used by ``test_scheduler_spec.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,22 @@ NOISE_SIGMAS = 3.0
 # works. The planted fixture measured 0.6-0.9 per phase at k = 1 on the CPU engine (2026-12-01);
 # at k = 3 a draft counts only after every earlier one was accepted (~0.5 expected).
 MIN_ACCEPTED_SHARE = 0.3
+
+
+# Counters (``boundary_stats``) of lookups that restored less than a response bundle, or of
+# responses that kept none, under MTP: a next turn whose token ``N`` is not the one the bundle's
+# draft row was computed from (the next-token guard) restores a shorter checkpoint (a fallback,
+# usually the prompt's at ``P - 1``) or none (a miss: a prompt of one token keeps no prompt
+# checkpoint); an answer trimmed with a step in flight keeps no response bundle at all.
+UNSERVED_COUNTERS = ("draft_next_token_fallbacks", "miss_draft_next_token", "responses_spec_in_flight")
+
+
+def unserved_responses(stats: dict) -> int:
+    """How many lookups or responses the plugin's counters say could not be served a response
+    bundle (:data:`UNSERVED_COUNTERS`): an upper bound on continuations that restore only ``P - 1``.
+    The counters cover every phase of a run (producers, resends and cold runs keep response
+    bundles too), so it bounds, not equals, the count of one phase."""
+    return sum(stats.get(name, 0) for name in UNSERVED_COUNTERS)
 
 
 def acceptance_stats(drafting_steps: int, accepted: int, k: int) -> tuple[float, float]:

@@ -36,7 +36,8 @@ otherwise); the corrupted restores fail those criteria; stock never caches more 
 and, under MTP, drafts accepted in every phase and the mean accepted tokens per drafting step of
 restored continuations within noise of their cold controls (printed with their standard errors:
 ``mtp_checks.check_acceptance``). The plugin's counters after its run (``boundary_stats``: e.g.
-``responses_spec_in_flight``, ``miss_draft_next_token``) are saved with the setup.
+``responses_spec_in_flight``, ``miss_draft_next_token``, ``draft_next_token_fallbacks``) are saved
+with the setup.
 ``BC_RESULTS_DIR`` (if set) receives
 ``gpu-spec-<case>.json`` and the engines' log ``gpu-spec-<case>.log`` per case. Each case is two
 engine starts (torch.compile, CUDA graph capture) and three short scenarios: about 1 min on an
@@ -53,7 +54,7 @@ from pathlib import Path
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
 from engine_script import run_engine_script
-from mtp_checks import check_acceptance
+from mtp_checks import check_acceptance, unserved_responses
 from results_out import results_dir, save_json
 
 from boundary_checkpoints.bench.probes import (
@@ -218,9 +219,13 @@ def check_plugin_run(info: dict, rows: dict, bounds, k: int) -> None:
     length: spec-decode.md §7, §9 option B), at the committed length, or -- a response finished
     with a step in flight under async scheduling (§10) -- at ``num_tokens``, one above it. The
     in-flight bundle serves only a continuation whose next token is the one that step sampled (the
-    next-token guard), and the in-flight step leaves no exact state after a trimmed answer
-    (``responses_spec_in_flight``): such continuations restore the prompt bundle, ``P - 1``, and
-    the plugin's own counters must account for each of them. The state criteria hold for all."""
+    next-token guard: on the planted fixture the continuation's token is the successor of the
+    answer's last token, which the target samples ~0.7 of the time), and the in-flight step leaves
+    no exact state after a trimmed answer (``responses_spec_in_flight``): such continuations
+    restore the prompt bundle, ``P - 1``, and the plugin's own counters must account for each of
+    them (``mtp_checks.unserved_responses``: a guard refusal counts as ``draft_next_token_fallbacks``
+    when the prompt bundle serves instead, as ``miss_draft_next_token`` when there is none, P = 1).
+    The state criteria hold for all."""
     setup = info["request_boundaries"]["setup"]
     assert setup["scheduler"].startswith("Boundary"), setup  # the plugin ran, no fallback
     captures, restores = setup["copies"]
@@ -239,8 +244,8 @@ def check_plugin_run(info: dict, rows: dict, bounds, k: int) -> None:
                 assert row.restored.cached == row.prompt_len - 1, (row.prompt_len, row.restored.cached, row.committed)
                 kinds["prompt"] += 1
         stats = setup.get("boundary_stats", {})
-        unserved = stats.get("miss_draft_next_token", 0) + stats.get("responses_spec_in_flight", 0)
-        print(f"k={k}: continuations restored {kinds} (guard misses + in-flight drops: {unserved})")
+        unserved = unserved_responses(stats)
+        print(f"k={k}: continuations restored {kinds} (guard fallbacks and misses + in-flight drops: {unserved})")
         assert kinds["prompt"] <= unserved, (kinds, stats)
     assert failures == [], (failures, bounds)
     for mine, stock in zip(plugin, rows["aligned"], strict=True):

@@ -27,7 +27,8 @@ def counters_dict() -> dict[str, int]:
     counters = StoreCounters(hits=3, misses=4, tokens_restored=1234, published=5, evictions=3,
                              evictions_budget=1, evictions_pressure=2, refused_oversize=1, captures_dropped=6,
                              responses_aborted=7, capture_steps=8, capture_copies=9, capture_copy_bytes=4096,
-                             duplicates=2, superseded=1, prompt_stops=10, prompt_captures_in_step=11)  # fmt: skip
+                             duplicates=2, superseded=1, prompt_stops=10, prompt_captures_in_step=11,
+                             draft_next_token_fallbacks=12)  # fmt: skip
     counters.hits_by_kind.update(prompt=1, response=2)
     counters.misses_by_reason.update(no_checkpoint=2, diverged=1, cache_bypassed=1)
     stats = counters.as_dict()
@@ -56,6 +57,7 @@ def test_counters_convert_to_exact_metric_samples():
         Sample(h + "capture_copy_bytes", (), 4096, "counter"),
         Sample(h + "prompt_stops", (), 10, "counter"),
         Sample(h + "prompt_captures_in_step", (), 11, "counter"),
+        Sample(h + "draft_next_token_fallbacks", (), 12, "counter"),
         Sample("vllm:boundary_checkpoints_retained", (), 4, "gauge"),
         Sample(h + "retained_blocks", (), 40, "gauge"),
         Sample(h + "retained_bytes", (), 81920, "gauge"),

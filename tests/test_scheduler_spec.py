@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from mtp_checks import UNSERVED_COUNTERS, unserved_responses
 from shadow_engine import EMPTY_STATE, ShadowMismatch, advance, build_scheduler, make_request, sample, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
 
@@ -295,6 +296,49 @@ def test_async_response_bundle_adopts_the_in_flight_step_and_restores_exactly(
         driver.run([edited])
         assert driver.cached_tokens[edited.request_id] == prompt_len - 1  # the prompt checkpoint
     check_next_turn(driver, prompt + answer + [next_token] + tokens(rng, 5), 4, boundary or prompt_len - 1)
+
+
+@pytest.mark.parametrize(("k", "max_tokens"), [(1, 3), (2, 5), (3, 7)])
+def test_next_turns_the_guard_refuses_are_counted(model_dir, k, max_tokens):
+    """The H200 run of 2026-12-01 (planted fixture, k = 1, async scheduling): 16 producers finished
+    with their next step in flight; 4 continuations restored only ``P - 1`` while the counters
+    accounted for 1. Each in-flight bundle is keyed with the token that step sampled, and those 4
+    continued with another token (the successor of the answer's last token, which the target did
+    not sample there): the guard refused the bundle, rightly (its MTP draft row ``N - 1`` was
+    computed from the sampled token, and no exact state before ``N`` is left). The lookup then
+    restored the prompt checkpoint, a hit counted by kind only; only a prompt of one token (no
+    prompt checkpoint) counted a miss ``draft_next_token``. Here each refusal is counted either
+    way, so the GPU test's account of continuations restored at ``P - 1``
+    (``mtp_checks.unserved_responses``) covers every one; a next turn with the sampled token still
+    restores the whole in-flight boundary."""
+    scheduler, worker, driver = spec_engine(model_dir, k, pattern("one", k), async_scheduling=True)
+    rng = random.Random(100 + k)
+    conversations = []
+    for prompt_len in (1, 17, 33):
+        prompt = tokens(rng, prompt_len)
+        producer = make_request(prompt, max_tokens=max_tokens, salt="s")
+        [answer] = driver.run([producer])
+        assert async_path(worker.steps[producer.request_id], prompt_len + len(answer)) == "in_flight"
+        conversations.append((prompt, answer, greedy_next(prompt + answer)))
+    before = scheduler.boundary_stats()
+    # Another token N first (one batch): restoring the prompt checkpoint retires nothing, while a
+    # next turn restored from the response retires its producer's prompt checkpoint (lineage).
+    others = [
+        make_request(p + a + [4 + (sampled - 3) % 1000] + tokens(rng, 5), max_tokens=3, salt="s")
+        for p, a, sampled in conversations
+    ]
+    driver.run(others)
+    assert [driver.cached_tokens[r.request_id] for r in others] == [len(p) - 1 for p, _, _ in conversations]
+    stats = scheduler.boundary_stats()
+    counted = {name: stats.get(name, 0) - before.get(name, 0) for name in UNSERVED_COUNTERS}
+    assert counted == {"draft_next_token_fallbacks": 2, "miss_draft_next_token": 1, "responses_spec_in_flight": 0}
+    assert unserved_responses(counted) == len(others)  # every restore at P - 1 is accounted for
+    assert stats["hit_prompt"] - before.get("hit_prompt", 0) == 2
+    same = [make_request(p + a + [sampled] + tokens(rng, 5), max_tokens=3, salt="s") for p, a, sampled in conversations]
+    driver.run(same)
+    assert [driver.cached_tokens[r.request_id] for r in same] == [len(p) + len(a) for p, a, _ in conversations]
+    after = scheduler.boundary_stats()
+    assert all(after.get(name, 0) == stats.get(name, 0) for name in UNSERVED_COUNTERS), after
 
 
 def stop_position(steps, prompt_len: int, where: str) -> int:

@@ -85,9 +85,14 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
 8. Reset: a prefix-cache reset (``POST /reset_prefix_cache``, pause, sleep) drops every retained
    and pending bundle first, so vLLM's own reset finds the pool free.
 9. Misses: every eligible request's lookup is counted once, as a hit or as a miss with a reason
-   (``miss_<reason>`` in the counters, a debug log line each); a response that ends in an abort
-   (a client abort, or a stop string: vLLM matches those in the frontend, which aborts the request
-   in the engine) keeps no checkpoint and is counted as ``responses_aborted``.
+   (``miss_<reason>`` in the counters, a debug log line each); under MTP a hit that restores a
+   shorter prefix than a bundle the next-token guard refused (a next turn that continues with
+   another token than the one the producer's in-flight step sampled, which then restores its
+   prompt checkpoint) is also counted in ``draft_next_token_fallbacks`` (with a debug line), and
+   a miss that such a bundle would have turned into a hit has reason ``draft_next_token``. A
+   response that ends in an abort (a client abort, or a stop string: vLLM matches those in the
+   frontend, which aborts the request in the engine) keeps no checkpoint and is counted as
+   ``responses_aborted``.
 10. Instruction boundary: a request whose ``sampling_params.extra_args`` holds
    ``boundary_checkpoints_instruction_tokens = N_i`` (``vllm_xargs`` on the OpenAI server; the
    plugin's frontend validates it, and computes it for chat requests from their leading
@@ -395,16 +400,32 @@ class BoundaryCheckpointMixin:
         pending = self._scheduled_pending_hit(request)
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
+        # A longer bundle the next-token guard refused (MTP), classified once per request.
+        counting = request.request_id not in self._counted_requests
+        refused = self._guard_refusal(request, parents) if counting and self._next_token_guard else None
         if hit is None or hit.num_tokens <= num_hit:
             # A request that waits for room is looked up every step; classify its miss once (the
             # classification records a regret, see CheckpointStore.miss_reason).
-            if request.request_id not in self._counted_requests:
-                reason = "block_grid_as_long" if hit is not None else self.checkpoint_store.miss_reason(
-                    request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
-                )
+            if counting:
+                if refused is not None and refused.num_tokens > num_hit:
+                    reason = "draft_next_token"
+                elif hit is not None:
+                    reason = "block_grid_as_long"
+                else:
+                    reason = self.checkpoint_store.miss_reason(
+                        request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+                    )
                 self._count_lookup(request, None, reason, num_hit)
             self._restored_from.pop(request.request_id, None)
             return blocks, num_hit, shared_boundary, diverged
+        if refused is not None and refused.num_tokens > hit.num_tokens:
+            self.checkpoint_store.counters.draft_next_token_fallbacks += 1
+            logger.debug(
+                "boundary_checkpoints: request %s restores %s checkpoint at %d tokens, not the %s checkpoint "
+                "at %d tokens: its MTP draft row was computed from next token %s, this prompt has %d there",
+                request.request_id, hit.kind, hit.num_tokens, refused.kind, refused.num_tokens,
+                refused.next_token, request.all_token_ids[refused.num_tokens],
+            )
         self._count_lookup(request, hit, "", num_hit)
         self._restored_from[request.request_id] = hit
         pins = hit.distinct_blocks()
@@ -433,8 +454,9 @@ class BoundaryCheckpointMixin:
                 request.request_id, request.num_tokens, reason, num_hit,
             )
 
-    def _scheduled_pending_hit(self, request: Request) -> Checkpoint | None:
-        """Longest pending bundle a restore may already read (contract 6), or None."""
+    def _scheduled_pending_hit(self, request: Request, guarded: bool = True) -> Checkpoint | None:
+        """Longest pending bundle a restore may already read (contract 6), or None; ``guarded=False``:
+        also one the next-token guard refuses."""
         best: Checkpoint | None = None
         for pending in self._pending:
             num_tokens = pending.key.num_tokens
@@ -443,9 +465,23 @@ class BoundaryCheckpointMixin:
             if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
                 continue
             if (best is None or num_tokens > best.num_tokens) and self._key(request, num_tokens) == pending.key:
-                if pending.checkpoint.serves(request.all_token_ids):
+                if not guarded or pending.checkpoint.serves(request.all_token_ids):
                     best = pending.checkpoint
         return best
+
+    def _guard_refusal(self, request: Request, parents) -> Checkpoint | None:
+        """The longest bundle (retained, or pending and readable) that holds a prefix of ``request``
+        if the next-token guard refuses it (its MTP draft row ``N - 1`` was computed from another
+        token ``N``), else None. The lookup restored a shorter prefix instead, or none: the caller
+        counts it (``draft_next_token_fallbacks``, or the miss reason ``draft_next_token``)."""
+        found = (
+            self.checkpoint_store.refused_by_guard(
+                request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+            ),
+            self._scheduled_pending_hit(request, guarded=False),
+        )
+        longest = max((c for c in found if c is not None), key=lambda c: c.num_tokens, default=None)
+        return longest if longest is not None and not longest.serves(request.all_token_ids) else None
 
     # ---- chunk stop -----------------------------------------------------------------------
     def _mamba_block_aligned_split(

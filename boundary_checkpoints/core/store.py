@@ -8,7 +8,8 @@ Contract
   producer's; recurrent: null padding then one block holding the state after exactly ``N`` tokens).
   A bundle with a ``next_token`` (speculative decoding: its MTP draft K/V row ``N - 1`` was
   computed from token ``N``, which the key does not cover) serves only prefixes whose token ``N``
-  is that token; :meth:`lookup` skips it for others (miss reason ``draft_next_token``).
+  is that token; :meth:`lookup` skips it for others (miss reason ``draft_next_token``, or
+  ``draft_next_token_fallbacks`` when a shorter bundle serves them instead: :meth:`refused_by_guard`).
 * The store owns exactly one reference (``ref_cnt``) per distinct block of every retained bundle.
   :meth:`publish` takes over references the caller already holds; :meth:`evict_lru`, dedup and
   :meth:`clear` give them back through ``release``. Nothing else ever frees a retained block, so a
@@ -118,6 +119,9 @@ class StoreCounters:
     captures_dropped: int = 0
     responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
     responses_spec_in_flight: int = 0  # finished with a speculative step in flight that left no exact state
+    # Hits on a shorter prefix than a (retained or pending) bundle holds: its MTP draft row was
+    # computed from another next token (the guard refused it; a hit is still counted by kind).
+    draft_next_token_fallbacks: int = 0
     capture_steps: int = 0  # steps that carried capture copies
     capture_copies: int = 0  # block copies those steps ran for captures
     capture_copy_bytes: int = 0  # bytes those copies moved
@@ -210,6 +214,20 @@ class CheckpointStore:
         if best is not None:
             self.policy.touch(best)  # its reuse distance is recorded once, where the hit is counted
         return best
+
+    def refused_by_guard(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        parents: Callable[[int], Hashable | None],
+        hash_block_size: int,
+    ) -> Checkpoint | None:
+        """The longest retained prefix of ``tokens`` with ``N <= max_tokens`` if it does not serve
+        ``tokens`` (:meth:`Checkpoint.serves`: its draft rows were computed from another token
+        ``N``), else None. :meth:`lookup` skipped it, for a shorter bundle or for none. No side
+        effects."""
+        longest = self._longest(tokens, max_tokens, parents, hash_block_size, guarded=False)
+        return longest if longest is not None and not longest.serves(tokens) else None
 
     def _longest(
         self,
