@@ -84,6 +84,14 @@ MARGIN = 1.5
 # Share of the corrupted restores the bound must catch: one-token state errors of a random-weight
 # model move the first token by about 1 nat, but not always past the rounding tail.
 MIN_DETECTED = 0.75
+# Least reference deviation of speculative runs (``calibrate``'s ``reference_floor``, as the CPU
+# MTP test's ``PADDED_ROW_REFERENCE``): a resend restored at P - 1 runs its last prompt token as a
+# padded speculative row, its cold control as a plain row, a kernel path no reference pair takes.
+# Measured on the H200 (2026-12-01, planted MTP, k = 1, two runs with the same numbers): resends
+# at P = 143 and 144 moved the first token by 0.092 and 0.063 while the reference pairs' maximum
+# was 0.041 (bound 0.062) and the corrupted resends moved it by 0.6 or more. With MARGIN: a
+# first-token bound of at least 0.15.
+SPEC_ROW_REFERENCE = 0.1
 
 SCRIPT = r"""
 import gc, json, sys
@@ -189,9 +197,11 @@ def make_case(
 
 def bounds_for(rows: dict, k: int):
     """Bounds calibrated on this run's reference pairs (``MARGIN``; speculative runs add the
-    producers, ``mtp_reference_pairs``)."""
-    pairs = mtp_reference_pairs if k else reference_pairs
-    return calibrate(pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
+    producers, ``mtp_reference_pairs``, and the floor ``SPEC_ROW_REFERENCE``)."""
+    if not k:
+        return calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
+    pairs = mtp_reference_pairs(rows["request_boundaries"], rows["aligned"])
+    return calibrate(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE)
 
 
 def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int, ...] = ()):
