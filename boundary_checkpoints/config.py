@@ -15,7 +15,7 @@ Contract
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
   measured on (model architectures other than the measured ones, tensor parallel, decode context
-  parallel, speculative decoding: MTP and DFlash are not validated on GPU).
+  parallel, single-module MTP above ``k = 3``, DFlash: not validated on GPU).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
   of either kind applies and otherwise falls back to ``aligned`` with the reasons,
@@ -377,10 +377,12 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
-# How far each supported speculative method has been measured (the unvalidated tier's reason).
+# Speculative methods measured end to end on a GPU, with the largest k measured: single-module MTP
+# on the H200 2026-12-01 with drafts accepted (k = 1 and 3, docs/results/gpu-in-step-h200.md).
+VALIDATED_SPECULATIVE = {"mtp": 3}
+# How far the other supported methods have been measured (the unvalidated tier's reason).
 _SPECULATIVE_MEASURED = {
-    "mtp": "ran on the H200 with no draft accepted (accepted drafts: measured on the CPU engine only)",
-    "dflash": "is checked at the scheduler level only (not run on an engine)",
+    "dflash": "ran on the H200 only with a drafter that accepted almost no draft (DFlash2: not run on an engine)",
 }
 
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
@@ -403,9 +405,10 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
 
     Speculative decoding (others are unsupported, :func:`speculative_reasons`): single-module MTP
     is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
-    V2, async scheduling) with a random MTP layer that accepted no draft, so its accepted-draft
-    paths are CPU-measured only; DFlash and DFlash2 (which vLLM runs on GPUs only) are checked at the
-    scheduler level (the shadow runner of ``tests/dflash_shadow.py``), not run on an engine."""
+    V2, async scheduling, drafts accepted) at ``k`` 1 and 3 (:data:`VALIDATED_SPECULATIVE`: larger
+    ``k`` is not validated); DFlash (which vLLM runs on GPUs only) ran on the H200 with a random
+    drafter that accepted almost no draft, DFlash2 only at the scheduler level (the shadow runner
+    of ``tests/dflash_shadow.py``)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -423,8 +426,14 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and not speculative_reasons(vllm_config):
         method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None)
-        measured = _SPECULATIVE_MEASURED.get(method, "has not been measured")
-        reasons.append(f"speculative decoding ({method}, k={k}) {measured}, not validated on GPU")
+        largest = VALIDATED_SPECULATIVE.get(method)
+        if largest is None:
+            measured = _SPECULATIVE_MEASURED.get(method, "has not been measured")
+            reasons.append(f"speculative decoding ({method}, k={k}) {measured}, not validated on GPU")
+        elif (k or 1) > largest:
+            reasons.append(
+                f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
+            )
     return reasons
 
 

@@ -578,14 +578,23 @@ def mtp_fake(k: int = 1, lookahead: int = 1, **spec) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_single_module_mtp_is_unvalidated_off_the_cpu_engine(k):
-    """Single-module MTP (measured on the CPU engine) is in the unvalidated tier: auto falls back
-    naming "not validated on GPU", an explicit request_boundaries runs and says so."""
+def test_single_module_mtp_up_to_k3_turns_on_under_auto(k):
+    """Single-module MTP with k <= 3 (measured on the H200 with drafts accepted) is validated:
+    auto turns boundary retention on, with no reason."""
+    auto = decide_policy(BoundaryConfig(policy="auto"), mtp_fake(k))
+    assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == ()
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_single_module_mtp_above_k3_is_unvalidated(k):
+    """Larger k is in the unvalidated tier: auto falls back naming the measured range, an explicit
+    request_boundaries runs and says so."""
     fake = mtp_fake(k)
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
-    assert not auto.boundaries_enabled and len(auto.reasons) == 1
-    assert f"speculative decoding (mtp, k={k})" in auto.reasons[0] and "not validated on GPU" in auto.reasons[0]
+    assert not auto.boundaries_enabled and auto.reasons == (
+        f"speculative decoding (mtp, k={k}) is measured up to k=3, not validated on GPU",
+    )
     explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
     assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
 
@@ -609,11 +618,11 @@ def test_dflash_drafters_are_unvalidated(architecture, k):
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled and auto.reasons == (
-        f"speculative decoding (dflash, k={k}) is checked at the scheduler level only (not run on an engine), "
-        "not validated on GPU",
+        f"speculative decoding (dflash, k={k}) ran on the H200 only with a drafter that accepted almost no draft "
+        "(DFlash2: not run on an engine), not validated on GPU",
     )
     explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
-    assert explicit.boundaries_enabled and "checked at the scheduler level only" in explicit.summary()
+    assert explicit.boundaries_enabled and "accepted almost no draft" in explicit.summary()
 
 
 @pytest.mark.parametrize(

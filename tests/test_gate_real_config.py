@@ -113,15 +113,17 @@ def with_mtp_layers(model_dir: str, tmp_path, num_mtp_layers: int) -> str:
     return str(target)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_single_module_mtp_is_unvalidated_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path, k):
-    """One MTP module: supported but not validated on GPU (auto falls back, explicit runs)."""
+@pytest.mark.parametrize(("k", "validated"), [(1, True), (3, True), (4, False)])
+def test_single_module_mtp_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path, k, validated):
+    """One MTP module: validated up to k = 3 (auto turns on), above it not (auto falls back);
+    an explicit request_boundaries runs either way."""
     cfg = build(engine_args_cls, with_mtp_layers(hybrid_dir, tmp_path, 1),
                 speculative_config={"method": "mtp", "num_speculative_tokens": k})
     assert cfg.num_prefill_lookahead_tokens == 1
     assert unsupported_reasons(cfg) == []
     auto = decide_policy(BoundaryConfig(), cfg)
-    assert not auto.boundaries_enabled and "not validated on GPU" in auto.summary()
+    assert auto.boundaries_enabled is validated
+    assert validated or "measured up to k=3, not validated on GPU" in auto.summary()
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), cfg).boundaries_enabled
 
 
