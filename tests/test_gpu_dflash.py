@@ -24,6 +24,9 @@ caches more; mean accepted tokens per drafting step after a restore vs cold
 least acceptance is asserted). ``BC_RESULTS_DIR`` receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts
 per case, about 1 min each on an H200: ``bash scripts/gpu_host.sh dflash`` runs this file alone
 (``-k dflash2`` or ``-k "not dflash2"`` to split it).
+
+One departure from the defaults, DFlash2 only: its candidate top-k over the vocabulary runs on
+``torch.topk`` instead of FlashInfer's ``top_k`` (``TORCH_VOCAB_TOPK``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,23 @@ pytestmark = pytest.mark.gpu
 K = 3
 WINDOW = 64
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash2 picks each draft position's candidates with LogitsProcessor.get_top_k_tokens
+# (model_executor/models/qwen3_dflash2.py:408-413), whose _topk calls FlashInfer's top_k whenever
+# flashinfer imports and nvcc and ninja are present (model_executor/layers/logits_processor.py:29-53).
+# The GPU bundle has no FlashInfer cubins, so the first call JIT-compiles FlashInfer's whole `topk`
+# module, 4 CUDA files compiled in parallel, one core each: it ran past the 360 s case on the H200
+# host (2026-12-01), and off-host (nvcc 13.0, sm_90a, flashinfer 0.7.0.post1's own flags) its
+# cub_topk.cu alone took 22 min (topk.cu 6 min), past the host's 10-minute command limit; no host
+# keeps that cache between sessions. vLLM
+# 0.32.0 has no setting or VLLM_* variable for this choice (VLLM_USE_FLASHINFER_SAMPLER covers the
+# sampler only), so the engine script swaps the selector for one that answers None, the branch in
+# which _topk calls torch.topk. This reaches the worker because the engine runs in the script's
+# process (engine_script.py). Both return the k largest logits sorted, so DFlash2's candidates
+# differ at most in the order of tied logits; every phase (restored, cold, stock) runs the same
+# top-k, and no check here depends on which kernel ranked the draft vocabulary. DFlash (v1) never
+# calls it: its drafts are argmax/sampled over full logits.
+TORCH_VOCAB_TOPK = {"dflash": False, "dflash2": True}
+TOPK_JIT_LINE = "Building JIT module topk"
 
 
 def run_dflash_case(variant: str, drafter_dir: Path):
@@ -57,6 +77,7 @@ def run_dflash_case(variant: str, drafter_dir: Path):
     drafter = write_dflash_drafter(drafter_dir, model, variant=variant, layer_types=LAYER_TYPES, window=WINDOW)
     speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
     case = make_case(K, (WINDOW + 1, 150), engine={"speculative_config": speculative})
+    case["torch_vocab_topk"] = TORCH_VOCAB_TOPK[variant]
     tests_dir = str(Path(__file__).resolve().parent)
     info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
@@ -81,6 +102,8 @@ def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
     setup = info["request_boundaries"]["setup"]
     groups = active_groups(log)
     print(f"{variant} setup: {setup}; KV groups: {groups}")
+    assert setup["vocab_topk"] == ("torch.topk" if TORCH_VOCAB_TOPK[variant] else "vllm default"), setup
+    assert TOPK_JIT_LINE not in log, "FlashInfer JIT-compiled its top-k: the case is out of its time budget"
     assert setup["async_scheduling"] is True and setup["scheduler"] == "BoundaryAsyncScheduler", setup
     assert "NONE" not in setup["cudagraph_mode"], setup
     assert any(re.fullmatch(rf"window/\d+ w{WINDOW}", g) for g in groups), groups  # the sliding draft layer

@@ -104,6 +104,11 @@ from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 
 case = json.loads(sys.argv[3])
 k = case["k"]
+if case.get("torch_vocab_topk"):  # why: test_gpu_dflash.TORCH_VOCAB_TOPK
+    from vllm.model_executor.layers import logits_processor
+    if not callable(getattr(logits_processor, "_flashinfer_topk", None)):
+        raise RuntimeError("vLLM moved LogitsProcessor's top-k selector: torch_vocab_topk cannot apply")
+    logits_processor._flashinfer_topk = lambda: None  # None: LogitsProcessor's own torch.topk branch
 
 def engine(policy):
     kwargs = dict(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32",
@@ -131,6 +136,7 @@ def setup_of(llm):
         "worker_cls": config.parallel_config.worker_cls,
         "model_runner": runner,
         "group_block_sizes": sorted({g.block_size for g in getattr(core.scheduler, "_geometries", None) or []}),
+        "vocab_topk": "torch.topk" if case.get("torch_vocab_topk") else "vllm default",
     }
 
 def lengths_for(block):
