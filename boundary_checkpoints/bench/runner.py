@@ -14,7 +14,9 @@ Contract:
   threads, each conversation turn after turn. On the floor label (the stock ``aligned``), the
   floor (``workload.floor_prompts``) follows its conversations in the same slot: every prime
   first, then the timed requests with the conversations' cadence.
-- Per slot it keeps the records, the preemptions (``/metrics`` delta) and, for labels other than
+- Per slot it keeps the records, the growth of vLLM's ``SLOT_COUNTERS`` on ``/metrics`` over the
+  slot's conversations (preemptions; with speculative decoding, drafts and accepted tokens, and
+  from them the mean acceptance length, None without it) and, for labels other than
   the stock one whose server log it knows, the largest ``bytes_retained`` the plugin's stats lines
   logged during the slot (it waits out ``stats_log_interval_s`` and sends a tiny request so that
   a last line is logged) and that peak minus the last ``bytes_retained`` logged before the slot
@@ -33,6 +35,7 @@ import json
 import os
 import platform
 import random
+import re
 import socket
 import sys
 import tempfile
@@ -62,6 +65,12 @@ from boundary_checkpoints.bench.workload import (
 
 POLICY_ENV = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"  # the plugin lets it override --additional-config
 REQUEST_ERRORS = (CompletionError, OSError, ValueError, http.client.HTTPException)
+SLOT_COUNTERS = {  # summary key -> vLLM's Prometheus counter, read from /metrics around each slot
+    "preemptions": "vllm:num_preemptions",
+    "spec_drafts": "vllm:spec_decode_num_drafts",  # only with --speculative-config
+    "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+}
+PROMETHEUS_SAMPLE = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{.*\})?\s+(?P<value>\S+)")
 
 
 class Progress:
@@ -270,17 +279,47 @@ def flush_plugin_stats(target: Target, interval: float, salt: str) -> None:
     time.sleep(0.5)
 
 
-def scrape_preemptions(base_url: str) -> int | None:
-    """vLLM's ``vllm:num_preemptions`` counter from ``/metrics`` (summed over its label sets), or
-    None when the endpoint or the counter is missing."""
+def parse_counters(text: str, names: dict[str, str]) -> dict[str, int | None]:
+    """Per key of ``names`` (key -> vLLM counter name, e.g. ``"vllm:num_preemptions"``): the
+    counter's value in the Prometheus exposition ``text``, summed over its label sets (one per
+    engine), or None when the text has no sample of it. A sample counts under its name with the
+    ``_total`` suffix prometheus_client gives counters, or under the bare name; comments and
+    other series (``_created``, ``..._per_pos_total``) do not."""
+    wanted = {}
+    for key, name in names.items():
+        wanted[name] = wanted[f"{name}_total"] = key
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        match = PROMETHEUS_SAMPLE.match(line)
+        if match and match["name"] in wanted:
+            key = wanted[match["name"]]
+            sums[key] = sums.get(key, 0.0) + float(match["value"])
+    return {key: round(sums[key]) if key in sums else None for key in names}
+
+
+def scrape_counters(base_url: str, names: dict[str, str] = SLOT_COUNTERS) -> dict[str, int | None]:
+    """``parse_counters`` of the server's ``/metrics``; every value None when the endpoint is
+    missing."""
     try:
         with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
             text = response.read().decode()
     except (OSError, http.client.HTTPException):
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("vllm:num_preemptions_total")]  # fmt: skip
-    return int(sum(values)) if values else None
+        text = ""
+    return parse_counters(text, names)
+
+
+def counter_deltas(before: dict[str, int | None], after: dict[str, int | None]) -> dict[str, int | None]:
+    """Per key: how much the counter grew from ``before`` to ``after`` (None unless both are known)."""
+    return {key: None if before.get(key) is None or value is None else value - before[key]
+            for key, value in after.items()}  # fmt: skip
+
+
+def slot_counters(deltas: dict[str, int | None]) -> dict[str, float | int | None]:
+    """The slot's summary entries from its ``SLOT_COUNTERS`` deltas: ``preemptions``,
+    ``spec_drafts``, ``spec_accepted_tokens`` and ``mean_acceptance_length`` (None without
+    speculative decoding, see ``stats.acceptance_length``)."""
+    return {**deltas, "mean_acceptance_length": stats.acceptance_length(deltas.get("spec_drafts"),
+                                                                        deltas.get("spec_accepted_tokens"))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -425,7 +464,7 @@ class LaunchedServers(ServerSet):
 
 def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[ConversationPlan], round_index: int,
              clock: Clock, progress: Progress) -> tuple[list[RequestRecord], dict[str, Any]]:  # fmt: skip
-    """One label's slot: its records and its summary (with the slot's preemptions and peak
+    """One label's slot: its records and its summary (with the slot's ``slot_counters`` and peak
     retained bytes)."""
     s = servers.settings
     target = servers.acquire(label, progress)
@@ -434,12 +473,12 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
         offset = logs.log_size(target.log_path)
         startup_log = logs.read_text(target.log_path) if track_memory else ""  # stats so far, KV pool size
         before = logs.parse_boundary_stats(startup_log) if track_memory else None
-        preempted = scrape_preemptions(target.base_url)
+        counters_before = scrape_counters(target.base_url)
         salt = f"{s.run_salt}-c{workload.concurrency}-r{round_index}-{label}"
         slot = Slot(target, workload, plans, salt, clock=clock, progress=progress, round_index=round_index,
                     timeout=s.request_timeout)  # fmt: skip
         slot.run_conversations()
-        after = scrape_preemptions(target.base_url)
+        counters = counter_deltas(counters_before, scrape_counters(target.base_url))
         if label == s.floor_label and s.block_size and workload.turns >= 2:
             slot.run_floor(s.block_size)
         peak = pool = None
@@ -450,7 +489,7 @@ def run_slot(servers: ServerSet, label: str, workload: Workload, plans: list[Con
     finally:
         servers.release(label)
     summary = stats.summarize_policy(slot.records)
-    summary["preemptions"] = after - preempted if after is not None and preempted is not None else None
+    summary.update(slot_counters(counters))
     summary["peak_bytes_retained"] = peak
     summary["peak_retained_share_of_pool"] = peak / pool if peak is not None and pool else None
     summary["retained_bytes_added"] = None if peak is None else peak - (before or {}).get("bytes_retained", 0)

@@ -7,10 +7,13 @@ Contract (pure functions, no I/O):
   interval every report of the benchmark shows.
 - ``summarize_policy`` aggregates the ``conversation`` records of one label in one round (TTFT
   p50/p90/p99 over all turns, turn 1 and turns >= 2; prefill and cached tokens; exact hits;
-  output throughput); ``summarize_floor`` the timed ``floor`` records; ``per_turn`` per turn.
+  output throughput; decode throughput, the tokens after the first over the time after the first,
+  summed over requests); ``summarize_floor`` the timed ``floor`` records; ``per_turn`` per turn.
+  ``acceptance_length`` is speculative decoding's mean tokens per drafting step.
 - ``round_ratios`` compares each label with the stock label (and the floor) within one round;
   ``aggregate`` turns per-round dictionaries of numbers into per-key spreads.
-- ``targets`` judges the plugin against the targets on the medians over rounds.
+- ``targets`` judges the plugin against the targets on the medians over rounds (the
+  ``SPEC_TARGETS`` too where both servers speculate, i.e. the acceptance ratio is known).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ TARGETS = {
     "prefill_vs_stock": 0.3,  # plugin prefill tokens / stock prefill tokens, at most
     "throughput_vs_stock": 0.98,  # plugin output throughput / stock, at least
 }
+SPEC_TARGETS = {  # judged only when both servers run speculative decoding
+    "decode_throughput_vs_stock": 0.98,  # plugin decode throughput / stock with the same speculator, at least
+}
+AT_LEAST = {"throughput_vs_stock", "decode_throughput_vs_stock"}  # targets met at or above; the others at or below
 QUANTILES = (50, 90, 99)
 TURN_SETS = {"all": lambda turn: True, "turn1": lambda turn: turn == 1, "cont": lambda turn: turn >= 2}
 
@@ -84,11 +91,36 @@ class RequestRecord:
         return self.prompt_tokens - (self.cached_tokens or 0)
 
     @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (one engine step at steady decode)."""
+    def decode_tokens(self) -> int:
+        """Output tokens after the first (those decode steps produce)."""
+        return max(self.completion_tokens - 1, 0)
+
+    @property
+    def decode_s(self) -> float | None:
+        """Time from the first output token to the last (None without a TTFT or a second token)."""
         if self.ttft_s is None or self.completion_tokens < 2:
             return None
-        return (self.latency_s - self.ttft_s) / (self.completion_tokens - 1)
+        return self.latency_s - self.ttft_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (one engine step at steady decode)."""
+        return safe_ratio(self.decode_s, self.decode_tokens)
+
+
+def acceptance_length(drafts: int | None, accepted: int | None) -> float | None:
+    """Speculative decoding's mean tokens per drafting step, ``1 + accepted / drafts`` (the bonus
+    token plus the accepted draft tokens); None without drafts (no speculative decoding)."""
+    if not drafts or accepted is None:
+        return None
+    return 1.0 + accepted / drafts
+
+
+def decode_throughput(records: Sequence[RequestRecord]) -> float | None:
+    """Output tokens after the first per second after the first, summed over the requests that
+    have both (None if none has)."""
+    decoding = [r for r in records if r.decode_s is not None]
+    return safe_ratio(sum(r.decode_tokens for r in decoding), sum(r.decode_s for r in decoding))
 
 
 def _ttft_quantiles(records: Sequence[RequestRecord], prefix: str = "ttft") -> dict[str, float | None]:
@@ -120,6 +152,7 @@ def summarize_policy(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "completion_tokens": completion,
         "wall_s": wall,
         "output_throughput_tok_s": safe_ratio(completion, wall),
+        "decode_throughput_tok_s": decode_throughput(conv),
         **_ttft_quantiles(conv),
         "tpot_p50_s": percentile([r.tpot_s for r in conv], 50),
         "exact_hits": sum(1 for r in later if r.cached_tokens == r.boundary),
@@ -177,6 +210,9 @@ def round_ratios(summaries: dict[str, dict], floor: dict | None, stock: str = ST
             "prefill_vs_stock": safe_ratio(p["prefill_tokens"], s and s["prefill_tokens"]),
             "prefill_cont_vs_stock": safe_ratio(p["prefill_cont_tokens"], s and s["prefill_cont_tokens"]),
             "throughput_vs_stock": safe_ratio(p["output_throughput_tok_s"], s and s["output_throughput_tok_s"]),
+            "decode_throughput_vs_stock": safe_ratio(p.get("decode_throughput_tok_s"),
+                                                     s and s.get("decode_throughput_tok_s")),
+            "acceptance_vs_stock": safe_ratio(p.get("mean_acceptance_length"), s and s.get("mean_acceptance_length")),
         }
     return out
 
@@ -193,13 +229,17 @@ def aggregate(rows: Sequence[dict[str, Any] | None]) -> dict[str, dict[str, Any]
 
 def targets(ratios: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per target: the median ratio of ``ratios`` (an ``aggregate`` of one label's round ratios),
-    the target and whether the median meets it (None where the ratio is missing)."""
+    the target and whether the median meets it (None where the ratio is missing). ``TARGETS``
+    always; ``SPEC_TARGETS`` when the acceptance ratio has a median (both servers speculate)."""
+    judged = dict(TARGETS)
+    if (ratios.get("acceptance_vs_stock") or {}).get("median") is not None:
+        judged.update(SPEC_TARGETS)
     out = {}
-    for key, target in TARGETS.items():
+    for key, target in judged.items():
         value = (ratios.get(key) or {}).get("median")
         if value is None:
             passed = None
-        elif key == "throughput_vs_stock":
+        elif key in AT_LEAST:
             passed = value >= target
         else:
             passed = value <= target
