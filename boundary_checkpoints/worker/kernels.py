@@ -198,17 +198,15 @@ class PageCopier:
             for codes, num_pairs in launch_arguments(pairs):
                 for launch in self._launches:
                     launch(codes, num_pairs)
-        if self.torch_regions or self.strided:
-            ids = torch.tensor(pairs, dtype=torch.int64)
-        if self.torch_regions:
-            device = self.torch_regions[0].tensor.device
-            src, dst = ids[:, 0].to(device), ids[:, 1].to(device)
-            for region in self.torch_regions:
-                region.tensor[dst] = region.tensor[src]
+        # One copy_ per page: byte-wise advanced indexing (a gather, then a scatter) of multi-100 KiB
+        # pages is ~20x slower on CPU. Sources and destinations are distinct, so the order is free.
+        for region in self.torch_regions:
+            for src, dst in pairs:
+                region.tensor[dst].copy_(region.tensor[src])
         if self.strided:
             from boundary_checkpoints.compat import KVCacheBlockCopy, copy_kv_cache_blocks_inplace
 
-            copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in ids.tolist()]
+            copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in pairs]
             copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
 
 
