@@ -5,7 +5,8 @@
 # scratch folder and tar that folder into the real $OUT.
 # Runs on the GPU host (through the device tool) once every bundle part sits in /tmp/gpu-parts:
 #   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
-#   bash scripts/gpu_host.sh tests    kernel tests and end-to-end probes only (every gpu-marked test)
+#   bash scripts/gpu_host.sh tests [PYTEST ARGS]  every gpu-marked test (over 10 minutes as a whole: split it
+#                                     with -k, e.g. -k "not spec_families and not dflash", then the rest)
 #   bash scripts/gpu_host.sh all      every gpu-marked test, then the copy-kernel benchmark
 #   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark (bc-bench), stock vs plugin
@@ -35,7 +36,8 @@ case "$stage" in
     python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py 2>&1 | tee "$out/gpu-e2e.log" || rc=1
     ;;
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu-tests.log" || rc=1
+    shift
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ "$@" 2>&1 | tee "$out/gpu-tests.log" || rc=1
     ;;
   all)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$out/gpu-tests.log" || rc=1
