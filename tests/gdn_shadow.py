@@ -42,7 +42,8 @@ NUM_DECODES = 2
 def _metadata(rows, num_decodes, slots, device, cuda, padding: int = 0):
     """GDN metadata of ``rows`` ((tokens, has initial state), decodes first) on state ``slots``,
     followed by ``padding`` zero-token rows on the null block (as vLLM's builder may leave them)."""
-    from boundary_checkpoints.compat import conv_metadata, fla_chunk_metadata, gdn_metadata_class
+    from boundary_checkpoints.compat import gdn_metadata_class
+    from boundary_checkpoints.worker.gdn_split import with_kernel_metadata
 
     num_prefills = len(rows) - num_decodes
     rows, slots = [*rows, *[(0, False)] * padding], [*slots, *[0] * padding]
@@ -63,14 +64,7 @@ def _metadata(rows, num_decodes, slots, device, cuda, padding: int = 0):
         prefill_state_indices=indices[num_decodes:].to(device),
         prefill_has_initial_state=has_initial[num_decodes:].to(device),
     )  # fmt: skip
-    if cuda:
-        chunk_indices, chunk_offsets = fla_chunk_metadata(prefill_starts, device)
-        nums_dict, batch_ptr, token_chunk_offset_ptr = conv_metadata(starts, device)
-        metadata = replace(
-            metadata, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, nums_dict=nums_dict,
-            batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
-        )  # fmt: skip
-    return metadata
+    return with_kernel_metadata(metadata, starts, prefill_starts, device) if cuda else metadata
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:

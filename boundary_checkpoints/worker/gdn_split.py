@@ -59,6 +59,17 @@ class RowSplit:
     last_tokens: object  # metadata of call 2
 
 
+def with_kernel_metadata(metadata, query_starts: torch.Tensor, prefill_starts: torch.Tensor, device):
+    """``metadata`` with the CUDA core's Triton chunk metadata for the prefill ``cu_seqlens``
+    ``prefill_starts`` and its causal-conv metadata for the batch's ``query_starts`` (both on CPU)."""
+    chunk_indices, chunk_offsets = fla_chunk_metadata(prefill_starts, device)
+    nums_dict, batch_ptr, token_chunk_offset_ptr = conv_metadata(query_starts, device)
+    return replace(
+        metadata, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, nums_dict=nums_dict,
+        batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
+    )  # fmt: skip
+
+
 def split_rows(metadata, pairs: dict[int, int], rebuild_kernel_metadata: bool) -> RowSplit | None:
     """The split of a non-speculative GDN batch whose prefill rows with a state index in ``pairs``
     are capture rows (None: there are none). ``rebuild_kernel_metadata``: the CUDA core's Triton
@@ -90,12 +101,7 @@ def split_rows(metadata, pairs: dict[int, int], rebuild_kernel_metadata: bool) -
         prefill_query_start_loc=prefill_starts.to(device),
     )
     if rebuild_kernel_metadata:
-        chunk_indices, chunk_offsets = fla_chunk_metadata(prefill_starts, device)
-        nums_dict, batch_ptr, token_chunk_offset_ptr = conv_metadata(shortened, device)
-        without_last = replace(
-            without_last, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, nums_dict=nums_dict,
-            batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
-        )  # fmt: skip
+        without_last = with_kernel_metadata(without_last, shortened, prefill_starts, device)
     slots = [indices[row - num_decodes] for row in rows]
     index_dtype = metadata.prefill_state_indices.dtype
     last_tokens = GDNMetadata(
