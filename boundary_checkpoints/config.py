@@ -15,7 +15,7 @@ Contract
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
   measured on (model architectures other than the measured ones, tensor parallel, decode context
-  parallel, single-module MTP above ``k = 3``, DFlash: not validated on GPU).
+  parallel, single-module MTP and DFlash above ``k = 3``: not validated on GPU).
 * ``decide_policy(config, vllm_config)`` turns the requested policy into a ``GateDecision``:
   ``aligned`` is stock vLLM (never raises), ``auto`` enables boundary retention only when no reason
   of either kind applies and otherwise falls back to ``aligned`` with the reasons,
@@ -377,13 +377,10 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
     return reasons
 
 
-# Speculative methods measured end to end on a GPU, with the largest k measured: single-module MTP
-# on the H200 2026-12-01 with drafts accepted (k = 1 and 3, docs/results/gpu-in-step-h200.md).
-VALIDATED_SPECULATIVE = {"mtp": 3}
-# How far the other supported methods have been measured (the unvalidated tier's reason).
-_SPECULATIVE_MEASURED = {
-    "dflash": "ran on the H200 only with a drafter that accepted almost no draft (DFlash2: not run on an engine)",
-}
+# Speculative methods measured end to end on a GPU with drafts accepted, with the largest k measured:
+# single-module MTP at k = 1 and 3, DFlash and DFlash2 drafters at k = 3 (the planted drafter,
+# about 2.5 tokens per drafting step), all on the H200 2026-12-01 (docs/results/gpu-session8-h200.md).
+VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
 # Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md).
@@ -405,10 +402,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
 
     Speculative decoding (others are unsupported, :func:`speculative_reasons`): single-module MTP
     is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
-    V2, async scheduling, drafts accepted) at ``k`` 1 and 3 (:data:`VALIDATED_SPECULATIVE`: larger
-    ``k`` is not validated); DFlash (which vLLM runs on GPUs only) ran on the H200 with a random
-    drafter that accepted almost no draft, DFlash2 only at the scheduler level (the shadow runner
-    of ``tests/dflash_shadow.py``)."""
+    V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
+    vLLM runs on GPUs only) on the H200 at ``k`` 3 with a planted drafter whose drafts are accepted
+    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -428,8 +424,7 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
         method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None)
         largest = VALIDATED_SPECULATIVE.get(method)
         if largest is None:
-            measured = _SPECULATIVE_MEASURED.get(method, "has not been measured")
-            reasons.append(f"speculative decoding ({method}, k={k}) {measured}, not validated on GPU")
+            reasons.append(f"speculative decoding ({method}, k={k}) has not been measured, not validated on GPU")
         elif (k or 1) > largest:
             reasons.append(
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"

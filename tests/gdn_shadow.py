@@ -14,7 +14,10 @@ It returns, per compared quantity, the largest absolute difference and whether i
 the outputs of every token, each capture row's captured conv and SSM state against the
 reference's state after ``P - 1``, and every row's final state; and, as the negative control,
 each capture row's state after ``P`` (what a capture after ``P`` would keep) against the same
-state after ``P - 1``. Metadata is built here the way vLLM's GDN builder lays it out.
+state after ``P - 1``. ``rows`` breaks the outputs and final states down per row, beside the same
+differences for stock's own step (the whole batch through vLLM's core, no capture): how far the
+kernels move a row between a mixed batch and running alone, which the in-step split cannot beat
+where it runs those rows as stock does. Metadata is built here the way vLLM's GDN builder lays it out.
 """
 
 from __future__ import annotations
@@ -128,6 +131,14 @@ def compare(worker, seed: int = 0) -> dict:
         start += length
     reference_final = [state[slots].clone() for state in states]
 
+    # Stock's own step: the whole batch through vLLM's core, no capture (the per-row control: how
+    # far the kernels themselves move a row between a mixed batch and running alone).
+    reset()
+    stock_out = empty(num_tokens)
+    batch = _metadata([row[:2] for row in ROWS], NUM_DECODES, slots, device, cuda, padding=1)
+    core(batch, mixed_qkv, b, a, stock_out)
+    stock_final = [state[slots].clone() for state in states]
+
     # In step: the whole batch through the plugin's layer.
     reset()
     for state in states:
@@ -135,17 +146,28 @@ def compare(worker, seed: int = 0) -> dict:
     out = empty(num_tokens)
     captures = layer.boundary_captures
     captures.begin(destinations.items())
-    batch = _metadata([row[:2] for row in ROWS], NUM_DECODES, slots, device, cuda, padding=1)
     with set_forward_context({layer.prefix: batch}, config):
         layer._forward_core(mixed_qkv, b, a, out)
     untaken = captures.end()
 
     result = {"device": device.type, "untaken": untaken, "outputs": _diff(out, reference_out), "final": [],
-              "captured": [], "after_p": [], "output_scale": float(reference_out.float().abs().max())}  # fmt: skip
+              "captured": [], "after_p": [], "rows": [],
+              "output_scale": float(reference_out.float().abs().max())}  # fmt: skip
     for state, want in zip(states, reference_final):
         result["final"].append(_diff(state[slots], want))
     for slot, destination in destinations.items():
         for state, want in zip(states, after_p_minus_1[slot]):
             result["captured"].append(_diff(state[destination], want))
             result["after_p"].append(_diff(state[slot], want))  # the negative control
+    start = 0
+    for i, (length, has_initial, capture) in enumerate(ROWS):  # per row: in step and stock, each against the reference
+        tokens = slice(start, start + length)
+        start += length
+        result["rows"].append({
+            "tokens": length, "initial": has_initial, "capture": capture, "decode": i < NUM_DECODES,
+            "outputs": _diff(out[tokens], reference_out[tokens])[0],
+            "final": [_diff(state[slots[i]], want[i])[0] for state, want in zip(states, reference_final)],
+            "stock_outputs": _diff(stock_out[tokens], reference_out[tokens])[0],
+            "stock_final": [_diff(got[i], want[i])[0] for got, want in zip(stock_final, reference_final)],
+        })  # fmt: skip
     return result

@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 
 from boundary_checkpoints.config import BoundaryConfig
-from boundary_checkpoints.prompt_capture import AUTO, IN_STEP, OFF, STOP, EngineFacts, decide, decide_for
+from boundary_checkpoints.prompt_capture import (
+    AUTO,
+    CUDA_AUTO_REASON,
+    IN_STEP,
+    OFF,
+    STOP,
+    EngineFacts,
+    decide,
+    decide_for,
+)
 
 SUPPORTED = dict(platform="cuda", gdn_prefill_backend="triton", architectures=("Qwen3NextForCausalLM",),
                  speculative=False, micro_batching=False)  # fmt: skip
@@ -49,11 +58,13 @@ def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
 
 
 def test_auto_takes_in_step_where_a_validated_kernel_runs():
-    """``auto`` (the default): in step on the CPU kernels and on CUDA's FLA Triton kernel (both
-    validated end to end); on vLLM's Hopper default, FlashInfer, the stop, with a reason that names
-    the backend setting that avoids it."""
+    """``auto`` (the default): in step on the CPU kernels (bit-exact); on CUDA the stop, also with
+    the FLA Triton kernel (its layer-level shadow check has not passed there; ``in_step`` opts in),
+    and on vLLM's Hopper default, FlashInfer, with a reason that names the backend setting."""
     assert decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None)).mode == IN_STEP
-    assert decide(True, AUTO, facts()).mode == IN_STEP
+    decision = decide(True, AUTO, facts())
+    assert decision.mode == STOP and decision.reason == CUDA_AUTO_REASON
+    assert decide(True, IN_STEP, facts()).mode == IN_STEP
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
     assert decision.mode == STOP and "gdn_prefill_backend=triton" in decision.reason
     assert decide(True, AUTO, facts(speculative=True)).reason.startswith("speculative decoding")
