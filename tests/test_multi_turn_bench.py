@@ -412,10 +412,12 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("relaunch", [False, True])
-def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaunch):
+@pytest.mark.parametrize("mode", ["together", "one_by_one", "relaunch"])
+def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
     """The launch modes with stand-in servers: together, both start before the first slot and stop
-    at the end; with ``relaunch``, each slot starts and stops its own server, in round order."""
+    at the end (``one_by_one``: the second starts only once the first is healthy); with
+    ``relaunch``, each slot starts and stops its own server, in round order."""
+    relaunch = mode == "relaunch"
     from boundary_checkpoints.bench import server as server_mod
 
     events = []
@@ -435,7 +437,11 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaun
             return 0
 
         monkeypatch.setattr(server_mod, "start_server", lambda model, log_path, **kw: Fake(model, log_path, **kw))
-        monkeypatch.setattr(server_mod, "wait_until_healthy", lambda server, timeout: 0.5)
+        def healthy(server, timeout):
+            events.append(("healthy", server.label))
+            return 0.5
+
+        monkeypatch.setattr(server_mod, "wait_until_healthy", healthy)
         monkeypatch.setattr(server_mod, "stop_server", stop)
         monkeypatch.setattr(server_mod, "find_free_port", lambda host: 1)
         labels = ["aligned", "request_boundaries"]
@@ -444,8 +450,16 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, relaun
                                    stats_log_interval=0)  # fmt: skip
         spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
                                  label_args={"aligned": ["--prefix-match-unit", "16"]}, log_dir=tmp_path,
-                                 relaunch=relaunch)  # fmt: skip
+                                 relaunch=relaunch, one_by_one=mode == "one_by_one")  # fmt: skip
         result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
+    startup = [event for event in events if event[0] in ("start", "healthy")][:4]
+    if mode == "one_by_one":
+        assert startup == [("start", "aligned"), ("healthy", "aligned"), ("start", "request_boundaries"),
+                           ("healthy", "request_boundaries")]  # fmt: skip
+    elif mode == "together":
+        assert startup == [("start", "aligned"), ("start", "request_boundaries"), ("healthy", "aligned"),
+                           ("healthy", "request_boundaries")]  # fmt: skip
+    events = [event for event in events if event[0] != "healthy"]
     if relaunch:
         assert events == [("start", "aligned"), ("stop", "aligned"), ("start", "request_boundaries"),
                           ("stop", "request_boundaries"), ("start", "request_boundaries"),

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--relaunch", action="store_true",
                      help="--launch: one server at a time, started and stopped around each slot "
                           "(default: every server up at once)")
+    tgt.add_argument("--start-one-by-one", action="store_true",
+                     help="--launch: start each server once the previous one is healthy (all stay up): "
+                          "vLLM's memory profile counts what servers starting beside it take on the GPU")
     tgt.add_argument("--startup-timeout", type=float, default=900.0)
     tgt.add_argument("--log-dir", default=None, help="--launch: server logs (default: a new temp dir)")
     tgt.add_argument("--stats-log-interval", type=float, default=1.0,
@@ -211,6 +214,7 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
             host=args.host, port=args.port, server_args=split_server_args(args.server_arg), label_args=args.label_args,
             additional_config=json.loads(args.additional_config) if args.additional_config else {},
             env=env, startup_timeout=args.startup_timeout, relaunch=args.relaunch,
+            one_by_one=args.start_one_by_one,
             **({"log_dir": log_dir} if log_dir else {}),
         )  # fmt: skip
         spec.log_dir.mkdir(parents=True, exist_ok=True)

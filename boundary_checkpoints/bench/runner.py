@@ -382,6 +382,10 @@ class LaunchSpec:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bc-bench-")))
     startup_timeout: float = 900.0
     relaunch: bool = False  # one server at a time, started for each slot
+    # Every server up at once, but each started only once the previous one is healthy: vLLM's
+    # memory profile counts what other processes take on the GPU while it profiles, so servers
+    # that start together on one GPU can each find no room left for their KV cache.
+    one_by_one: bool = False
 
 
 class LaunchedServers(ServerSet):
@@ -427,8 +431,14 @@ class LaunchedServers(ServerSet):
                 None, logs.read_text(server.log_path), server.command)
 
     def start_all(self, progress: Progress) -> None:
-        """Start every server at once, then wait for each (not in ``relaunch`` mode)."""
+        """Start every server at once, then wait for each; with ``one_by_one``, wait for each before
+        starting the next (nothing here in ``relaunch`` mode)."""
         if self.spec.relaunch:
+            return
+        if self.spec.one_by_one:
+            for label in self.settings.labels:
+                self._start(label, progress)
+                self._wait(label, progress)
             return
         for label in self.settings.labels:
             self._start(label, progress)
