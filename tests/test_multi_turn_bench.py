@@ -505,6 +505,24 @@ def test_the_old_script_path_runs_bc_bench():
 # model directories
 
 
+@pytest.mark.parametrize("variant, architecture", [("dflash", "DFlashDraftModel"), ("dflash2", "DFlash2DraftModel")])
+def test_write_dflash_drafter_sized_to_the_real_size_target(tmp_path, variant, architecture):
+    from safetensors import safe_open
+
+    target, drafter = tmp_path / "q24", tmp_path / "drafter"
+    argv = ["--write-model", str(target), "--arch", "qwen3_next_80b_24l", "--write-dflash-drafter", str(drafter),
+            "--dflash-variant", variant]  # fmt: skip
+    assert cli.main(argv) == 0
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"],
+            config["vocab_size"]) == (2048, 16, 2, 256, 151936)  # fmt: skip
+    with safe_open(str(drafter / "model.safetensors"), "pt") as weights:
+        assert weights.get_slice("layers.0.self_attn.q_proj.weight").get_shape() == [16 * 256, 2048]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--url", "http://x", "--label", "a", "--model", "m", "--write-dflash-drafter", "d"])
+
+
 @pytest.mark.parametrize(
     "arch, architecture, vocab",
     [

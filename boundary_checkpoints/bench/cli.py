@@ -9,7 +9,8 @@ Contract: parses the command line, resolves it into ``runner.Settings`` and a ``
 request failed; 2 on a usage error; 130 when interrupted (servers are stopped in every case).
 ``--write-model DIR --arch ARCH`` first writes a model directory with
 ``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
-``--load-format dummy``). See ``benchmarks/README.md`` for the workload and metric definitions.
+``--load-format dummy``); ``--write-dflash-drafter DIR`` a random-weight DFlash (or DFlash2)
+drafter sized to that model (``fixtures.dflash``). See ``benchmarks/README.md`` for the workload and metric definitions.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk = p.add_argument_group("model directory")
     mk.add_argument("--write-model", metavar="DIR", default=None, help="write a model directory first")
     mk.add_argument("--arch", choices=ARCHES, default="tiny")
+    mk.add_argument("--write-dflash-drafter", metavar="DIR", default=None,
+                    help="also write a random-weight DFlash drafter sized to the model (--write-model's or "
+                         "--launch's) for --server-arg='--speculative-config {\"method\": \"dflash\", "
+                         "\"model\": DIR, ...}'")
+    mk.add_argument("--dflash-variant", choices=("dflash", "dflash2"), default="dflash")
     return p
 
 
@@ -147,6 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--url and --launch are mutually exclusive")
     if not (args.url or args.launch or args.write_model):
         p.error("give --url, --launch or --write-model")
+    if args.write_dflash_drafter and not (args.write_model or args.launch):
+        p.error("--write-dflash-drafter needs the target model: --write-model or --launch")
     if args.url and not args.model:
         p.error("--url needs --model")
     if args.url:
@@ -240,8 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             out = tiny_models.write_real_size_model(args.write_model, args.arch)
         print(f"model directory ({args.arch}): {out} ({time.monotonic() - start:.1f} s)")
-        if not (args.url or args.launch):
-            return 0
+    if args.write_dflash_drafter:
+        from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
+
+        drafter = write_dflash_drafter(args.write_dflash_drafter, args.write_model or args.launch,
+                                       variant=args.dflash_variant)  # fmt: skip
+        print(f"{args.dflash_variant} drafter for {args.write_model or args.launch}: {drafter}")
+    if args.write_model and not (args.url or args.launch):
+        return 0
     vocab = args.vocab_size or (model_vocab_size(args.launch) if args.launch else None)
     if vocab is None:
         print("error: --vocab-size is needed (no model directory to read it from)", file=sys.stderr)
