@@ -43,6 +43,10 @@ CUDA_AUTO_REASON = (
     "auto keeps the stop on CUDA until the split's layer-level shadow check passes there "
     "(prompt_capture: in_step opts in)"
 )
+CUDA_IN_STEP_CAVEAT = (
+    "opted in on CUDA: end-to-end probes passed on the H200, the layer-level shadow check did not "
+    "(docs/results/gpu-session8-h200.md)"
+)
 
 # vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention
 # (model_executor/models/qwen3_next.py and qwen3_5.py).
@@ -70,13 +74,15 @@ class EngineFacts:
 class PromptCaptureDecision:
     mode: str  # IN_STEP, STOP or OFF (no prompt checkpoints)
     reason: str = ""  # why STOP when in_step was asked for ("" otherwise)
+    caveat: str = ""  # what is not validated about an IN_STEP decision ("" where nothing)
 
     def describe(self) -> str:
         """The phrase the scheduler's startup line uses for prompt checkpoints."""
         if self.mode == OFF:
             return "off"
         if self.mode == IN_STEP:
-            return "on (captured inside the step that computes the prompt: no P - 1 stop)"
+            caveat = f"; {self.caveat}" if self.caveat else ""
+            return f"on (captured inside the step that computes the prompt: no P - 1 stop{caveat})"
         return f"on (prefills stop at P - 1: {self.reason})"
 
 
@@ -92,8 +98,9 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(STOP, "micro-batching (DBO) splits the step's GDN metadata")
     if not facts.architectures or any(a not in IN_STEP_ARCHITECTURES for a in facts.architectures):
         return PromptCaptureDecision(
-            STOP, f"model architecture {', '.join(facts.architectures) or '(none)'} has no plain Gated DeltaNet "
-            "layers the in-step split knows"
+            STOP,
+            f"model architecture {', '.join(facts.architectures) or '(none)'} has no plain Gated DeltaNet "
+            "layers the in-step split knows",
         )
     if facts.platform == "cpu":
         return PromptCaptureDecision(IN_STEP)
@@ -101,12 +108,13 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(STOP, f"platform {facts.platform} (in-step capture knows CPU and CUDA kernels)")
     if facts.gdn_prefill_backend != "triton":
         return PromptCaptureDecision(
-            STOP, f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "
-            "additional_config gdn_prefill_backend=triton)"
+            STOP,
+            f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "
+            "additional_config gdn_prefill_backend=triton)",
         )
     if prompt_capture == AUTO:
         return PromptCaptureDecision(STOP, CUDA_AUTO_REASON)
-    return PromptCaptureDecision(IN_STEP)
+    return PromptCaptureDecision(IN_STEP, caveat=CUDA_IN_STEP_CAVEAT)
 
 
 def facts_of(vllm_config: Any) -> EngineFacts:

@@ -10,6 +10,7 @@ from boundary_checkpoints.config import BoundaryConfig
 from boundary_checkpoints.prompt_capture import (
     AUTO,
     CUDA_AUTO_REASON,
+    CUDA_IN_STEP_CAVEAT,
     IN_STEP,
     OFF,
     STOP,
@@ -34,6 +35,12 @@ def test_in_step_where_the_split_knows_the_layers_and_kernels(overrides):
     decision = decide(True, "in_step", facts(**overrides))
     assert (decision.mode, decision.reason) == (IN_STEP, "")
     assert "no P - 1 stop" in decision.describe()
+    # opted in on CUDA, the startup line says what is not validated there
+    assert (
+        (CUDA_IN_STEP_CAVEAT in decision.describe())
+        == (decision.caveat != "")
+        == (overrides.get("platform", "cuda") == "cuda")
+    )
 
 
 @pytest.mark.parametrize(
