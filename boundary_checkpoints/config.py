@@ -381,6 +381,7 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
 # single-module MTP at k = 1 and 3, DFlash and DFlash2 drafters at k = 3 (the planted drafter,
 # about 2.5 tokens per drafting step), all on the H200 2026-12-01 (docs/results/gpu-session8-h200.md).
 VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
+assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
 # Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md).
@@ -422,10 +423,8 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None and not speculative_reasons(vllm_config):
         method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None)
-        largest = VALIDATED_SPECULATIVE.get(method)
-        if largest is None:
-            reasons.append(f"speculative decoding ({method}, k={k}) has not been measured, not validated on GPU")
-        elif (k or 1) > largest:
+        largest = VALIDATED_SPECULATIVE[method]  # every supported method (speculative_reasons passed)
+        if (k or 1) > largest:
             reasons.append(
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
             )

@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_dflash_drafter:
         from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
 
-        drafter = write_dflash_drafter(args.write_dflash_drafter, args.write_model or args.launch,
-                                       variant=args.dflash_variant)  # fmt: skip
-        print(f"{args.dflash_variant} drafter for {args.write_model or args.launch}: {drafter}")
+        target = args.write_model or args.launch
+        drafter = write_dflash_drafter(args.write_dflash_drafter, target, variant=args.dflash_variant)
+        print(f"{args.dflash_variant} drafter for {target}: {drafter}")
     if args.write_model and not (args.url or args.launch):
         return 0
     vocab = args.vocab_size or (model_vocab_size(args.launch) if args.launch else None)
