@@ -15,13 +15,15 @@ Two ways, chosen once per engine from its configuration:
 non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
 plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), and a GDN core the split
 knows: the CPU kernels, or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved
-to ``triton``). ``auto`` and ``in_step`` differ on CUDA only: ``auto`` keeps the stop there, because
-the layer-level shadow check of the split (``tests/test_gdn_split.py``) did not pass on the H200
-(outputs and final states of a mixed batch differed from the two-step reference by more than its
-bound, ``docs/results/gpu-session8-h200.md``), although the end-to-end probes passed; ``in_step``
-asked for explicitly runs there. On the CPU kernels both take the split (bit-exact in CI). vLLM's
-Hopper default GDN prefill kernel is FlashInfer's, which the split does not know: there the prompt
-stops at ``P - 1`` and the reason names ``gdn_prefill_backend=triton``. Anything else gives
+to ``triton``). ``auto`` and ``in_step`` decide alike. On CUDA the decision carries a caveat
+(:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the H200 the end-to-end probes passed and
+the split's layer-level shadow check (``tests/test_gdn_split.py``) moves every row of a mixed
+batch no further from the two-step reference than stock's own step does (session 9,
+``docs/results/gpu-session9-h200.md``), but its first-turn TTFT at real dims is not measured yet.
+(Session 8 had made ``auto`` keep the stop on CUDA while that shadow check failed; its per-row
+breakdown showed the failing bound, not the split, was at fault.) On the CPU kernels the split is
+bit-exact (CI). vLLM's Hopper default GDN prefill kernel is FlashInfer's, which the split does not
+know: there the prompt stops at ``P - 1`` and the reason names ``gdn_prefill_backend=triton``. Anything else gives
 ``stop`` and names the first reason that applies.
 :func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
 it on the same configuration, so they agree without talking to each other. Nothing here imports
@@ -38,14 +40,10 @@ IN_STEP = "in_step"
 STOP = "stop"
 OFF = "off"
 PROMPT_CAPTURES = (AUTO, IN_STEP, STOP)
-# Why ``auto`` keeps the stop on CUDA even with the Triton kernel (module docstring).
-CUDA_AUTO_REASON = (
-    "auto keeps the stop on CUDA until the split's layer-level shadow check passes there "
-    "(prompt_capture: in_step opts in)"
-)
+# What is and is not validated about the split on CUDA (module docstring).
 CUDA_IN_STEP_CAVEAT = (
-    "opted in on CUDA: end-to-end probes passed on the H200, the layer-level shadow check did not "
-    "(docs/results/gpu-session8-h200.md)"
+    "CUDA: end-to-end probes and the per-row shadow check passed on the H200, first-turn TTFT at real "
+    "dims not measured yet (docs/results/gpu-session9-h200.md)"
 )
 
 # vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention
@@ -112,8 +110,6 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
             f"GDN prefill backend {facts.gdn_prefill_backend} (in-step capture knows the FLA Triton kernel: "
             "additional_config gdn_prefill_backend=triton)",
         )
-    if prompt_capture == AUTO:
-        return PromptCaptureDecision(STOP, CUDA_AUTO_REASON)
     return PromptCaptureDecision(IN_STEP, caveat=CUDA_IN_STEP_CAVEAT)
 
 

@@ -17,7 +17,8 @@ each capture row's state after ``P`` (what a capture after ``P`` would keep) aga
 state after ``P - 1``. ``rows`` breaks the outputs and final states down per row, beside the same
 differences for stock's own step (the whole batch through vLLM's core, no capture): how far the
 kernels move a row between a mixed batch and running alone, which the in-step split cannot beat
-where it runs those rows as stock does. Metadata is built here the way vLLM's GDN builder lays it out.
+where it runs those rows as stock does; ``vs_stock_*`` is each row of the split against the same
+row of stock's step, directly. Metadata is built here the way vLLM's GDN builder lays it out.
 """
 
 from __future__ import annotations
@@ -169,5 +170,7 @@ def compare(worker, seed: int = 0) -> dict:
             "final": [_diff(state[slots[i]], want[i])[0] for state, want in zip(states, reference_final)],
             "stock_outputs": _diff(stock_out[tokens], reference_out[tokens])[0],
             "stock_final": [_diff(got[i], want[i])[0] for got, want in zip(stock_final, reference_final)],
+            "vs_stock_outputs": _diff(out[tokens], stock_out[tokens])[0],
+            "vs_stock_final": [_diff(state[slots[i]], got[i])[0] for state, got in zip(states, stock_final)],
         })  # fmt: skip
     return result

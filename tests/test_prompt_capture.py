@@ -9,7 +9,6 @@ import pytest
 from boundary_checkpoints.config import BoundaryConfig
 from boundary_checkpoints.prompt_capture import (
     AUTO,
-    CUDA_AUTO_REASON,
     CUDA_IN_STEP_CAVEAT,
     IN_STEP,
     OFF,
@@ -35,7 +34,7 @@ def test_in_step_where_the_split_knows_the_layers_and_kernels(overrides):
     decision = decide(True, "in_step", facts(**overrides))
     assert (decision.mode, decision.reason) == (IN_STEP, "")
     assert "no P - 1 stop" in decision.describe()
-    # opted in on CUDA, the startup line says what is not validated there
+    # on CUDA the startup line says what is not validated there
     assert (
         (CUDA_IN_STEP_CAVEAT in decision.describe())
         == (decision.caveat != "")
@@ -65,13 +64,12 @@ def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
 
 
 def test_auto_takes_in_step_where_a_validated_kernel_runs():
-    """``auto`` (the default): in step on the CPU kernels (bit-exact); on CUDA the stop, also with
-    the FLA Triton kernel (its layer-level shadow check has not passed there; ``in_step`` opts in),
-    and on vLLM's Hopper default, FlashInfer, with a reason that names the backend setting."""
+    """``auto`` (the default) decides as ``in_step``: in step on the CPU kernels (bit-exact) and on
+    CUDA with the FLA Triton kernel (with the caveat on the startup line); the stop on vLLM's
+    Hopper default, FlashInfer, with a reason that names the backend setting."""
     assert decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None)).mode == IN_STEP
-    decision = decide(True, AUTO, facts())
-    assert decision.mode == STOP and decision.reason == CUDA_AUTO_REASON
-    assert decide(True, IN_STEP, facts()).mode == IN_STEP
+    assert decide(True, AUTO, facts()) == decide(True, IN_STEP, facts())
+    assert decide(True, AUTO, facts()).caveat == CUDA_IN_STEP_CAVEAT
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
     assert decision.mode == STOP and "gdn_prefill_backend=triton" in decision.reason
     assert decide(True, AUTO, facts(speculative=True)).reason.startswith("speculative decoding")
