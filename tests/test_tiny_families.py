@@ -59,6 +59,10 @@ def test_kimi_linear_config_parses_with_vllms_own_class(family_dirs):
     assert type(config).__module__.startswith("vllm.")  # vLLM's KimiLinearConfig, not transformers'
     assert [config.is_kda_layer(i) for i in range(4)] == [True, True, True, False]
     assert config.kv_lora_rank + config.qk_rope_head_dim == 576 and config.mla_use_nope
+    # The fused Kimi-K3 MLA prefill/decode kernel's fixed dims (q_nope, q_rope, v, latent); qk_nope
+    # 64 failed it on the H200 (session 9). The kernel cannot be imported on CPU, hence the literal.
+    dims = (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank)
+    assert dims == (128, 64, 128, 512)
     assert not config.is_moe
 
 
