@@ -253,6 +253,15 @@ def gdn_prefill_backend(vllm_config) -> str:
     return _resolve_gdn_prefill_backend(vllm_config)[1]
 
 
+def mixed_batches_replay_full_graphs(vllm_config) -> bool:
+    """True when ``vllm_config``'s CUDA graph mode replays batches that hold prefills from FULL
+    graphs (``cudagraph_mode`` FULL: a layer's Python forward then does not run on replay)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return isinstance(mode, CUDAGraphMode) and mode.mixed_mode() == CUDAGraphMode.FULL
+
+
 def qwen_gdn_layer_class() -> type:
     """vLLM's ``QwenGatedDeltaNetAttention``."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention

@@ -13,9 +13,11 @@ Two ways, chosen once per engine from its configuration:
 :func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
 ``prompt_capture`` ``auto`` (the default) or ``in_step``, no speculative decoding (the split handles
 non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
-plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), and a GDN core the split
-knows: the CPU kernels, or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved
-to ``triton``). ``auto`` and ``in_step`` decide alike. On CUDA the decision carries a caveat
+plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), on CUDA a graph mode that runs
+prefill steps piecewise (not ``cudagraph_mode`` FULL, whose replay skips the layers' Python
+forward: the capture would not be taken, and the worker stops rather than publish an unwritten
+checkpoint), and a GDN core the split knows: the CPU kernels, or on CUDA the FLA Triton prefill
+kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike. On CUDA the decision carries a caveat
 (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the H200 the end-to-end probes passed and
 the split's layer-level shadow check (``tests/test_gdn_split.py``) moves every row of a mixed
 batch no further from the two-step reference than stock's own step does (session 9,
@@ -66,6 +68,7 @@ class EngineFacts:
     architectures: tuple[str, ...]
     speculative: bool
     micro_batching: bool
+    full_graphs_for_prefills: bool = False  # CUDA graph mode FULL: prefill steps replay whole graphs
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,12 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(IN_STEP)
     if facts.platform != "cuda":
         return PromptCaptureDecision(STOP, f"platform {facts.platform} (in-step capture knows CPU and CUDA kernels)")
+    if facts.full_graphs_for_prefills:
+        return PromptCaptureDecision(
+            STOP,
+            "cudagraph_mode FULL replays prefill steps from whole CUDA graphs, where the GDN layers' split "
+            "does not run (FULL_AND_PIECEWISE, vLLM's default, runs them piecewise)",
+        )
     if facts.gdn_prefill_backend != "triton":
         return PromptCaptureDecision(
             STOP,
@@ -115,7 +124,7 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
 
 def facts_of(vllm_config: Any) -> EngineFacts:
     """The :class:`EngineFacts` of a ``VllmConfig`` (vLLM's platform and GDN backend via compat)."""
-    from boundary_checkpoints.compat import gdn_prefill_backend, platform_name
+    from boundary_checkpoints.compat import gdn_prefill_backend, mixed_batches_replay_full_graphs, platform_name
 
     platform = platform_name()
     model = getattr(vllm_config, "model_config", None)
@@ -126,6 +135,7 @@ def facts_of(vllm_config: Any) -> EngineFacts:
         architectures=tuple(getattr(model, "architectures", None) or ()),
         speculative=getattr(vllm_config, "speculative_config", None) is not None,
         micro_batching=bool(getattr(parallel, "use_ubatching", False)),
+        full_graphs_for_prefills=platform == "cuda" and mixed_batches_replay_full_graphs(vllm_config),
     )
 
 

@@ -55,6 +55,7 @@ def test_in_step_where_the_split_knows_the_layers_and_kernels(overrides):
         ({"architectures": ()}, "(none)"),
         ({"speculative": True}, "speculative decoding"),
         ({"micro_batching": True}, "micro-batching"),
+        ({"full_graphs_for_prefills": True}, "cudagraph_mode FULL"),
     ],
 )
 def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
@@ -97,3 +98,22 @@ def test_real_cpu_configs(model_dir):
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     assert decide_for(config, mtp).mode == STOP and "speculative" in decide_for(config, mtp).reason
     assert decide_for(BoundaryConfig(prompt_capture="stop"), real_config(model_dir)).mode == STOP
+
+
+GRAPH_MODES = [("FULL", True), ("FULL_AND_PIECEWISE", False), ("FULL_DECODE_ONLY", False), ("PIECEWISE", False),
+               ("NONE", False)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "full"), GRAPH_MODES)
+def test_which_graph_modes_replay_prefill_steps_whole(mode, full):
+    """Only ``cudagraph_mode`` FULL replays a batch with prefills from a whole graph (vLLM's own
+    ``CUDAGraphMode.mixed_mode``), where the GDN layers' Python forward -- the split -- does not run."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from boundary_checkpoints.compat import mixed_batches_replay_full_graphs
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
+    assert mixed_batches_replay_full_graphs(config) is full
+    assert mixed_batches_replay_full_graphs(SimpleNamespace()) is False
