@@ -17,8 +17,8 @@ plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), on CUDA a 
 prefill steps piecewise (not ``cudagraph_mode`` FULL, whose replay skips the layers' Python
 forward: the capture would not be taken, and the worker stops rather than publish an unwritten
 checkpoint), and a GDN core the split knows: the CPU kernels, or on CUDA the FLA Triton prefill
-kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike. On CUDA the decision carries a caveat
-(:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the H200 the end-to-end probes passed and
+kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike.
+On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the H200 the end-to-end probes passed and
 the split's layer-level shadow check (``tests/test_gdn_split.py``) moves every row of a mixed
 batch no further from the two-step reference than stock's own step does (session 9,
 ``docs/results/gpu-session9-h200.md``), but its first-turn TTFT at real dims is not measured yet.
