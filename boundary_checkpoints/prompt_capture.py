@@ -18,15 +18,16 @@ prefill steps piecewise (not ``cudagraph_mode`` FULL, whose replay skips the lay
 forward: the capture would not be taken, and the worker stops rather than publish an unwritten
 checkpoint), and a GDN core the split knows: the CPU kernels, or on CUDA the FLA Triton prefill
 kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike.
-On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the H200 the end-to-end probes passed and
-the split's layer-level shadow check (``tests/test_gdn_split.py``) moves every row of a mixed
-batch no further from the two-step reference than stock's own step does (session 9,
-``docs/results/gpu-session9-h200.md``), but its first-turn TTFT at real dims is not measured yet.
-(Session 8 had made ``auto`` keep the stop on CUDA while that shadow check failed; its per-row
-breakdown showed the failing bound, not the split, was at fault.) On the CPU kernels the split is
-bit-exact (CI). vLLM's Hopper default GDN prefill kernel is FlashInfer's, which the split does not
-know: there the prompt stops at ``P - 1`` and the reason names ``gdn_prefill_backend=triton``. Anything else gives
-``stop`` and names the first reason that applies.
+On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the
+H200 the end-to-end probes passed and the split's layer-level shadow check
+(``tests/test_gdn_split.py``) moves every row of a mixed batch no further from the two-step
+reference than stock's own step does (session 9, ``docs/results/gpu-session9-h200.md``), but its
+first-turn TTFT at real dims is not measured yet. (Session 8 had made ``auto`` keep the stop on
+CUDA while that shadow check failed; its per-row breakdown showed the failing bound, not the
+split, was at fault.) On the CPU kernels the split is bit-exact (CI). vLLM's Hopper default GDN
+prefill kernel is FlashInfer's, which the split does not know: there the prompt stops at ``P - 1``
+and the reason names ``gdn_prefill_backend=triton``. Anything else gives ``stop`` and names the
+first reason that applies.
 :func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
 it on the same configuration, so they agree without talking to each other. Nothing here imports
 vLLM at import time.
