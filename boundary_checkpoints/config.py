@@ -384,8 +384,12 @@ VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
-# Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md).
-VALIDATED_ARCHITECTURES = ("Qwen3NextForCausalLM", "NemotronHForCausalLM")
+# Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md);
+# Kimi-Linear and GLM-5.3-Flash (Glm5Next) on the H200 2026-12-01, session 10, without speculative
+# decoding (docs/results/gpu-session10-h200.md §1; GLM under MTP is refused by core/layout.py).
+VALIDATED_ARCHITECTURES = (
+    "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
+)  # fmt: skip
 
 
 def unvalidated_reasons(vllm_config: Any) -> list[str]:

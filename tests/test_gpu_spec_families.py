@@ -7,8 +7,8 @@ defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three pro
 ``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the response,
 two cold controls; every phase one shared batch):
 
-1. policy ``request_boundaries``, explicitly: these layouts are not validated yet, so ``auto``
-   would fall back to stock (``config.unvalidated_reasons``);
+1. policy ``request_boundaries``, explicitly: these tests are what validates a layout, so they do
+   not depend on ``auto``'s list (``config.unvalidated_reasons``);
 2. the same engine with its scheduler re-classed to ``corrupt_restore.CorruptAsyncScheduler``
    (``CorruptScheduler`` if vLLM chose the synchronous one): restores one token of state off, the
    negative control (fresh prompts, seed 1);
