@@ -54,6 +54,7 @@ class RowSplit:
     keep: torch.Tensor  # token positions of call 1, ascending
     last: torch.Tensor  # token position of each capture row's last token
     slots: torch.Tensor  # each capture row's state index
+    slot_ids: tuple[int, ...]  # the same indices on the host (no device read to learn them)
     destinations: torch.Tensor  # each capture row's destination block
     without_last: object  # metadata of call 1
     last_tokens: object  # metadata of call 2
@@ -114,6 +115,7 @@ def split_rows(metadata, pairs: dict[int, int], rebuild_kernel_metadata: bool) -
         keep=keep.nonzero().flatten().to(device),
         last=torch.tensor(last, device=device),
         slots=torch.tensor(slots, device=device),
+        slot_ids=tuple(slots),
         destinations=torch.tensor([pairs[slot] for slot in slots], device=device),
         without_last=without_last,
         last_tokens=last_tokens,
@@ -151,7 +153,7 @@ class StepCaptures:
                 split = split_rows(metadata, self._pairs, self.rebuild_kernel_metadata)
             self._splits[key] = (metadata, split)  # the metadata is kept so that its id stays unique
             if split is not None:
-                self._taken.update(split.slots.tolist())
+                self._taken.update(split.slot_ids)
         return self._splits[key][1]
 
 
