@@ -390,6 +390,9 @@ assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip
+# Of those, the ones measured under speculative decoding (MTP and DFlash, VALIDATED_SPECULATIVE):
+# Qwen3-Next alone (docs/results/gpu-session8-h200.md). The others' restores ran without drafts.
+VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
 
 def unvalidated_reasons(vllm_config: Any) -> list[str]:
@@ -409,7 +412,8 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
     vLLM runs on GPUs only) on the H200 at ``k`` 3 with a planted drafter whose drafts are accepted
-    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated)."""
+    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), all on Qwen3-Next: on another
+    architecture speculative decoding is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -431,6 +435,11 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
         if (k or 1) > largest:
             reasons.append(
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
+            )
+        if architectures and not set(architectures) & set(VALIDATED_SPECULATIVE_ARCHITECTURES):
+            reasons.append(
+                f"speculative decoding ({method}) on {', '.join(architectures)} is not validated yet "
+                f"(measured with it: {', '.join(VALIDATED_SPECULATIVE_ARCHITECTURES)})"
             )
     return reasons
 

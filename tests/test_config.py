@@ -578,6 +578,26 @@ def mtp_fake(k: int = 1, lookahead: int = 1, **spec) -> SimpleNamespace:
     return fake
 
 
+@pytest.mark.parametrize("architecture", ["NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM"])
+def test_speculative_decoding_on_an_architecture_measured_only_without_it_falls_back_under_auto(architecture):
+    """Those families' restores were measured without drafts only: MTP on them falls back under
+    ``auto`` with a reason naming the architecture; explicit ``request_boundaries`` runs. The same
+    families without speculative decoding, and Qwen3-Next with it, turn on."""
+    fake = mtp_fake(1)
+    fake.model_config.architectures = [architecture]
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled, auto.summary()
+    assert auto.reasons == (
+        f"speculative decoding (mtp) on {architecture} is not validated yet (measured with it: Qwen3NextForCausalLM)",
+    )
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
+    fake.speculative_config = None
+    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
+    qwen = mtp_fake(1)
+    qwen.model_config.architectures = ["Qwen3NextForCausalLM"]
+    assert decide_policy(BoundaryConfig(policy="auto"), qwen).boundaries_enabled
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_single_module_mtp_up_to_k3_turns_on_under_auto(k):
     """Single-module MTP with k <= 3 (measured on the H200 with drafts accepted) is validated:
