@@ -18,11 +18,13 @@
 #                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP: xfails
 #                                     while the plugin refuses GLM's ring with lookahead) or -k "not mtp"
 #                                     to split it under the 10-minute command limit)
+#   bash scripts/gpu_host.sh run CMD [ARGS]  any command in this environment (bundle, package, results dir), e.g.
+#                                     run python3 benchmarks/step_profile.py ... (its docstring has the command)
 #   bash scripts/gpu_host.sh dflash [PYTEST ARGS]  DFlash and DFlash2 (k = 3, full + sliding draft layers)
 #                                     end to end (tests/test_gpu_dflash.py only; -k dflash2 to split it)
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
-stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|in_step|families|dflash}"
+stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|run|in_step|families|dflash}"
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -63,6 +65,10 @@ case "$stage" in
   bench)
     shift
     bc-bench "$@" 2>&1 | tee "$out/gpu-multi-turn.log" || rc=1
+    ;;
+  run)
+    shift
+    "$@" 2>&1 | tee "$out/gpu-run.log" || rc=1
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
