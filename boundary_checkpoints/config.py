@@ -383,10 +383,16 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
 VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 
+# GLM-5.3-Flash under MTP: the lookahead tail ring is restored (core/layout.py) but has not run on a GPU.
+GLM_ARCHITECTURE = "Glm5NextForCausalLM"
+GLM_SPECULATIVE_REASON = (
+    "GLM-5.3-Flash under speculative decoding (indexer tail ring with lookahead) is not validated on GPU yet"
+)
+
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
 # Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md);
 # Kimi-Linear and GLM-5.3-Flash (Glm5Next) on the H200 2026-12-01, session 10, without speculative
-# decoding (docs/results/gpu-session10-h200.md §1; GLM under MTP is refused by core/layout.py).
+# decoding (docs/results/gpu-session10-h200.md §1; GLM under MTP is not validated: GLM_SPECULATIVE_REASON).
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip
@@ -409,7 +415,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
     vLLM runs on GPUs only) on the H200 at ``k`` 3 with a planted drafter whose drafts are accepted
-    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated)."""
+    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated). GLM-5.3-Flash is validated
+    without speculation only: under MTP its indexer tail ring has lookahead slots, which the
+    plugin restores (``core/layout.py``) but no GPU has run yet."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -425,6 +433,8 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     if decode_context_parallel > 1:
         reasons.append(f"decode context parallel size {decode_context_parallel} is not validated yet")
     spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and GLM_ARCHITECTURE in architectures:
+        reasons.append(GLM_SPECULATIVE_REASON)
     if spec is not None and not speculative_reasons(vllm_config):
         method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None)
         largest = VALIDATED_SPECULATIVE[method]  # every supported method (speculative_reasons passed)
