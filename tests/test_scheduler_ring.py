@@ -158,7 +158,9 @@ def spec_ring_engine(model_dir, k: int, accept, async_scheduling: bool = False, 
     return scheduler, worker, SpecDriver(scheduler, worker, lag=int(async_scheduling))
 
 
-ACCEPT = {"none": lambda k: lambda r, s: 0, "all": lambda k: lambda r, s: k, "cycle": lambda k: lambda r, s: s % (k + 1)}
+ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
+    "none": lambda k: lambda r, s: 0, "all": lambda k: lambda r, s: k, "cycle": lambda k: lambda r, s: s % (k + 1),
+}  # fmt: skip
 
 
 def restore_rounds(driver, rng, lengths=(5, 8, 15, 17, 22, 30)) -> None:
