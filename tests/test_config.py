@@ -600,6 +600,23 @@ def test_single_module_mtp_above_k3_is_unvalidated(k):
     assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_glm_under_mtp_is_unvalidated(k):
+    """GLM-5.3-Flash is validated without speculation; under MTP its lookahead tail ring is
+    restored but unmeasured: auto falls back with that reason, request_boundaries runs."""
+    fake = mtp_fake(k)
+    fake.model_config.architectures = ["Glm5NextForCausalLM"]
+    assert unsupported_reasons(fake) == []
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and auto.reasons == (
+        "GLM-5.3-Flash under speculative decoding (indexer tail ring with lookahead) is not validated on GPU yet",
+    )
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    assert explicit.boundaries_enabled and "indexer tail ring with lookahead" in explicit.summary()
+    fake.speculative_config = None
+    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled  # GLM alone is validated
+
+
 def dflash_fake(k: int = 3, architecture: str = "DFlashDraftModel", **spec) -> SimpleNamespace:
     """A supported fake with a DFlash drafter of ``architecture`` drafting ``k`` tokens (prefill
     lookahead 1, as vLLM gives every EAGLE-family drafter but multi-module MTP)."""
