@@ -386,7 +386,8 @@ assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
 # Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md);
 # Kimi-Linear and GLM-5.3-Flash (Glm5Next) on the H200 2026-12-01, session 10, without speculative
-# decoding (docs/results/gpu-session10-h200.md §1; GLM under MTP is refused by core/layout.py).
+# decoding (docs/results/gpu-session10-h200.md §1; under MTP GLM's lookahead tail ring is restored,
+# core/layout.py, but no GPU has run it: VALIDATED_SPECULATIVE_ARCHITECTURES).
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip

@@ -244,6 +244,7 @@ def build_scheduler(
     interleave: int = 1,
     kv_cache_groups: list | None = None,
     ring_kpool: int | None = None,
+    ring_slots: int | None = None,
     num_speculative_tokens: int = 0,
     worker_cls: type | None = None,
     drafter: Path | None = None,
@@ -272,8 +273,9 @@ def build_scheduler(
     ``kv_cache_groups``: a layout grouped by vLLM (``tests/test_family_layouts.py``) used instead of
     the synthetic one; the returned worker does not model it.
 
-    ``ring_kpool``: add a GLM indexer tail ring group of that many slots (the pool size), after the
-    other groups, and give the model config that ``index_kpool``.
+    ``ring_kpool``: add a GLM indexer tail ring group of ``ring_slots`` slots (default: that pool
+    size, the ring without speculation), after the other groups, and give the model config that
+    ``index_kpool``.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -340,10 +342,11 @@ def build_scheduler(
         )
     kinds, sizes = ["attention"] + ["recurrent"] * num_recurrent_groups, [page] * (1 + num_recurrent_groups)
     if ring_kpool:
-        ring = CircularBufferSpec(block_size=ring_kpool, num_kv_heads=1, head_size=1, dtype=dtype, dcp_sharded=False)
+        slots = ring_slots or ring_kpool
+        ring = CircularBufferSpec(block_size=slots, num_kv_heads=1, head_size=1, dtype=dtype, dcp_sharded=False)
         groups.append(KVCacheGroupSpec(["ring.0"], ring))
         kinds.append("ring")
-        sizes.append(ring_kpool)
+        sizes.append(slots)
         vllm_config.model_config.hf_text_config.index_kpool = ring_kpool
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups or groups,

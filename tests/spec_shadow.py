@@ -27,6 +27,16 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
   target's true continuation and the rest are wrong, ``m = accept(request_id, step)`` (a script).
   :class:`SpecDriver` hands them to the scheduler (``update_draft_token_ids``) as vLLM's engine
   core does after each synchronous step.
+* A "ring" group (the GLM indexer tail ring, ``kpool`` = the pool, block size = the ring's
+  slots) holds two rings per block, the target's and the MTP layer's, with key ``(q, value)``
+  at slot ``q % slots`` (docs/notes/model-families.md §10). A step of at most ``1 + k`` tokens
+  runs GLM's decode path: it stashes every input position in order (the target's key is its
+  state after the step's actual inputs, so a rejected draft leaves a junk key) and, when it
+  completes the pool open at its start, reads that pool's keys below its start from both rings,
+  which must be the committed ones. A longer step runs the prefill path: it must start on the
+  pool grid and seeds only its last ``kpool`` positions. The MTP layer's first pass writes rows
+  below the computed count with :func:`mtp_row` of that row and the next token, junk above, and
+  its ``k - 1`` further passes write junk at the ``k - 1`` positions after the last computed row.
 * Async scheduling (``async_scheduling=True``, driven with ``lag=1``): as vLLM's engine core,
   the driver hands no drafts to the scheduler, which schedules ``-1`` placeholders and counts a
   step's drafts at once (``async_scheduler.py``); the worker runs its own latest proposal in
@@ -80,6 +90,8 @@ class SpecShadowWorker(ShadowWorker):
     rejected: dict[str, int] = field(default_factory=dict)  # drafts the request's last step rejected
     steps: dict[str, list[SpecStep]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
+    kpool: int = 0  # the ring groups' pool (index_kpool); their block size is the ring's slots
+    ring_reads: int = 0  # decode steps that completed a pool from keys below their start
     _spec_tokens: dict = field(default_factory=dict)
 
     def execute(self, so):
@@ -155,6 +167,9 @@ class SpecShadowWorker(ShadowWorker):
         self.rejected[req_id] = len(drafts) - num_accepted + 1 if sampled else 0
         req.num_computed = start + num_known - 1 + num_accepted if sampled else end
         self._write_attention(req, start, end, states)
+        for group, kind in enumerate(self.group_kinds):
+            if kind == "ring":
+                self._run_ring(req_id, req, group, start, end, states)
         self._post_copy(req_id, req, start + num_known, len(drafts), num_accepted)
         self.steps.setdefault(req_id, []).append(SpecStep(start, num, len(drafts), num_accepted))
         if sampled:
@@ -230,6 +245,32 @@ class SpecShadowWorker(ShadowWorker):
                 drafts = self.draft_rows.setdefault(block, [ZERO] * size)
                 valid = row < req.num_computed
                 drafts[row % size] = mtp_row(req.prefix_state(row + 1), req.tokens[row + 1]) if valid else JUNK
+
+    def _run_ring(self, req_id, req, group, start, end, states) -> None:
+        """Read (decode path, completing the open pool) and write both rings of one step, once
+        the step's verification set ``req.num_computed`` (the module docstring)."""
+        slots, [block] = self.block_sizes[group], req.block_ids[group]
+        target, mtp = (list(ring) for ring in self.rings.get(block, ((None,) * slots, (None,) * slots)))
+        decode_path = end - start <= 1 + self.num_spec
+        if not decode_path and start % self.kpool:
+            raise ShadowMismatch(f"{req_id}: a {end - start}-token step starts off the pool grid at {start}")
+        open_pool = start // self.kpool * self.kpool
+        if decode_path and start % self.kpool and open_pool + self.kpool <= end:
+            for q in range(open_pool, start):
+                if target[q % slots] != (q, req.prefix_state(q + 1)) or mtp[q % slots] != self._mtp_key(req, q):
+                    raise ShadowMismatch(f"{req_id}: ring group {group} at {start} is wrong (position {q})")
+            self.ring_reads += 1
+        for q in range(start, end) if decode_path else range(max(start, end - self.kpool), end):
+            target[q % slots] = (q, states[q - start])
+            mtp[q % slots] = self._mtp_key(req, q) if q < req.num_computed else (q, JUNK)
+        for q in range(req.num_computed, req.num_computed + self.num_spec - 1):  # the drafter's later passes
+            mtp[q % slots] = (q, JUNK)
+        self.rings[block] = (tuple(target), tuple(mtp))
+
+    @staticmethod
+    def _mtp_key(req, q: int) -> tuple[int, int]:
+        """The MTP layer's ring key at a computed position: its row and the token after it."""
+        return q, mtp_row(req.prefix_state(q + 1), req.tokens[q + 1])
 
     def _post_copy(self, req_id, req, running, num_drafts, num_accepted) -> None:
         """vLLM's post-step copy of a block-aligned committed state (align mode, speculative)."""

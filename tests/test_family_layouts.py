@@ -19,32 +19,39 @@ from shadow_engine import build_scheduler
 
 from boundary_checkpoints.config import BoundaryConfigError
 from boundary_checkpoints.core.boundaries import GroupKind
-from boundary_checkpoints.core.layout import CPU_MAMBA2_REASON, describe_layout, group_page_bytes
+from boundary_checkpoints.core.layout import (
+    CPU_MAMBA2_REASON,
+    describe_layout,
+    group_page_bytes,
+    ring_span_at_boundary,
+    tail_ring_slots,
+)
 
 BF16, F32 = torch.bfloat16, torch.float32
 GLM_BLOCK, KIMI_BLOCK, NEMOTRON_BLOCK = 256, 128, 272
 KPOOL = 4
 
 
-def kda_spec(block: int):
-    """KDA (GLM and Kimi, 2 heads of 128, conv 4): conv (3, 3 * 2 * 128) bf16 + state (2, 128, 128) fp32."""
+def kda_spec(block: int, num_spec: int = 0):
+    """KDA (GLM and Kimi, 2 heads of 128, conv 4): conv (3, 3 * 2 * 128) bf16 + state (2, 128, 128) fp32,
+    with ``num_spec`` speculative state blocks (align mode under MTP)."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return MambaSpec(
         block_size=block, shapes=((3, 768), (2, 128, 128)), dtypes=(BF16, F32),
-        mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align",
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align", num_speculative_blocks=num_spec,
     )  # fmt: skip
 
 
-def glm_specs(ring: int = KPOOL, mla_layers: tuple[int, ...] = (3,)) -> dict:
+def glm_specs(ring: int = KPOOL, mla_layers: tuple[int, ...] = (3,), num_spec: int = 0) -> dict:
     """3 KDA layers and one sparse MLA layer: latent (head 512), indexer keys (128 fp8 + 4 scale
     bytes per pool of KPOOL tokens, same block ids) and the tail ring of ``ring`` slots.
     ``mla_layers=(3, 4)`` adds the MTP layer of ``glm5_next_mtp`` (vLLM builds it as one more
-    sparse MLA layer with its own indexer and ring)."""
+    sparse MLA layer with its own indexer and ring); ``num_spec``: the KDA layers' speculative blocks."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MLAAttentionSpec, SparseCacheRole
 
-    specs = {f"model.layers.{i}.self_attn": kda_spec(GLM_BLOCK) for i in range(3)}
+    specs = {f"model.layers.{i}.self_attn": kda_spec(GLM_BLOCK, num_spec) for i in range(3)}
     for i in mla_layers:
         specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
             block_size=GLM_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8,
@@ -136,7 +143,7 @@ def test_glm_layout_with_its_pool_size_is_supported_and_counts_the_mixed_group()
 
 @pytest.mark.parametrize(("kpool", "why"), [
     (None, "of a model without index_kpool cannot be restored"),
-    (KPOOL // 2, "holds speculative lookahead beyond its pool of 2 tokens, which is not restored yet"),
+    (KPOOL // 2, "is not the ring of 2 slots vLLM sizes for a pool of 2 tokens and 0 draft tokens"),
 ])  # fmt: skip
 def test_glm_ring_without_a_matching_pool_is_named(kpool, why):
     config, managers = grouped(glm_specs(), "BLHNC")
@@ -149,22 +156,42 @@ def test_glm_ring_without_a_matching_pool_is_named(kpool, why):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_glm_layout_under_mtp_names_the_ring_lookahead(k):
-    """``glm5_next_mtp`` under MTP: every ring (the target's and the MTP layer's) holds the pool
-    plus ``k`` drafts -- 8 slots for a pool of 4 at k = 1 and 3 -- which the plugin does not restore
-    yet (``RING_LOOKAHEAD``), so ``request_boundaries`` refuses the engine and ``auto`` stays stock.
-    The other groups are fine (the MTP layer's latent and keys are attention groups too)."""
+def test_glm_layout_under_mtp_accepts_the_lookahead_ring(k):
+    """``glm5_next_mtp`` under MTP: every ring (the target's and the MTP layer's, one group) holds
+    the pool plus ``k`` drafts -- 8 slots for a pool of 4 at k = 1 and 3, as vLLM sizes it and as
+    the plugin computes it -- and is a RING group of 8 slots over the pool of 4 (the MTP layer's
+    latent and keys are attention groups too)."""
     ring = glm_tail_ring(KPOOL, k)
-    assert ring == 8
-    config, managers = grouped(glm_specs(ring, mla_layers=(3, 4)), "BLHNC")
-    geometries, reasons = describe_layout(config, managers, kpool=KPOOL)
-    assert {g.kind for g in geometries} == {GroupKind.RECURRENT, GroupKind.ATTENTION}  # packing differs by layer count
+    assert ring == tail_ring_slots(KPOOL, k) == 8
+    config, managers = grouped(glm_specs(ring, mla_layers=(3, 4), num_spec=k), "BLHNC")
+    geometries, reasons = describe_layout(config, managers, kpool=KPOOL, num_spec_tokens=k)
+    assert reasons == []
+    [ring_group] = [g for g in geometries if g.kind is GroupKind.RING]
+    assert (ring_group.block_size, ring_group.pool) == (8, KPOOL)
+    assert {g.kind for g in geometries} == {GroupKind.RECURRENT, GroupKind.ATTENTION, GroupKind.RING}
+
+
+@pytest.mark.parametrize(("k", "slots"), [(3, KPOOL), (1, 16)])
+def test_glm_layout_under_mtp_refuses_another_ring_size(k, slots):
+    """A ring that is not the one vLLM sizes for (kpool, k) -- one pool, or twice the lookahead --
+    stays refused, naming the expected size."""
+    config, managers = grouped(glm_specs(slots, mla_layers=(3, 4), num_spec=k), "BLHNC")
+    _, reasons = describe_layout(config, managers, kpool=KPOOL, num_spec_tokens=k)
     assert reasons == [
-        f"GLM indexer tail ring (2 layers, 8 slots, CircularBufferManager) holds speculative lookahead beyond "
-        f"its pool of {KPOOL} tokens, which is not restored yet: vLLM gives a restored request a fresh ring, so "
+        f"GLM indexer tail ring (2 layers, {slots} slots, CircularBufferManager) is not the ring of 8 slots vLLM "
+        f"sizes for a pool of {KPOOL} tokens and {k} draft tokens: vLLM gives a restored request a fresh ring, so "
         "a restore off the kpool grid would compress its open pool from keys it never wrote "
         "(docs/notes/model-families.md 6.1-6.2)"
     ]
+
+
+@pytest.mark.parametrize(("kpool", "k", "ok"), [(4, 1, True), (4, 2, True), (4, 3, True), (4, 4, False),
+                                                (4, 5, True), (16, 3, True), (16, 8, True), (2, 2, True)])  # fmt: skip
+def test_ring_span_against_vllm_ring_size(kpool, k, ok):
+    """The whole-block copy is exact when the open pool and every key written past the boundary
+    (``2k - 1`` positions under MTP) fit in vLLM's ring; k = 4 on a pool of 4 overruns 8 slots."""
+    assert tail_ring_slots(kpool, k) == glm_tail_ring(kpool, k)
+    assert (ring_span_at_boundary(kpool, k) <= tail_ring_slots(kpool, k)) is ok
 
 
 def test_kimi_layout_is_supported():

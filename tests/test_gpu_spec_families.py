@@ -27,9 +27,9 @@ from ``qwen3_next`` in the embedding and ``lm_head``; ``MARGIN`` and ``MIN_DETEC
 measured on the random ``qwen3_next_mtp`` on 2026-12-01, and the first H200 run of the planted
 fixture is what confirms them.) GLM-5.3-Flash under MTP runs on ``glm5_next_mtp`` (the tiny GLM plus
 one random MTP layer, ``Glm5NextMTP``: drafts almost never accepted, so its acceptance check asks
-no least share, ``RANDOM_DRAFTER_MIN_SHARE``, and compares restored with cold only); it xfails while
-the plugin refuses GLM's indexer tail ring with speculative lookahead (``GLM_RING_REFUSAL``: vLLM
-sizes the ring for a pool plus the drafts), and fails on any other error.
+no least share, ``RANDOM_DRAFTER_MIN_SHARE``, and compares restored with cold only), with the
+plugin restoring GLM's indexer tail ring with speculative lookahead (vLLM sizes it for a pool plus
+the drafts: ``ring/8 p4``, docs/notes/model-families.md §10); it has not run on a GPU yet.
 
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
@@ -69,7 +69,7 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
-from boundary_checkpoints.core.layout import RING_LOOKAHEAD
+from boundary_checkpoints.core.layout import tail_ring_slots
 
 pytestmark = pytest.mark.gpu
 
@@ -81,10 +81,7 @@ GLM_MTP_FAMILY = "glm5_next_mtp"  # a random MTP layer: drafts are almost never 
 # the check keeps only its restored-vs-cold comparison and prints the acceptance. The planted Qwen
 # test keeps ``mtp_checks.MIN_ACCEPTED_SHARE``.
 RANDOM_DRAFTER_MIN_SHARE = 0.0
-# What the plugin says of GLM's indexer tail ring under speculative decoding (vLLM sizes it for a
-# pool plus the drafts: 8 slots for a pool of 4 at k = 1 and 3), which it does not restore yet:
-# ``request_boundaries`` then refuses to start (``core/layout.py``, ``tests/test_family_layouts.py``).
-GLM_RING_REFUSAL = RING_LOOKAHEAD.split("{kpool}")[0]
+GLM_KPOOL = 4  # the tiny GLM's index_kpool (fixtures/families.py)
 MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation's new ids
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
@@ -143,6 +140,7 @@ def setup_of(llm):
         runner = f"{runner.__module__}.{runner.__qualname__}"
     except Exception as exc:  # recorded, not fatal: the probes decide
         runner = f"unknown ({exc!r})"
+    geometries = getattr(core.scheduler, "_geometries", None) or []
     return {
         "block_size": config.cache_config.block_size,
         "async_scheduling": config.scheduler_config.async_scheduling,
@@ -150,7 +148,9 @@ def setup_of(llm):
         "scheduler": type(core.scheduler).__name__,
         "worker_cls": config.parallel_config.worker_cls,
         "model_runner": runner,
-        "group_block_sizes": sorted({g.block_size for g in getattr(core.scheduler, "_geometries", None) or []}),
+        # a ring group counts its pool, not its slots: the grid its restores are cut to
+        "group_block_sizes": sorted({g.pool or g.block_size for g in geometries}),
+        "group_labels": [g.label for g in geometries],
         "vocab_topk": "torch.topk" if case.get("torch_vocab_topk") else "vllm default",
     }
 
@@ -357,20 +357,15 @@ def test_glm5_next_mtp_boundaries(k):
     builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the
     Qwen MTP test and the GLM test above (prompts of 97 and 200 tokens: above ``index_topk``).
 
-    Expected to xfail until the plugin restores a tail ring with speculative lookahead: under MTP
-    vLLM sizes each ring for a pool plus ``k`` drafts (8 slots), and ``request_boundaries`` refuses
-    the layout at scheduler start (after both models are loaded: the refusal in the engines' log
-    also shows that the GPU loaded the fixture's target and drafter). Any other failure fails.
-    Drafts of the random drafter are almost never accepted, so acceptance is checked with
-    ``RANDOM_DRAFTER_MIN_SHARE`` (restored vs cold only) and printed."""
-    try:
-        info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=(97, 200))
-    except AssertionError as exc:  # run_engine_script: the engine script failed
-        if GLM_RING_REFUSAL in str(exc):
-            pytest.xfail(f"k={k}: the plugin refuses GLM's tail ring with speculative lookahead (not restored yet)")
-        raise
+    Under MTP vLLM sizes each ring for a pool plus ``k`` drafts (8 slots for the pool of 4); the
+    plugin accepts it as one ring group over the pool (``ring/8 p4``) and restores it with
+    whole-block copies (docs/notes/model-families.md §10). Drafts of the random drafter are
+    almost never accepted, so acceptance is checked with ``RANDOM_DRAFTER_MIN_SHARE`` (restored vs
+    cold only) and printed."""
+    info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=(97, 200))
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
+    assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
     assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
     check_plugin_run(info, rows, bounds, k)
     check_corrupted_run(info, rows, bounds, speculative=True)

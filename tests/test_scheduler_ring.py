@@ -16,7 +16,10 @@ import random
 
 import pytest
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from spec_shadow import SpecDriver, SpecShadowWorker
 
+from boundary_checkpoints.config import BoundaryConfigError
+from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.boundaries import GroupKind
 from boundary_checkpoints.core.layout import describe_layout
 
@@ -129,17 +132,120 @@ def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_d
         driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
 
 
-def test_a_ring_with_lookahead_is_not_restorable(model_dir):
-    """A ring of more slots than the pool (speculative lookahead) falls back, naming why."""
-    scheduler, _ = build_scheduler(model_dir, ring_kpool=2 * KPOOL)
+def test_a_ring_of_another_size_is_not_restorable(model_dir):
+    """A ring of more slots than vLLM sizes without speculation falls back, naming why."""
+    scheduler, _ = build_scheduler(model_dir, ring_kpool=KPOOL, ring_slots=2 * KPOOL, policy="auto")
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
     _, reasons = describe_layout(scheduler.kv_cache_config, managers, kpool=KPOOL)
+    assert not scheduler.boundaries_active
     assert reasons == [
-        "GLM indexer tail ring (1 layers, 8 slots, CircularBufferManager) holds speculative lookahead beyond its "
-        "pool of 4 tokens, which is not restored yet: vLLM gives a restored request a fresh ring, so a restore "
-        "off the kpool grid would compress its open pool from keys it never wrote (docs/notes/model-families.md "
-        "6.1-6.2)"
+        "GLM indexer tail ring (1 layers, 8 slots, CircularBufferManager) is not the ring of 4 slots vLLM sizes for "
+        "a pool of 4 tokens and 0 draft tokens: vLLM gives a restored request a fresh ring, so a restore off the "
+        "kpool grid would compress its open pool from keys it never wrote (docs/notes/model-families.md 6.1-6.2)"
     ]
+
+
+# ---- under MTP: the lookahead ring (docs/notes/model-families.md §10) ---------------------------
+SLOTS = 8  # vLLM's ring for a pool of 4 at k = 1..3: 4 * next_pow2(cdiv(4 + k, 4))
+
+
+def spec_ring_engine(model_dir, k: int, accept, async_scheduling: bool = False, slots: int = SLOTS):
+    scheduler, worker = ring_scheduler(
+        model_dir, ring_slots=slots, num_speculative_tokens=k, worker_cls=SpecShadowWorker,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    worker.num_spec, worker.accept, worker.async_scheduling, worker.kpool = k, accept, async_scheduling, KPOOL
+    return scheduler, worker, SpecDriver(scheduler, worker, lag=int(async_scheduling))
+
+
+ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
+    "none": lambda k: lambda r, s: 0, "all": lambda k: lambda r, s: k, "cycle": lambda k: lambda r, s: s % (k + 1),
+}  # fmt: skip
+
+
+def restore_rounds(driver, rng, lengths=(5, 8, 15, 17, 22, 30)) -> None:
+    """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn
+    (restored at the response boundary when one was kept), each answering as a cold run."""
+    for length in lengths:
+        prompt = tokens(rng, length)
+        [answer] = driver.run([make_request(prompt, salt="s")])
+        resend = make_request(prompt, salt="s")
+        assert driver.run([resend]) == [answer]
+        assert driver.cached_tokens[resend.request_id] == length - 1
+        follow_up = prompt + answer + tokens(rng, 13)
+        nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
+        assert driver.run([nxt]) == driver.run([cold])
+        assert driver.cached_tokens[nxt.request_id] >= length - 1
+        assert driver.cached_tokens[cold.request_id] == 0
+
+
+def test_lookahead_ring_is_accepted_with_the_model_pool(model_dir):
+    """Under MTP the ring group has the lookahead slots and the pool grid is the model's kpool."""
+    scheduler, _, _ = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    assert scheduler.boundaries_active
+    ring = scheduler._geometries[RING]
+    assert (ring.kind, ring.block_size, ring.pool, ring.label) == (GroupKind.RING, SLOTS, KPOOL, "ring/8 p4")
+    assert scheduler._kpool == KPOOL
+
+
+@pytest.mark.parametrize("accept", sorted(ACCEPT))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_lookahead_ring_restores_exactly_under_mtp(model_dir, k, accept):
+    """Prompt and response bundles restore both rings (the target's and the MTP layer's) exactly:
+    every decode step that completes a pool open at a restore reads the committed keys.
+    Synchronous scheduling only: the async shadow (``spec_shadow.py``) does not model a request
+    whose first step is scheduled with draft placeholders, which these resends are."""
+    _, worker, driver = spec_ring_engine(model_dir, k, ACCEPT[accept](k))
+    restore_rounds(driver, random.Random(10 * k))
+    assert worker.ring_reads > 0
+
+
+def test_under_mtp_without_the_ring_copy_a_restore_reads_a_fresh_ring(model_dir, monkeypatch):
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
+    with pytest.raises(ShadowMismatch, match=r"ring group 3 at 18 is wrong \(position 16\)"):
+        restore_rounds(driver, random.Random(5), lengths=(18,))  # the resend's first verify step reads 16, 17
+
+
+def first_steps_after_prompt_restore(scheduler, driver, rng) -> list[int]:
+    """Step sizes of a longer prompt that restores at its producer's ``P - 1`` = 17."""
+    outputs = recorded_steps(scheduler)
+    prompt = tokens(rng, 18)
+    driver.run([make_request(prompt, salt="s")])
+    longer = make_request(prompt + tokens(rng, 30), salt="s")
+    first = len(outputs)
+    driver.run([longer])
+    assert driver.cached_tokens[longer.request_id] == 17
+    return [s for s in (o.num_scheduled_tokens.get(longer.request_id) for o in outputs[first:]) if s][:8]
+
+
+def test_under_mtp_the_pool_grid_is_the_model_pool_not_the_ring(model_dir, monkeypatch):
+    """From 17 the consumer steps one token at a time to the pool boundary 20 and then prefills; a
+    scheduler that took the pool from the ring's 8 slots would step one token at a time to 24."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    steps = first_steps_after_prompt_restore(scheduler, driver, random.Random(8))
+    assert steps[:3] == [1, 1, 1] and steps[3] > 1
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    monkeypatch.setattr(scheduler, "_kpool", SLOTS)
+    assert first_steps_after_prompt_restore(scheduler, driver, random.Random(8))[:7] == [1] * 7
+
+
+def test_under_mtp_a_pool_sized_ring_is_refused(model_dir):
+    """A ring of one pool under MTP is not the ring vLLM sizes: ``request_boundaries`` refuses."""
+    with pytest.raises(BoundaryConfigError, match="is not the ring of 8 slots vLLM sizes for a pool of 4 tokens and 3"):
+        spec_ring_engine(model_dir, 3, ACCEPT["all"](3), slots=KPOOL)
+
+
+def test_the_drafter_passes_overrun_the_lookahead_ring_at_k4(model_dir, monkeypatch):
+    """At k = 4 vLLM's ring of 8 slots holds the pool and the verify step's drafts, but the MTP
+    drafter's 3 later passes wrap onto the open pool: the plugin refuses, and with the span rule
+    taken away (counting the verify step's drafts only) the shadow sees a clobbered key."""
+    with pytest.raises(BoundaryConfigError, match="of 8 slots cannot hold the 10 positions"):
+        spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
+    monkeypatch.setattr(layout, "ring_span_at_boundary", lambda kpool, k: kpool - 1 + k)
+    _, _, driver = spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
+    with pytest.raises(ShadowMismatch, match="ring group 3 at .* is wrong"):
+        restore_rounds(driver, random.Random(4), lengths=(5, 8, 15, 17, 22, 30, 31, 33))
 
 
 def test_plan_bundle_takes_the_ring_block_whole():

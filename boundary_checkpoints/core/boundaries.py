@@ -36,7 +36,9 @@ A bundle at ``N`` is planned from a request's live block table (:func:`plan_bund
   block, or adopted at finish. The bundle lists null blocks before it, as vLLM's hits do.
 * ring group (the GLM-5.3-Flash indexer's tail ring, one block per request for its lifetime):
   right after the step that computed token ``N - 1`` the request's only block holds the raw keys
-  of the pool in progress, tokens ``[N // kpool * kpool, N)``; it is copied or adopted like the
+  of the pool in progress, tokens ``[N // kpool * kpool, N)``, at slots ``pos % slots`` (under
+  MTP the ring has lookahead slots, and no key the producer wrote past ``N - 1`` wraps onto
+  them: ``core/layout.py``, ``ring_span_at_boundary``); it is copied or adopted whole like the
   recurrent state, and the bundle lists just that block. vLLM never restores this group (it is
   not prefix-cacheable): the scheduler copies the bundle's block into the consumer's own ring.
   Under speculative decoding the source is the running-state column of the producer's last step,
@@ -79,11 +81,14 @@ class GroupGeometry:
     block_size: int
     page_bytes: int
     window: int = 0  # WINDOW groups: the sliding window in tokens
+    pool: int = 0  # RING groups: the indexer's pool (index_kpool); block_size is the ring's slots
 
     @property
     def label(self) -> str:
-        """``kind/block`` (window groups: ``window/block w<window>``), as the startup log line shows it."""
-        return f"{self.kind.value}/{self.block_size}" + (f" w{self.window}" if self.window else "")
+        """``kind/block`` (window groups: ``window/block w<window>``; ring groups ``ring/slots p<pool>``),
+        as the startup log line shows it."""
+        extra = f" w{self.window}" if self.window else f" p{self.pool}" if self.pool else ""
+        return f"{self.kind.value}/{self.block_size}{extra}"
 
 
 def first_window_page(num_tokens: int, block_size: int, window: int) -> int:

