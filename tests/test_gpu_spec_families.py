@@ -17,7 +17,11 @@ two cold controls; every phase one shared batch):
 
 Prompt lengths 1, B - 1, B, B + 1, 8193 and 32768 (B = the engine's block size; GLM adds 97 and
 200, off the block grid and above its ``index_topk`` 64), 32 conversations at once (the lengths in
-turn), 16 answer tokens (issue 12, item 3).
+turn), 16 answer tokens (issue 12, item 3). The non-GDN families (Nemotron-H, Kimi-Linear, GLM)
+add ``B - 8``: its producer decodes past the block boundary, so stock's continuation restores a
+block-grid state that the *decode* kernels built, a reference for the decode-versus-chunk
+rounding that a restored continuation's state also carries (session 10 found the KDA families'
+continuations above their prefill-only references: docs/results/gpu-session10-h200.md §1).
 
 MTP runs on ``qwen3_next_mtp_planted``, whose MTP layer predicts the target's greedy answers
 (``fixtures/families.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
@@ -85,6 +89,8 @@ GLM_KPOOL = 4  # the tiny GLM's index_kpool (fixtures/families.py)
 MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation's new ids
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
+DECODED_BLOCK_LENGTH = "B-8"  # the producer decodes 8 tokens into block 2: see the module docstring
+GLM_EXTRA_LENGTHS = (97, 200, DECODED_BLOCK_LENGTH)  # above index_topk, off the block grid; and the above
 CASE_TIMEOUT_S = 360  # two engine starts (compile, CUDA graphs) and three scenarios
 # 32 conversations give each case over 100 reference pairs (probes.calibrate), whose maximum
 # already samples the rounding tail of this run: measured on the H200 (2026-12-01, MTP k = 1)
@@ -156,7 +162,7 @@ def setup_of(llm):
 
 def lengths_for(block):
     room = case["max_model_len"] - 2 * case["max_tokens"] - NEW_TOKENS  # the continuation's answer fits
-    wanted = [{"B-1": block - 1, "B": block, "B+1": block + 1}.get(n, n) for n in case["lengths"]]
+    wanted = [{"B-8": block - 8, "B-1": block - 1, "B": block, "B+1": block + 1}.get(n, n) for n in case["lengths"]]
     return sorted({int(n) for n in wanted if 1 <= int(n) <= room})
 
 next_token = None
@@ -202,7 +208,7 @@ print("RESULT " + json.dumps(out))
 
 
 def make_case(
-    k: int, extra_lengths: tuple[int, ...] = (), engine: dict | None = None, planted_seed: int | None = None
+    k: int, extra_lengths: tuple[int | str, ...] = (), engine: dict | None = None, planted_seed: int | None = None
 ) -> dict:
     """The SCRIPT's case: lengths, answer length, model length, conversations, engine overrides,
     and for the planted fixture its seed (a continuation's first new token is then the successor of
@@ -225,7 +231,7 @@ def bounds_for(rows: dict, k: int):
     return calibrate(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE)
 
 
-def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int, ...] = ()):
+def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str, ...] = ()):
     """Runs the three scenarios of the module docstring; returns (info, rows per run, bounds)."""
     from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
 
@@ -337,14 +343,14 @@ def test_hybrid_family_boundaries(family, monkeypatch):
     # vLLM 0.32's Kimi model imports the CuTe DSL (``cutlass``) for its GEMM + all-reduce fusion
     # unless this is off; the H200 bundle has no CuTe DSL, and one GPU has no all-reduce to fuse.
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-    info, rows, bounds = run_case(family, family)
+    info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,))
     print(f"{family} setup: {info['request_boundaries']['setup']}")
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
 
 
 def test_glm5_next_boundaries_above_index_topk():
-    info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=(97, 200))
+    info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS)
     print(f"glm5_next setup: {info['request_boundaries']['setup']}")
     assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
     check_plugin_run(info, rows, bounds, 0)
@@ -362,7 +368,7 @@ def test_glm5_next_mtp_boundaries(k):
     whole-block copies (docs/notes/model-families.md §10). Drafts of the random drafter are
     almost never accepted, so acceptance is checked with ``RANDOM_DRAFTER_MIN_SHARE`` (restored vs
     cold only) and printed."""
-    info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=(97, 200))
+    info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS)
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
     assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
