@@ -57,18 +57,9 @@ def test_layout_is_accepted_with_the_pool_size(model_dir):
 def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag):
     scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag))
     driver = Driver(scheduler, worker, lag=lag)
-    rng = random.Random(lag)
-    for length in (5, 8, 15, 16, 17, 30, 45):  # P - 1 and P + answer on and off the grid of 4
-        prompt = tokens(rng, length)
-        [answer] = driver.run([make_request(prompt, salt="s")])
-        resend = make_request(prompt, salt="s")
-        assert driver.run([resend]) == [answer]
-        assert driver.cached_tokens[resend.request_id] == length - 1
-        follow_up = prompt + answer + tokens(rng, 23)
-        nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
-        assert driver.run([nxt]) == driver.run([cold])
-        assert driver.cached_tokens[nxt.request_id] == length + len(answer) - 1
-        assert driver.cached_tokens[cold.request_id] == 0
+    # P - 1 and P + answer on and off the grid of 4; without drafts every next turn restores its
+    # exact response boundary
+    restore_rounds(driver, random.Random(lag), (5, 8, 15, 16, 17, 30, 45), new_tokens=23, exact_response=True)
     assert worker.restored_reads > 0
 
 
@@ -163,19 +154,25 @@ ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
 }  # fmt: skip
 
 
-def restore_rounds(driver, rng, lengths=(5, 8, 15, 17, 22, 30)) -> None:
-    """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn
-    (restored at the response boundary when one was kept), each answering as a cold run."""
+def restore_rounds(
+    driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, exact_response: bool = False
+) -> None:
+    """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn of
+    ``new_tokens`` more (restored at the response boundary when one was kept, or every time with
+    ``exact_response``), each answering as a cold run."""
     for length in lengths:
         prompt = tokens(rng, length)
         [answer] = driver.run([make_request(prompt, salt="s")])
         resend = make_request(prompt, salt="s")
         assert driver.run([resend]) == [answer]
         assert driver.cached_tokens[resend.request_id] == length - 1
-        follow_up = prompt + answer + tokens(rng, 13)
+        follow_up = prompt + answer + tokens(rng, new_tokens)
         nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
         assert driver.run([nxt]) == driver.run([cold])
-        assert driver.cached_tokens[nxt.request_id] >= length - 1
+        if exact_response:
+            assert driver.cached_tokens[nxt.request_id] == length + len(answer) - 1
+        else:
+            assert driver.cached_tokens[nxt.request_id] >= length - 1
         assert driver.cached_tokens[cold.request_id] == 0
 
 
