@@ -74,6 +74,7 @@ from boundary_checkpoints.bench.probes import (
     state_failures,
 )
 from boundary_checkpoints.core.layout import tail_ring_slots
+from boundary_checkpoints.fixtures.families import GLM_KPOOL
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +86,6 @@ GLM_MTP_FAMILY = "glm5_next_mtp"  # a random MTP layer: drafts are almost never 
 # the check keeps only its restored-vs-cold comparison and prints the acceptance. The planted Qwen
 # test keeps ``mtp_checks.MIN_ACCEPTED_SHARE``.
 RANDOM_DRAFTER_MIN_SHARE = 0.0
-GLM_KPOOL = 4  # the tiny GLM's index_kpool (fixtures/families.py)
 MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation's new ids
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
