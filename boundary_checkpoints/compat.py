@@ -117,7 +117,7 @@ Private internals (names and the behaviour relied on):
   final conv and SSM state to; ``layer.kv_cache`` is ``(conv_state, ssm_state)``, both indexed by
   block id first. ``_resolve_gdn_prefill_backend(vllm_config)`` (:func:`gdn_prefill_backend`) is
   the kernel the layers pick; ``vllm.utils.gpu_sync_debug.gpu_sync_allowed`` marks the split's one
-  device-to-host read per step and KV group.
+  device-to-host read per step (:func:`forward_context_metadata`: every KV group's metadata at once).
 * ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
   config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
   the plugin's only wrapper around a vLLM function.
@@ -172,6 +172,7 @@ __all__ = [
     "cpu_worker_class",
     "fla_chunk_metadata",
     "forward_context_layers",
+    "forward_context_metadata",
     "forward_metadata",
     "gdn_metadata_class",
     "gdn_prefill_backend",
@@ -290,15 +291,15 @@ def cpu_gdn_core(mixed_qkv, b, a, core_attn_out, layer_name: str) -> None:
     cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
 
 
-def fla_chunk_metadata(prefill_query_start_loc_cpu, device):
+def fla_chunk_metadata(prefill_query_start_loc_cpu):
     """``(chunk_indices, chunk_offsets)`` of the FLA Triton chunk kernel for these prefill
-    ``cu_seqlens`` (as ``GDNAttentionMetadataBuilder._build_chunk_metadata`` makes them)."""
+    ``cu_seqlens``, on the CPU (as ``GDNAttentionMetadataBuilder._build_chunk_metadata`` makes
+    them before moving them to the device)."""
     from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices, prepare_chunk_offsets
     from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
 
-    indices = prepare_chunk_indices(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE)
-    offsets = prepare_chunk_offsets(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE)
-    return indices.to(device), offsets.to(device)
+    return (prepare_chunk_indices(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE),
+            prepare_chunk_offsets(prefill_query_start_loc_cpu, FLA_CHUNK_SIZE))  # fmt: skip
 
 
 def conv_metadata(query_start_loc_cpu, device):
@@ -327,6 +328,15 @@ def forward_metadata(layer_name: str):
 def forward_context_layers(vllm_config) -> list:
     """The layers vLLM registered for its forward context (``static_forward_context``, by prefix)."""
     return list(vllm_config.compilation_config.static_forward_context.values())
+
+
+def forward_context_metadata() -> list:
+    """Every attention metadata object of the current forward pass (one per KV group; layers of a
+    group share theirs), or [] (no metadata, or DBO micro-batches)."""
+    from vllm.forward_context import get_forward_context
+
+    table = get_forward_context().attn_metadata
+    return [*{id(m): m for m in table.values()}.values()] if isinstance(table, dict) else []
 
 
 @contextmanager

@@ -12,7 +12,8 @@ Contract
   returns the slots no layer split (the capture did not happen: the worker fails the step).
 * In a layer, a prefill row whose state index is one of the ``slots`` is a capture row; the
   scheduler sends only rows of two tokens or more whose chunk ends at the prompt's ``P``. The core
-  then runs as two calls of vLLM's own core on derived metadata (:func:`split_rows`):
+  then runs as two calls of vLLM's own core on derived metadata (:func:`step_splits`, once per
+  step for every KV group, from one device read of their row layouts):
   1. the step without the last token of each capture row (its ``cu_seqlens`` entries shortened,
      the Triton kernels' chunk and conv metadata rebuilt): the batch the ``P - 1`` stop runs, so
      each capture row's slot then holds its conv and SSM state after ``P - 1``, which is copied
@@ -35,6 +36,7 @@ from boundary_checkpoints.compat import (
     cpu_gdn_core,
     fla_chunk_metadata,
     forward_context_layers,
+    forward_context_metadata,
     forward_metadata,
     gdn_metadata_class,
     gpu_sync_allowed,
@@ -60,66 +62,121 @@ class RowSplit:
     last_tokens: object  # metadata of call 2
 
 
-def with_kernel_metadata(metadata, query_starts: torch.Tensor, prefill_starts: torch.Tensor, device):
-    """``metadata`` with the CUDA core's Triton chunk metadata for the prefill ``cu_seqlens``
-    ``prefill_starts`` and its causal-conv metadata for the batch's ``query_starts`` (both on CPU)."""
-    chunk_indices, chunk_offsets = fla_chunk_metadata(prefill_starts, device)
+@dataclass(frozen=True)
+class RowLayout:
+    """The token layout of a split: which tokens each call takes and call 1's query metadata. It
+    depends only on the batch's rows and which of them are capture rows, so the KV groups of a step
+    (the same batch, each with its own state indices) share one."""
+
+    keep: torch.Tensor
+    last: torch.Tensor
+    num_tokens: int  # real tokens of the batch (zero-token padding rows hold none)
+    query_fields: dict  # call 1's query starts (and the CUDA core's kernel metadata), for ``replace``
+    last_query_start_loc: torch.Tensor  # call 2: one token per row
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; on CUDA through pinned memory, so the copy does not wait for the
+    device (a pageable copy synchronizes the stream)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def kernel_fields(query_starts: torch.Tensor, prefill_starts: torch.Tensor, device) -> dict:
+    """The CUDA core's Triton chunk metadata for the prefill ``cu_seqlens`` ``prefill_starts`` and
+    its causal-conv metadata for the batch's ``query_starts`` (both on CPU)."""
+    chunk_indices, chunk_offsets = fla_chunk_metadata(prefill_starts)
     nums_dict, batch_ptr, token_chunk_offset_ptr = conv_metadata(query_starts, device)
-    return replace(
-        metadata, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, nums_dict=nums_dict,
-        batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr,
-    )  # fmt: skip
+    return {
+        "chunk_indices": to_device(chunk_indices, device), "chunk_offsets": to_device(chunk_offsets, device),
+        "nums_dict": nums_dict, "batch_ptr": batch_ptr, "token_chunk_offset_ptr": token_chunk_offset_ptr,
+    }  # fmt: skip
 
 
-def split_rows(metadata, pairs: dict[int, int], rebuild_kernel_metadata: bool) -> RowSplit | None:
-    """The split of a non-speculative GDN batch whose prefill rows with a state index in ``pairs``
-    are capture rows (None: there are none). ``rebuild_kernel_metadata``: the CUDA core's Triton
-    chunk and conv metadata follow the shortened rows. Every row of the batch keeps its place,
-    zero-token padding rows included, so the per-row tensors of ``metadata`` still line up."""
-    num_decodes, num_rows = metadata.num_decodes, metadata.num_decodes + metadata.num_prefills
-    starts = metadata.non_spec_query_start_loc.cpu()  # zero-token padding rows (if any) follow the real ones
-    indices = metadata.prefill_state_indices[: metadata.num_prefills].tolist()
-    rows = [num_decodes + r for r, index in enumerate(indices) if index in pairs]
-    if not rows:
-        return None
+def with_kernel_metadata(metadata, query_starts: torch.Tensor, prefill_starts: torch.Tensor, device):
+    """``metadata`` with :func:`kernel_fields` for these query starts (both on CPU)."""
+    return replace(metadata, **kernel_fields(query_starts, prefill_starts, device))
+
+
+def row_layout(metadata, starts: torch.Tensor, rows: tuple[int, ...], rebuild_kernel_metadata: bool) -> RowLayout:
+    """The layout of ``metadata``'s batch (row starts ``starts`` on the host) with capture rows
+    ``rows``; ``rebuild_kernel_metadata``: the CUDA core's Triton chunk and conv metadata follow the
+    shortened rows. Every row keeps its place, zero-token padding rows included, so the per-row
+    tensors of the metadata still line up."""
     short = [row for row in rows if starts[row + 1] - starts[row] < 2]
     if short:
-        raise RuntimeError(f"in-step capture rows {short} have fewer than two tokens")
+        raise RuntimeError(f"in-step capture rows {list(short)} have fewer than two tokens")
     device = metadata.non_spec_query_start_loc.device
-    num_tokens, n = int(starts[num_rows]), len(rows)
+    num_tokens = int(starts[metadata.num_decodes + metadata.num_prefills])
     last = [int(starts[row + 1]) - 1 for row in rows]
     shortened = starts.clone()
     for row in rows:
         shortened[row + 1 :] -= 1
     keep = torch.ones(num_tokens, dtype=torch.bool)
     keep[last] = False
-    prefill_starts = shortened[num_decodes:] - metadata.num_decode_tokens
-    without_last = replace(
-        metadata,
-        num_prefill_tokens=metadata.num_prefill_tokens - n,
-        num_actual_tokens=num_tokens - n,
-        non_spec_query_start_loc=shortened.to(device),
-        prefill_query_start_loc=prefill_starts.to(device),
-    )
+    prefill_starts = shortened[metadata.num_decodes :] - metadata.num_decode_tokens
+    fields = {"non_spec_query_start_loc": to_device(shortened, device),
+              "prefill_query_start_loc": to_device(prefill_starts, device)}  # fmt: skip
     if rebuild_kernel_metadata:
-        without_last = with_kernel_metadata(without_last, shortened, prefill_starts, device)
-    slots = [indices[row - num_decodes] for row in rows]
+        fields |= kernel_fields(shortened, prefill_starts, device)
+    return RowLayout(
+        keep=to_device(keep.nonzero().flatten(), device),
+        last=to_device(torch.tensor(last), device),
+        num_tokens=num_tokens,
+        query_fields=fields,
+        last_query_start_loc=torch.arange(len(rows) + 1, dtype=starts.dtype, device=device),
+    )
+
+
+def group_split(metadata, layout: RowLayout, slots: list[int], pairs: dict[int, int]) -> RowSplit:
+    """The split of one KV group's batch over a shared ``layout``; ``slots``: the capture rows'
+    state indices in this group."""
+    device, n = metadata.non_spec_query_start_loc.device, len(slots)
     index_dtype = metadata.prefill_state_indices.dtype
+    indices = to_device(torch.tensor([slots, [pairs[slot] for slot in slots]], dtype=index_dtype), device)
+    without_last = replace(
+        metadata, num_prefill_tokens=metadata.num_prefill_tokens - n, num_actual_tokens=layout.num_tokens - n,
+        **layout.query_fields,
+    )  # fmt: skip
     last_tokens = GDNMetadata(
         num_prefills=0, num_prefill_tokens=0, num_decodes=n, num_decode_tokens=n, num_spec_decodes=0,
-        num_spec_decode_tokens=0, num_actual_tokens=n,
-        non_spec_query_start_loc=torch.arange(n + 1, dtype=starts.dtype, device=device),
-        non_spec_state_indices_tensor=torch.tensor(slots, dtype=index_dtype, device=device),
+        num_spec_decode_tokens=0, num_actual_tokens=n, non_spec_query_start_loc=layout.last_query_start_loc,
+        non_spec_state_indices_tensor=indices[0],
     )  # fmt: skip
     return RowSplit(
-        keep=keep.nonzero().flatten().to(device),
-        last=torch.tensor(last, device=device),
-        slots=torch.tensor(slots, device=device),
-        slot_ids=tuple(slots),
-        destinations=torch.tensor([pairs[slot] for slot in slots], device=device),
-        without_last=without_last,
-        last_tokens=last_tokens,
-    )
+        keep=layout.keep, last=layout.last, slots=indices[0], slot_ids=tuple(slots), destinations=indices[1],
+        without_last=without_last, last_tokens=last_tokens,
+    )  # fmt: skip
+
+
+def step_splits(batches: list, pairs: dict[int, int], rebuild_kernel_metadata: bool) -> list[RowSplit | None]:
+    """The split of each non-speculative GDN batch of ``batches`` (one per KV group of a step)
+    whose prefill rows with a state index in ``pairs`` are capture rows (None: there are none).
+    The rows' layout is read from the device once for all of them, and batches with the same rows
+    and capture rows share one :class:`RowLayout`."""
+    pieces = []
+    for metadata in batches:
+        indices = metadata.prefill_state_indices[: metadata.num_prefills]
+        pieces += [metadata.non_spec_query_start_loc.long(), indices.long()]
+    with gpu_sync_allowed():  # the step's one device-to-host read: every group's row layout
+        host = torch.cat(pieces).cpu()
+    splits, layouts, offset = [], {}, 0
+    for metadata in batches:
+        width = metadata.non_spec_query_start_loc.numel()
+        starts = host[offset : offset + width].to(metadata.non_spec_query_start_loc.dtype)
+        indices = host[offset + width : offset + width + metadata.num_prefills].tolist()
+        offset += width + metadata.num_prefills
+        rows = tuple(metadata.num_decodes + r for r, index in enumerate(indices) if index in pairs)
+        if not rows:
+            splits.append(None)
+            continue
+        key = (rows, metadata.num_decodes, metadata.num_decode_tokens, tuple(starts.tolist()))
+        if key not in layouts:
+            layouts[key] = row_layout(metadata, starts, rows, rebuild_kernel_metadata)
+        slots = [indices[row - metadata.num_decodes] for row in rows]
+        splits.append(group_split(metadata, layouts[key], slots, pairs))
+    return splits
 
 
 class StepCaptures:
@@ -143,18 +200,28 @@ class StepCaptures:
         return missing
 
     def split_for(self, metadata) -> RowSplit | None:
-        """The split of the batch ``metadata`` describes (computed once per step and KV group:
-        its layers share the metadata object), or None."""
-        if not self._pairs or metadata.num_prefills == 0 or metadata.spec_sequence_masks is not None:
+        """The split of the batch ``metadata`` describes, or None. The first call of a step splits
+        every GDN batch of the forward context at once (one device read for all KV groups: their
+        layers share one metadata object per group); a batch not among them is split alone."""
+        if not self._pairs or not splittable(metadata):
             return None
-        key = id(metadata)
-        if key not in self._splits:
-            with gpu_sync_allowed():  # reads the row layout: once per step and KV group with capture pairs
-                split = split_rows(metadata, self._pairs, self.rebuild_kernel_metadata)
-            self._splits[key] = (metadata, split)  # the metadata is kept so that its id stays unique
+        if not self._splits:
+            batches = {id(m): m for m in forward_context_metadata() if isinstance(m, GDNMetadata) and splittable(m)}
+            self._remember([*batches.values()])
+        if id(metadata) not in self._splits:
+            self._remember([metadata])
+        return self._splits[id(metadata)][1]
+
+    def _remember(self, batches: list) -> None:
+        for metadata, split in zip(batches, step_splits(batches, self._pairs, self.rebuild_kernel_metadata)):
+            self._splits[id(metadata)] = (metadata, split)  # the metadata is kept so that its id stays unique
             if split is not None:
                 self._taken.update(split.slot_ids)
-        return self._splits[key][1]
+
+
+def splittable(metadata) -> bool:
+    """A batch the split applies to: prefill rows, no speculative rows."""
+    return metadata.num_prefills > 0 and metadata.spec_sequence_masks is None
 
 
 class BoundaryQwenGDN(qwen_gdn_layer_class()):
