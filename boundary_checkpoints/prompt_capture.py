@@ -23,8 +23,9 @@ H200 the end-to-end probes passed and the split's layer-level shadow check
 (``tests/test_gdn_split.py``) moves every row of a mixed batch no further from the two-step
 reference than stock's own step does (session 9, ``docs/results/gpu-session9-h200.md``); its
 first-turn TTFT at real dims is stock's at 1 request in flight but 1.14-1.19x stock's at 8-64
-(session 10, ``docs/results/gpu-session10-h200.md`` §2; the P - 1 stop was not measured in the
-same rounds, so which of the two is cheaper there is not known). (Session 8 had made ``auto`` keep the stop on
+(session 10, ``docs/results/gpu-session10-h200.md`` §2); the P - 1 stop is no cheaper there, and
+the extra time is the split's host work on host-bound prefill steps (session 11,
+``docs/results/gpu-session11-h200.md`` §1). (Session 8 had made ``auto`` keep the stop on
 CUDA while that shadow check failed; its per-row breakdown showed the failing bound, not the
 split, was at fault.) On the CPU kernels the split is bit-exact (CI). vLLM's Hopper default GDN
 prefill kernel is FlashInfer's, which the split does not know: there the prompt stops at ``P - 1``
@@ -48,7 +49,8 @@ PROMPT_CAPTURES = (AUTO, IN_STEP, STOP)
 # What is and is not validated about the split on CUDA (module docstring).
 CUDA_IN_STEP_CAVEAT = (
     "CUDA: end-to-end probes and the per-row shadow check passed on the H200; fresh-prompt TTFT at real "
-    "dims measured at 0.99x stock with 1 request in flight, 1.14-1.19x with 8-64 (docs/results/gpu-session10-h200.md)"
+    "dims measured at 0.99x stock with 1 request in flight, 1.14-1.19x with 8-64, where the P - 1 stop is "
+    "no cheaper (docs/results/gpu-session10-h200.md, gpu-session11-h200.md)"
 )
 
 # vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention
