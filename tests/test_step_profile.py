@@ -6,7 +6,9 @@ checks of what it wrote: every configuration, batch and mode measured the planne
 with positive times and nothing cached; the step counts vLLM takes (at P = 300 and block 256 stock
 runs the block-aligned chunk of 256 tokens, then 44; the ``P - 1`` stop one more step; the in-step
 split none); the steps that carry in-step capture pairs found in ``in_step`` calls only, with the
-plugin's decision to match; the profile's tables and rows naming ops, and its traces written.
+plugin's decision to match; the profile's tables and rows naming ops, and its traces written; the
+step attribution of each trace (capture steps with recurrent cores in ``in_step`` only, times that
+add up), printed in the report and by ``--attribute``.
 """
 
 from __future__ import annotations
@@ -116,3 +118,26 @@ def test_profile_tables_and_traces_name_ops(run):
         names = {e.get("name") for e in trace["traceEvents"]}
         assert "bc_schedule" in names and ("bc_execute_model[capture]" in names) == (config == "in_step"), config
     assert "aten::mm" in tables
+
+
+def test_step_attribution_of_each_trace(run):
+    data, stdout, _ = run
+    for config in CONFIGS:
+        attribution = data["configs"][config]["profile"]["attribution"]
+        assert "error" not in attribution, attribution
+        kinds = attribution["kinds"]
+        assert ("capture" in kinds) == (config == "in_step") and "plain" in kinds, (config, attribution)
+        for kind, a in kinds.items():
+            assert a["steps"] >= 1 and a["cores_per_step"] >= 1 and len(a["layer_core_ms"]) >= 1, (config, kind)
+            assert 0 < a["core_ms"] <= a["host_ms"], (config, kind, a)
+            assert a["children_ms"] + a["gaps_ms"] == pytest.approx(a["core_ms"], abs=0.01), (config, kind, a)
+            assert 0 <= a["gaps_ms"] and sum(c["ms"] for c in a["children"]) <= a["children_ms"] + 0.01
+            assert "device" not in a  # a CPU trace has no device events
+            assert f"steps: {kind} x{a['steps']}: host {a['host_ms']:.1f} ms/step" in stdout
+    capture = data["configs"]["in_step"]["profile"]["attribution"]["kinds"]["capture"]
+    trace = data["configs"]["in_step"]["profile"]["trace"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--attribute", trace], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"capture x{capture['steps']}: host {capture['host_ms']:.1f} ms/step" in done.stdout
+    assert "layer cores ms: " in done.stdout
