@@ -320,6 +320,14 @@ def test_probe_row_round_trips_through_json():
     row = _probe_row(noise=0.01)
     again = ProbeRow.from_dict(json.loads(json.dumps(row.as_dict())))
     assert again == row and again.committed == 147
+    # Without the optional decode-path phase the form is the one recorded before it existed.
+    assert set(row.as_dict()) == {"prompt_len", "producer", "resend", "restored", "cold", "cold_again"}
+    assert again.cold_decoded is None
+    row.cold_decoded = row.cold
+    data = json.loads(json.dumps(row.as_dict()))
+    assert ProbeRow.from_dict(data) == row
+    data["cold_decoded"] = None  # an explicit null reads as "did not run"
+    assert ProbeRow.from_dict(data).cold_decoded is None
 
 
 def test_same_greedy_output_tells_ties_from_differences():

@@ -8,7 +8,14 @@ defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three pro
 two cold controls; every phase one shared batch):
 
 1. policy ``request_boundaries``, explicitly: these tests are what validates a layout, so they do
-   not depend on ``auto``'s list (``config.unvalidated_reasons``);
+   not depend on ``auto``'s list (``config.unvalidated_reasons``). For Nemotron-H, Kimi-Linear
+   and GLM (not the MTP cases) the engine's scheduler is first re-classed to its decode-path
+   class (``decode_path_control.install``, same instance) and the scenario adds a last phase, the
+   decode-path cold controls (``run_probes(decode_spans=...)``: each continuation cold with
+   ``[P - 1, committed)`` run one token per step, as its producer ran it). Checked only that each
+   control ran its span so; the quartiles of their first-token deviations are printed
+   (``report_decode_path``: does a restored continuation carry its producer's decode-kernel
+   rounding?) and the rows saved;
 2. the same engine with its scheduler re-classed to ``corrupt_restore.CorruptAsyncScheduler``
    (``CorruptScheduler`` if vLLM chose the synchronous one): restores one token of state off, the
    negative control (fresh prompts, seed 1);
@@ -61,6 +68,7 @@ from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
+from decode_path_control import span_failures
 from engine_script import run_engine_script
 from mtp_checks import check_acceptance, unserved_responses
 from results_out import results_dir, save_json
@@ -68,6 +76,7 @@ from results_out import results_dir, save_json
 from boundary_checkpoints.bench.probes import (
     ProbeRow,
     calibrate,
+    first_token_deviation,
     mtp_reference_pairs,
     probe_failures,
     reference_pairs,
@@ -119,6 +128,7 @@ from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from boundary_checkpoints.bench.probes import NEW_TOKENS, run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
+from decode_path_control import install as install_decode_path
 
 case = json.loads(sys.argv[3])
 k = case["k"]
@@ -171,10 +181,10 @@ if case.get("planted_seed") is not None:  # the planted fixture: the target's li
     successor = planted_successor(case["planted_seed"]).tolist()
     next_token = lambda answer: successor[answer[-1]]
 
-def probes(llm, lengths, seed):
+def probes(llm, lengths, seed, decode_spans=None):
     acceptance = {}
     rows = run_probes(llm, lengths, case["conversations"], case["max_tokens"], seed=seed, acceptance=acceptance,
-                      next_token=next_token)
+                      next_token=next_token, decode_spans=decode_spans)
     return [row.as_dict() for row in rows], acceptance
 
 def release():  # after the caller's ``del llm``: the last reference must go before the cleanup
@@ -185,11 +195,16 @@ out = {}
 llm = engine("request_boundaries")
 setup = setup_of(llm)
 lengths = lengths_for(setup["block_size"])
-rows, acceptance = probes(llm, lengths, 0)
-setup["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
 scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+# The decode-path controls (phase cold_decoded): the plugin's scheduler, same instance, with spans.
+spans = install_decode_path(scheduler) if case.get("decode_path") else None
+rows, acceptance = probes(llm, lengths, 0, decode_spans=spans)
+setup["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
 setup["boundary_stats"] = scheduler.boundary_stats()
 out["request_boundaries"] = {"setup": setup, "lengths": lengths, "rows": rows, "acceptance": acceptance}
+if spans is not None:
+    out["request_boundaries"]["decode_spans"] = {salt: list(span) for salt, span in spans.items()}
+    out["request_boundaries"]["decode_span_counts"] = dict(scheduler.decode_span_counts)
 corrupt = CorruptAsyncScheduler if isinstance(scheduler, BoundaryAsyncScheduler) else CorruptScheduler
 scheduler.__class__ = corrupt  # same instance: restores one token off from now on
 rows, acceptance = probes(llm, lengths, 1)
@@ -208,17 +223,24 @@ print("RESULT " + json.dumps(out))
 
 
 def make_case(
-    k: int, extra_lengths: tuple[int | str, ...] = (), engine: dict | None = None, planted_seed: int | None = None
+    k: int,
+    extra_lengths: tuple[int | str, ...] = (),
+    engine: dict | None = None,
+    planted_seed: int | None = None,
+    decode_path: bool = False,
 ) -> dict:
     """The SCRIPT's case: lengths, answer length, model length, conversations, engine overrides,
     and for the planted fixture its seed (a continuation's first new token is then the successor of
-    the answer's last token, ``run_probes(next_token=...)``)."""
+    the answer's last token, ``run_probes(next_token=...)``); ``decode_path``: the plugin scenario
+    adds the decode-path controls (``report_decode_path``)."""
     case = {"k": k, "lengths": [*BASE_LENGTHS, *extra_lengths], "max_tokens": MAX_TOKENS,
             "max_model_len": MAX_MODEL_LEN, "conversations": CONVERSATIONS}  # fmt: skip
     if engine:
         case["engine"] = engine
     if planted_seed is not None:
         case["planted_seed"] = planted_seed
+    if decode_path:
+        case["decode_path"] = True
     return case
 
 
@@ -231,12 +253,12 @@ def bounds_for(rows: dict, k: int):
     return calibrate(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE)
 
 
-def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str, ...] = ()):
+def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str, ...] = (), decode_path: bool = False):
     """Runs the three scenarios of the module docstring; returns (info, rows per run, bounds)."""
     from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
-    case = make_case(k, extra_lengths, planted_seed=0 if family == MTP_FAMILY else None)
+    case = make_case(k, extra_lengths, planted_seed=0 if family == MTP_FAMILY else None, decode_path=decode_path)
     tests_dir = str(Path(__file__).resolve().parent)
     info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
@@ -325,6 +347,46 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     assert probe_failures(rows["corrupt"], bounds)
 
 
+def quartiles(values: list[float]) -> tuple[float, float, float, float, float]:
+    """(min, lower quartile, median, upper quartile, max), by linear interpolation."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        x = q * (len(ordered) - 1)
+        i = int(x)
+        return ordered[i] if i + 1 >= len(ordered) else ordered[i] + (x - i) * (ordered[i + 1] - ordered[i])
+
+    return tuple(at(q) for q in (0.0, 0.25, 0.5, 0.75, 1.0))
+
+
+def decode_path_summary(rows: list[ProbeRow]) -> dict[str, tuple[float, ...]]:
+    """Quartiles (``quartiles``) of the plugin rows' first-token deviations from their decode-path
+    controls (restored and cold), and restored-vs-cold for reference."""
+    pairs = {
+        "restored_vs_decoded": lambda r: (r.restored, r.cold_decoded),
+        "cold_vs_decoded": lambda r: (r.cold, r.cold_decoded),
+        "restored_vs_cold": lambda r: (r.restored, r.cold),
+    }
+    return {name: quartiles([first_token_deviation(*pick(r)) for r in rows]) for name, pick in pairs.items()}
+
+
+def report_decode_path(name: str, info: dict, rows: dict) -> None:
+    """The decode-path controls (``decode_path_control``): each ran its span one token per step
+    (the only check); prints the quartiles of ``decode_path_summary`` for the GPU session to read
+    (the hypothesis: a restored continuation carries its producer's decode-kernel rounding, so it
+    lies much closer to its decode-path control than its chunk-path cold control does)."""
+    run = info["request_boundaries"]
+    spans = {salt: tuple(span) for salt, span in run["decode_spans"].items()}
+    assert len(spans) == len(rows["request_boundaries"]), len(spans)
+    assert span_failures(spans, run["decode_span_counts"]) == []
+    mixed = sum(c["one_token_mixed"] for c in run["decode_span_counts"].values())
+    total = sum(c["one_token"] for c in run["decode_span_counts"].values())
+    summary = decode_path_summary(rows["request_boundaries"])
+    print(f"{name} decode-path controls ({total} one-token span steps, {mixed} beside a longer row): "
+          + "; ".join(f"{key} min/q1/median/q3/max " + "/".join(f"{v:.4f}" for v in values)
+                      for key, values in summary.items()))  # fmt: skip
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_qwen3_next_mtp_under_gpu_defaults(k):
     info, rows, bounds = run_case(f"{MTP_FAMILY}-k{k}", MTP_FAMILY, k=k)
@@ -343,15 +405,17 @@ def test_hybrid_family_boundaries(family, monkeypatch):
     # vLLM 0.32's Kimi model imports the CuTe DSL (``cutlass``) for its GEMM + all-reduce fusion
     # unless this is off; the H200 bundle has no CuTe DSL, and one GPU has no all-reduce to fuse.
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-    info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,))
+    info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,), decode_path=True)
     print(f"{family} setup: {info['request_boundaries']['setup']}")
+    report_decode_path(family, info, rows)
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
 
 
 def test_glm5_next_boundaries_above_index_topk():
-    info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS)
+    info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS, decode_path=True)
     print(f"glm5_next setup: {info['request_boundaries']['setup']}")
+    report_decode_path("glm5_next", info, rows)
     assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)

@@ -20,14 +20,16 @@ A restore that is wrong by one token of state must fail them (negative controls 
 
 :func:`run_probes` runs the scenario on an in-process ``vllm.LLM``: per conversation a cold
 producer of prompt ``P``, the exact resend, the continuation ``P + answer + new tokens``, and two
-cold controls of the continuation under fresh salts.
+cold controls of the continuation under fresh salts; optionally a third, the decode-path control
+(``cold_decoded``: the answer's positions computed one token per step, as its producer computed
+them, instead of inside a prefill chunk).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
 
 NEW_TOKENS = 50
@@ -74,6 +76,9 @@ class ProbeRow:
     restored: Answer
     cold: Answer
     cold_again: Answer  # cold-vs-cold reference: another fresh salt
+    # Optional phase (``run_probes(decode_spans=...)``): the continuation cold under a fresh salt
+    # with ``[P - 1, committed)`` computed one token per step (decode kernels), as its producer did.
+    cold_decoded: Answer | None = None
 
     @property
     def committed(self) -> int:
@@ -81,11 +86,16 @@ class ProbeRow:
         return self.prompt_len + len(self.producer.tokens) - 1
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """``asdict``, without ``cold_decoded`` when that phase did not run (the form of rows
+        recorded before it existed)."""
+        data = asdict(self)
+        if data["cold_decoded"] is None:
+            del data["cold_decoded"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ProbeRow:
-        answers = {k: Answer.from_dict(v) for k, v in data.items() if k != "prompt_len"}
+        answers = {k: Answer.from_dict(v) for k, v in data.items() if k != "prompt_len" and v is not None}
         return cls(prompt_len=int(data["prompt_len"]), **answers)
 
     def restored_pairs(self) -> list[tuple[str, Answer, Answer]]:
@@ -342,19 +352,29 @@ def run_probes(
     seed: int = 0,
     acceptance: dict[str, list[int]] | None = None,
     next_token: Callable[[list[int]], int] | None = None,
+    decode_spans: MutableMapping[str, tuple[int, int]] | None = None,
 ) -> list[ProbeRow]:
     """The scenario on ``llm``; every phase sends all conversations together (shared batches).
 
     ``acceptance`` (a dict, filled in place): per phase (``producer``, ``resend``, ``restored``,
-    ``cold``, ``cold_again``) the ``[drafting steps, accepted drafts]`` of :func:`spec_counts`
-    that phase added (speculative decoding with stats enabled).
+    ``cold``, ``cold_again``, and ``cold_decoded`` if it runs) the ``[drafting steps, accepted
+    drafts]`` of :func:`spec_counts` that phase added (speculative decoding with stats enabled).
 
     ``next_token`` (optional): the first of a continuation's new tokens from its producer's answer
     (random otherwise, like the rest). Under MTP with async scheduling a response finished with a
     step in flight is kept at ``num_tokens`` and serves only a next turn that continues with the
     token that step sampled (the next-token guard, docs/notes/spec-decode.md §10); a caller that
     can predict that token (the planted fixture: the successor of the answer's last token) makes
-    those bundles restorable."""
+    those bundles restorable.
+
+    ``decode_spans`` (optional): the registry of a decode-path scheduler (the tests'
+    ``decode_path_control``, whose engine core runs in this process). When given, a last phase
+    ``cold_decoded`` sends the continuations again under fresh salts, each registered first as
+    ``salt -> (max(P - 1, 0), committed)``, which that scheduler runs one token per step
+    (``ProbeRow.cold_decoded``): the positions the plugin's producer computed alone in a step --
+    the answer tokens it fed back, and its last prompt token, which the plugin's prompt checkpoint
+    runs alone (the ``P - 1`` stop; captured in the step, as a one-token decode row inside the GDN
+    layers; ``P = 1``: a one-token first chunk, a prefill row in both runs). Off by default."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -389,9 +409,14 @@ def run_probes(
     restored = send(continuations, lambda i: salt, "restored")
     cold = send(continuations, lambda i: f"{salt}-cold-{i}", "cold")
     cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}", "cold_again")
+    decoded: list[Answer | None] = [None] * len(prompts)
+    if decode_spans is not None:
+        for i, (p, out) in enumerate(zip(prompts, producers)):
+            decode_spans[f"{salt}-cold-decoded-{i}"] = (max(len(p) - 1, 0), len(p) + len(out.tokens) - 1)
+        decoded = send(continuations, lambda i: f"{salt}-cold-decoded-{i}", "cold_decoded")
     return [
         ProbeRow(len(p), *answers)
-        for p, *answers in zip(prompts, producers, resends, restored, cold, cold_again)
+        for p, *answers in zip(prompts, producers, resends, restored, cold, cold_again, decoded)
     ]
 
 
