@@ -23,7 +23,8 @@ two cold controls; every phase one shared batch):
    calibrate the bounds).
 
 Prompt lengths 1, B - 1, B, B + 1, 8193 and 32768 (B = the engine's block size; GLM adds 97 and
-200, off the block grid and above its ``index_topk`` 64), 32 conversations at once (the lengths in
+200, off the block grid, and 2103, above its ``index_topk`` 2048 (the real model's,
+``GLM_INDEX_TOPK``; 64 until session 11) and off its pool grid), 32 conversations at once (the lengths in
 turn), 16 answer tokens (issue 12, item 3). The non-GDN families (Nemotron-H, Kimi-Linear, GLM)
 add ``B - 8``: its producer decodes past the block boundary, so stock's continuation restores a
 block-grid state that the *decode* kernels built, a reference for the decode-versus-chunk
@@ -83,7 +84,7 @@ from boundary_checkpoints.bench.probes import (
     state_failures,
 )
 from boundary_checkpoints.core.layout import tail_ring_slots
-from boundary_checkpoints.fixtures.families import GLM_KPOOL
+from boundary_checkpoints.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
 
 pytestmark = pytest.mark.gpu
 
@@ -99,7 +100,7 @@ MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation'
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
 DECODED_BLOCK_LENGTH = "B-8"  # the producer decodes 8 tokens into block 2: see the module docstring
-GLM_EXTRA_LENGTHS = (97, 200, DECODED_BLOCK_LENGTH)  # above index_topk, off the block grid; and the above
+GLM_EXTRA_LENGTHS = (97, 200, 2103, DECODED_BLOCK_LENGTH)  # off the block grid; 2103: above index_topk, off the pool
 CASE_TIMEOUT_S = 360  # two engine starts (compile, CUDA graphs) and three scenarios
 # 32 conversations give each case over 100 reference pairs (probes.calibrate), whose maximum
 # already samples the rounding tail of this run: measured on the H200 (2026-12-01, MTP k = 1)
@@ -407,25 +408,25 @@ def test_hybrid_family_boundaries(family, monkeypatch):
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
     info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,), decode_path=True)
     print(f"{family} setup: {info['request_boundaries']['setup']}")
-    report_decode_path(family, info, rows)
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
+    report_decode_path(family, info, rows)
 
 
 def test_glm5_next_boundaries_above_index_topk():
     info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS, decode_path=True)
     print(f"glm5_next setup: {info['request_boundaries']['setup']}")
-    report_decode_path("glm5_next", info, rows)
-    assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
+    assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
+    report_decode_path("glm5_next", info, rows)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_glm5_next_mtp_boundaries(k):
     """GLM-5.3-Flash under MTP (``glm5_next_mtp``: the tiny GLM plus one random MTP layer, which vLLM
     builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the
-    Qwen MTP test and the GLM test above (prompts of 97 and 200 tokens: above ``index_topk``).
+    Qwen MTP test and the GLM test above (prompts of 2103, 8193 and 32768 tokens: above ``index_topk``).
 
     Under MTP vLLM sizes each ring for a pool plus ``k`` drafts (8 slots for the pool of 4); the
     plugin accepts it as one ring group over the pool (``ring/8 p4``) and restores it with
@@ -436,7 +437,7 @@ def test_glm5_next_mtp_boundaries(k):
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
     assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
-    assert max(row.prompt_len for row in rows["request_boundaries"]) > 64  # index_topk: sparse selection
+    assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
     check_plugin_run(info, rows, bounds, k)
     check_corrupted_run(info, rows, bounds, speculative=True)
     check_acceptance(info, k, min_share=RANDOM_DRAFTER_MIN_SHARE)

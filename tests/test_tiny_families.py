@@ -53,7 +53,7 @@ def test_glm5_next_config_parses_to_kda_and_sparse_mla(family_dirs):
     config = vllm_hf_config(family_dirs["glm5_next"])
     assert config.model_type == "glm5_next_text"
     assert config.layer_types == ["linear_attention"] * 3 + ["indexed_attention"]
-    assert (config.index_kpool, config.index_topk, config.index_head_dim, config.index_n_heads) == (4, 64, 128, 32)
+    assert (config.index_kpool, config.index_topk, config.index_head_dim, config.index_n_heads) == (4, 2048, 128, 32)
     assert (config.kv_lora_rank, config.qk_rope_head_dim, config.mhc, config.mla_use_nope) == (512, 0, False, True)
     assert config.index_topk % config.index_kpool == 0 and config.index_kpool_always_select_tail
 
