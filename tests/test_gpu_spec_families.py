@@ -83,6 +83,7 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
+from boundary_checkpoints.bench.stats import percentile
 from boundary_checkpoints.core.layout import tail_ring_slots
 from boundary_checkpoints.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
 
@@ -348,16 +349,9 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     assert probe_failures(rows["corrupt"], bounds)
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float, float, float]:
+def quartiles(values: list[float]) -> tuple[float, ...]:
     """(min, lower quartile, median, upper quartile, max), by linear interpolation."""
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        x = q * (len(ordered) - 1)
-        i = int(x)
-        return ordered[i] if i + 1 >= len(ordered) else ordered[i] + (x - i) * (ordered[i + 1] - ordered[i])
-
-    return tuple(at(q) for q in (0.0, 0.25, 0.5, 0.75, 1.0))
+    return tuple(percentile(values, q) for q in (0, 25, 50, 75, 100))
 
 
 def decode_path_summary(rows: list[ProbeRow]) -> dict[str, tuple[float, ...]]:

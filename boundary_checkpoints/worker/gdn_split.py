@@ -106,7 +106,7 @@ def row_layout(metadata, starts: torch.Tensor, rows: tuple[int, ...], rebuild_ke
     tensors of the metadata still line up."""
     short = [row for row in rows if starts[row + 1] - starts[row] < 2]
     if short:
-        raise RuntimeError(f"in-step capture rows {list(short)} have fewer than two tokens")
+        raise RuntimeError(f"in-step capture rows {short} have fewer than two tokens")
     device = metadata.non_spec_query_start_loc.device
     num_tokens = int(starts[metadata.num_decodes + metadata.num_prefills])
     last = [int(starts[row + 1]) - 1 for row in rows]
@@ -155,6 +155,8 @@ def step_splits(batches: list, pairs: dict[int, int], rebuild_kernel_metadata: b
     whose prefill rows with a state index in ``pairs`` are capture rows (None: there are none).
     The rows' layout is read from the device once for all of them, and batches with the same rows
     and capture rows share one :class:`RowLayout`."""
+    if not batches:
+        return []
     pieces = []
     for metadata in batches:
         indices = metadata.prefill_state_indices[: metadata.num_prefills]
@@ -206,8 +208,7 @@ class StepCaptures:
         if not self._pairs or not splittable(metadata):
             return None
         if not self._splits:
-            batches = {id(m): m for m in forward_context_metadata() if isinstance(m, GDNMetadata) and splittable(m)}
-            self._remember([*batches.values()])
+            self._remember([m for m in forward_context_metadata() if isinstance(m, GDNMetadata) and splittable(m)])
         if id(metadata) not in self._splits:
             self._remember([metadata])
         return self._splits[id(metadata)][1]
