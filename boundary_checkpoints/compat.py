@@ -67,7 +67,13 @@ Private internals (names and the behaviour relied on):
   ``self.model_runner``; ``Worker._make_model_runner`` (GPU) returns it.
 * KV cache coordinator (v1/core/kv_cache_coordinator.py): the scheduler re-classes the manager's
   coordinator to a subclass whose ``get_num_blocks_to_allocate`` remembers its last answer, so a
-  refused allocation's shortfall is known (``core/scheduler.py``); relied on: ``allocate_slots``
+  refused allocation's shortfall is known, and lowers the ``prefill_end`` keyword of a step's
+  count (not the admission count, ``apply_admission_cap``) to the end of a chunk the plugin cut
+  (``core/scheduler.py``); relied on: ``allocate_slots`` passes ``request_id`` and ``prefill_end``
+  by keyword, and ``MambaManager`` reserves an in-chunk prefill checkpoint block
+  (``num_prefill_checkpoint_blocks``) under sparse retention only for a chunk reaching
+  ``prefill_end``, while the worker's ``compute_mamba_prefill_checkpoints`` exports it from any
+  chunk whose end puts a block boundary inside it; ``allocate_slots``
   asks it for the block count it compares with ``block_pool.get_num_free_blocks()`` (plus
   ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
   the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
@@ -132,6 +138,7 @@ from contextlib import contextmanager
 
 from vllm.config import VllmConfig
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -384,6 +391,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),
+    (KVCacheCoordinator, "get_num_blocks_to_allocate", ("request_id", "apply_admission_cap", "prefill_end")),
 )
 _EXPECTED_FIELDS = ("kv_cache_block_copies", "new_block_ids_to_zero", "num_scheduled_tokens",
                     "total_num_scheduled_tokens")  # fmt: skip

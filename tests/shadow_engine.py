@@ -78,6 +78,10 @@ class ShadowWorker:
     restored_reads: int = 0
     in_step_captures: int = 0
     in_step: dict[int, int] = field(default_factory=dict)  # this step's in-step capture pairs
+    # Recurrent kernels that export a block-boundary state from inside a chunk (KDA, Mamba2):
+    # (hash block, state block, alignment, cache-hit alignment) for vLLM's own placement rule.
+    prefill_checkpoints: tuple[int, int, int, int] | None = None
+    internal_checkpoints: int = 0  # such states written into a real (not the null) block
 
     def execute(self, so):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -158,6 +162,25 @@ class ShadowWorker:
         else:
             self.rings.pop(dst, None)
 
+    def _internal_checkpoint(self, start: int, end: int, blocks: list[int]) -> tuple[int, int] | None:
+        """``(position, block)``: where vLLM's worker writes the state after ``position`` tokens
+        of the chunk ``[start, end)`` (``compute_mamba_prefill_checkpoints``, which knows no prefill
+        end: into the null block, id 0, where the manager reserved none), or None."""
+        if self.prefill_checkpoints is None:
+            return None
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+        hash_block, state_block, alignment, hit_alignment = self.prefill_checkpoints
+        [offset], [col] = compute_mamba_prefill_checkpoints(
+            [end], [end - start], hash_block_size=hash_block, mamba_block_size=state_block,
+            checkpoint_alignment=alignment, drop_eagle_block=False, cache_hit_alignment_tokens=hit_alignment,
+        )  # fmt: skip
+        if col < 0:
+            return None
+        block = blocks[col] if col < len(blocks) else 0
+        self.internal_checkpoints += block != 0
+        return start + offset, block
+
     def _forward(self, req_id: str, req: ShadowRequest, num: int) -> list[int]:
         start, end = req.num_computed, req.num_computed + num
         if end > len(req.tokens):
@@ -186,7 +209,10 @@ class ShadowWorker:
                     raise ShadowMismatch(f"{req_id}: recurrent group {group} state at {start} is wrong")
                 current = -(-end // size) - 1
                 destination = self.in_step.pop(blocks[current], None)
+                internal = self._internal_checkpoint(start, end, blocks)
                 for position, token in enumerate(req.tokens[start:end], start):
+                    if internal is not None and position == internal[0]:
+                        self.states[internal[1]] = state
                     if destination is not None and position == end - 1:
                         if end - start < 2:
                             raise ShadowMismatch(f"{req_id}: in-step capture of a {end - start}-token step")
@@ -248,6 +274,7 @@ def build_scheduler(
     num_speculative_tokens: int = 0,
     worker_cls: type | None = None,
     drafter: Path | None = None,
+    prefill_checkpoint_alignment: int | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -272,6 +299,11 @@ def build_scheduler(
 
     ``kv_cache_groups``: a layout grouped by vLLM (``tests/test_family_layouts.py``) used instead of
     the synthetic one; the returned worker does not model it.
+
+    ``prefill_checkpoint_alignment``: the recurrent groups export a block-boundary state from
+    inside a chunk at that alignment, as KDA (GLM-5.3-Flash, Kimi-Linear) and Mamba2 (Nemotron-H)
+    kernels do on the GPU (``MambaSpec.num_prefill_checkpoint_blocks``); the worker writes those
+    states where vLLM's would.
 
     ``ring_kpool``: add a GLM indexer tail ring group of ``ring_slots`` slots (default: that pool
     size, the ring without speculation), after the other groups, and give the model config that
@@ -337,6 +369,8 @@ def build_scheduler(
                     block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align",
                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # Qwen3-Next's Gated DeltaNet
                     num_speculative_blocks=num_speculative_tokens,
+                    num_prefill_checkpoint_blocks=int(prefill_checkpoint_alignment is not None),
+                    prefill_checkpoint_alignment=prefill_checkpoint_alignment,
                 ),  # fmt: skip
             )
         )
@@ -366,6 +400,8 @@ def build_scheduler(
         log_stats=True,
     )
     worker = (worker_cls or ShadowWorker)(kinds, sizes)
+    if prefill_checkpoint_alignment is not None:
+        worker.prefill_checkpoints = (hash_block_size, page, prefill_checkpoint_alignment, scheduler_block_size)
     return scheduler, worker
 
 

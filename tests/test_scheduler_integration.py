@@ -421,3 +421,39 @@ def test_prompt_checkpoint_min_tokens_skips_the_stop_for_short_tails(model_dir, 
     assert committed_2 > committed
     retained = {c.num_tokens for c in scheduler.checkpoint_store.checkpoints()}
     assert committed not in retained and committed_2 in retained
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+@pytest.mark.parametrize("policy", ["aligned", "request_boundaries"])
+def test_a_prompt_stopped_at_p_minus_1_keeps_stocks_block_state_for_a_shared_prefix(model_dir, policy, lag):
+    """Recurrent kernels that export the last block boundary's state from inside a chunk (KDA,
+    Mamba2 on the GPU): stock computes a 45-token prompt in one chunk and caches the state at 32
+    for the next prompt that shares the first 40 tokens. The plugin's stop at P - 1 cuts that
+    chunk at 44; the state at 32 must still be kept (the H200's GLM-5.3-Flash benchmark lost it:
+    a second conversation with the same system prompt cached 0 tokens where stock cached a block)."""
+    scheduler, worker = build_scheduler(
+        model_dir, policy=policy, prompt_capture="stop", prefill_checkpoint_alignment=1, async_scheduling=bool(lag)
+    )
+    driver = Driver(scheduler, worker, lag=lag)
+    rng = random.Random(11)
+    system = tokens(rng, 40)
+    prompt = system + tokens(rng, 5)
+    first, second = make_request(prompt, salt="s"), make_request(system + tokens(rng, 5), salt="s")
+    [answer] = driver.run([first])
+    driver.run([second])  # the shadow worker checks the state it restores at 32
+    assert driver.cached_tokens[first.request_id] == 0
+    assert driver.cached_tokens[second.request_id] == 32
+    assert worker.internal_checkpoints >= 1
+    # The plugin's own boundaries still hit exactly beside the kept block state.
+    resend, continuation = make_request(prompt, salt="s"), make_request(prompt + answer + tokens(rng, 3), salt="s")
+    driver.run([resend])
+    driver.run([continuation])
+    committed = len(prompt) + len(answer) - 1
+    if policy == "request_boundaries":
+        assert scheduler.boundary_stats()["prompt_stops"] >= 2  # the first two prompts did stop at P - 1
+        assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
+        assert driver.cached_tokens[continuation.request_id] == committed
+    else:
+        assert driver.cached_tokens[resend.request_id] == 32
+        stock_hit = driver.cached_tokens[continuation.request_id]
+        assert stock_hit % BLOCK == 0 and stock_hit < committed

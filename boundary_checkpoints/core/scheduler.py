@@ -13,7 +13,11 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    computing fewer than ``N`` tokens is neither stopped nor captured in (and so, unless it
    happens to end there, captures nothing). Counters: ``prompt_stops`` (chunks the plugin ended
    at ``P - 1``; vLLM's own align-mode split also ends one there when ``P - 1`` is a multiple of
-   the block), ``prompt_captures_in_step``.
+   the block), ``prompt_captures_in_step``. A chunk the plugin cuts short of the prefill's end
+   keeps stock's in-chunk state of the last block boundary (KDA, Mamba2): the step's blocks are
+   counted as if the prefill ended at the cut (``recording_coordinator_class``), so vLLM reserves
+   the block its worker writes that state into, and a prompt sharing the prefix hits it as under
+   stock.
 2. Capture (prompt): at the end of the ``schedule()`` that reached ``P - 1`` the plugin plans the
    bundle, pins the pages it must preserve and takes private destination blocks; the copies ride
    the *next* ``SchedulerOutput`` (attribute ``boundary_capture_copies``, applied by the plugin's
@@ -181,12 +185,26 @@ _RECORDING_COORDINATORS: dict[type, type] = {}
 
 def recording_coordinator_class(cls: type) -> type:
     """``cls`` (a KV cache coordinator class) with a ``get_num_blocks_to_allocate`` that keeps its
-    last answer in ``last_num_blocks_to_allocate``; one class per coordinator type. The scheduler
-    re-classes vLLM's coordinator to it (see compat: KV cache coordinator)."""
+    last answer in ``last_num_blocks_to_allocate`` and, for a request whose chunk the plugin cut
+    short of the prefill's end (``cut_prefill_ends``: request id -> the cut chunk's end, set by the
+    scheduler for the ``schedule()`` in progress), counts that step's blocks as if the prefill
+    ended there; one class per coordinator type. The scheduler re-classes vLLM's coordinator to it
+    (see compat: KV cache coordinator).
+
+    Why the cut end: under vLLM's default sparse retention a recurrent group whose kernels export
+    a block-boundary state from inside a chunk (KDA, Mamba2: ``num_prefill_checkpoint_blocks``)
+    reserves the block for that state only on the chunk that reaches the prefill's end, while the
+    worker exports it from any chunk (``compute_mamba_prefill_checkpoints`` knows no prefill end).
+    A prefill cut at ``P - 1`` would leave the state of the last block boundary, which stock
+    caches for the next prompt sharing the prefix, unreserved (written into the null block): the
+    cut chunk is the last one that can hold it, so it is the prefill's end for that count."""
     if cls not in _RECORDING_COORDINATORS:
         count_blocks = cls.get_num_blocks_to_allocate
 
         def get_num_blocks_to_allocate(self, *args, **kwargs):
+            cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
+            if cut_end is not None and not kwargs.get("apply_admission_cap") and kwargs.get("prefill_end", 0) > cut_end:
+                kwargs["prefill_end"] = cut_end
             self.last_num_blocks_to_allocate = count_blocks(self, *args, **kwargs)
             return self.last_num_blocks_to_allocate
 
@@ -194,7 +212,8 @@ def recording_coordinator_class(cls: type) -> type:
         _RECORDING_COORDINATORS[cls] = type(
             f"Recording{cls.__name__}",
             (cls,),
-            {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None},
+            {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None,
+             "cut_prefill_ends": {}},
         )
     return _RECORDING_COORDINATORS[cls]
 
@@ -345,6 +364,7 @@ class BoundaryCheckpointMixin:
         self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
         coordinator = self.kv_cache_manager.coordinator
         coordinator.__class__ = recording_coordinator_class(type(coordinator))
+        coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
@@ -510,6 +530,17 @@ class BoundaryCheckpointMixin:
         if not self.boundaries_active:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        cut = self._boundary_split(request, start, num_new_tokens)
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's, as in its split
+        if cut < num_new_tokens and start + num_new_tokens >= prefill_end:
+            self._cut_prefill_ends[request.request_id] = start + cut
+        else:
+            self._cut_prefill_ends.pop(request.request_id, None)
+        return cut
+
+    def _boundary_split(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """The plugin's chunk stops (contract 1) applied to vLLM's chunk ``[start, start +
+        num_new_tokens)``: the number of tokens to schedule."""
         if self._kpool and start % self._kpool and is_prefill_step(request, start):
             return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
         if not request_is_eligible(request):
@@ -545,6 +576,8 @@ class BoundaryCheckpointMixin:
 
     # ---- step boundaries ------------------------------------------------------------------
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        if self.boundaries_active:
+            self._cut_prefill_ends.clear()  # each schedule() splits its chunks anew
         output = super().schedule(*args, **kwargs)
         if not self.boundaries_active:
             return output
