@@ -386,13 +386,14 @@ assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 # Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
 # Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md);
 # Kimi-Linear and GLM-5.3-Flash (Glm5Next) on the H200 2026-12-01, session 10, without speculative
-# decoding (docs/results/gpu-session10-h200.md §1; under MTP GLM's lookahead tail ring is restored,
-# core/layout.py, but no GPU has run it: VALIDATED_SPECULATIVE_ARCHITECTURES).
+# decoding (docs/results/gpu-session10-h200.md §1, gpu-session12-h200.md §1).
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip
-# Of those, the ones measured under speculative decoding (MTP and DFlash, VALIDATED_SPECULATIVE):
-# Qwen3-Next alone (docs/results/gpu-session8-h200.md). The others' restores ran without drafts.
+# Of those, the ones measured under speculative decoding with drafts accepted (MTP and DFlash,
+# VALIDATED_SPECULATIVE): Qwen3-Next alone (docs/results/gpu-session8-h200.md). GLM-5.3-Flash under
+# MTP k = 1 and 3 passed on the H200 with every draft rejected (a random MTP layer; its lookahead
+# tail ring restored whole, core/layout.py; gpu-session12-h200.md §2): not enough to validate.
 VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 
 
