@@ -457,3 +457,24 @@ def test_a_prompt_stopped_at_p_minus_1_keeps_stocks_block_state_for_a_shared_pre
         assert driver.cached_tokens[resend.request_id] == 32
         stock_hit = driver.cached_tokens[continuation.request_id]
         assert stock_hit % BLOCK == 0 and stock_hit < committed
+
+
+@pytest.mark.parametrize("system_len,suffix,stock_hit", [(40, 5, 32), (48, 1, 48), (90, 5, 80), (40, 9, 0)])
+def test_a_shared_prefix_caches_what_stock_caches_under_the_p_minus_1_stop(model_dir, system_len, suffix, stock_hit):
+    """The same as above at the block grid's edges: a second prompt sharing the first one's prefix
+    caches exactly what stock caches (45 tokens: the cut chunk holds the in-chunk state; 49: P - 1
+    on a block boundary; 95: the cut is the second of two 64-token chunks; 49 after a 40-token
+    prefix: stock keeps the state at 48 only, which the second prompt does not share)."""
+    cached = {}
+    for policy in ("aligned", "request_boundaries"):
+        scheduler, worker = build_scheduler(
+            model_dir, policy=policy, prompt_capture="stop", prefill_checkpoint_alignment=1
+        )
+        driver = Driver(scheduler, worker)
+        rng = random.Random(system_len)
+        system = tokens(rng, system_len)
+        first, second = (make_request(system + tokens(rng, suffix), salt="s") for _ in range(2))
+        driver.run([first])
+        driver.run([second])
+        cached[policy] = driver.cached_tokens[second.request_id]
+    assert cached == {"aligned": stock_hit, "request_boundaries": stock_hit}
