@@ -62,7 +62,8 @@ Private internals (names and the behaviour relied on):
 * Worker base classes (imported lazily, in worker processes only: :func:`gpu_worker_class`,
   :func:`cpu_worker_class`): ``vllm.v1.worker.gpu_worker.Worker`` and
   ``vllm.v1.worker.cpu_worker.CPUWorker``, subclassed by ``worker/gpu.py`` and ``worker/cpu.py``
-  (``execute_model(scheduler_output, ...)`` overridden; ``model_runner.kv_caches`` and
+  (``execute_model(scheduler_output, ...)`` and ``compile_or_warm_up_model()`` overridden, the
+  latter called once the KV cache is allocated and before any request; ``model_runner.kv_caches`` and
   ``model_runner.kv_cache_config.num_blocks`` read). ``CPUWorker.init_device`` builds
   ``self.model_runner``; ``Worker._make_model_runner`` (GPU) returns it.
 * KV cache coordinator (v1/core/kv_cache_coordinator.py): the scheduler re-classes the manager's

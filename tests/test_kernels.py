@@ -106,6 +106,27 @@ def test_many_pairs_span_several_launches(device="cpu"):
     assert torch.equal(flat, expected), f"seed {seed}"
 
 
+def test_warm_up_launches_both_pair_count_variants_and_changes_no_page(monkeypatch, device="cpu"):
+    """``PageCopier.warm_up`` (run by the worker before the first request) launches every alignment
+    class with one pair and with several, copying block 0 onto itself: no byte of any page changes.
+    Under TRITON_INTERPRET=1 (and on the GPU) the kernel really runs; in a plain CPU run there is
+    no launch and nothing to compile."""
+    from boundary_checkpoints.worker import kernels
+
+    caches = random_caches(device, random.randrange(2**31))
+    before = [c.clone() for c in caches]
+    copier = PageCopier(caches, NUM_BLOCKS)
+    copier.warm_up()
+    assert all(torch.equal(c.view(torch.uint8), b.view(torch.uint8)) for c, b in zip(caches, before))
+    assert bool(copier._launches) == uses_triton(torch.device(device))
+    launched = []
+    monkeypatch.setattr(kernels._Launch, "__call__", lambda launch, codes, n: launched.append((launch.vec, n, codes)))
+    copier.warm_up()
+    assert sorted((vec, n) for vec, n, _ in launched) == sorted((launch.vec, n) for launch in copier._launches
+                                                               for n in (1, 2))  # fmt: skip
+    assert all(set(codes) == {pair_code(0, 0)} for _, _, codes in launched)
+
+
 def test_pair_codes_and_bad_block_ids():
     assert pair_code(0, 0) == 1 << 32 and pair_code(5, 7) == (6 << 32) | 7
     assert all(2**32 <= pair_code(s, d) < 2**63 for s, d in [(0, 0), (0, 2**32 - 1), (2**31 - 2, 0)])
@@ -121,11 +142,11 @@ def test_copy_pages_cpu_under_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", BC_EXPECT_TRITON="1")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "(test_copy_pages_cpu or many_pairs) and not interpreter"],  # fmt: skip
+         "-k", "(test_copy_pages_cpu or many_pairs or warm_up) and not interpreter and not gpu"],  # fmt: skip
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"{len(PAIRS) + 1} passed" in result.stdout
+    assert f"{len(PAIRS) + 2} passed" in result.stdout
 
 
 @pytest.mark.gpu
@@ -141,6 +162,29 @@ def test_copy_pages_gpu(pairs):
 def test_many_pairs_span_several_launches_gpu():
     test_many_pairs_span_several_launches("cuda")
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_warm_up_compiles_what_the_first_copies_need(monkeypatch):
+    """After the warm-up, copies of one and of three pairs compile nothing more (Triton keeps its
+    compiled variants per device in the JIT function's ``device_caches``)."""
+    from boundary_checkpoints.worker import kernels
+
+    test_warm_up_launches_both_pair_count_variants_and_changes_no_page(monkeypatch, "cuda")
+    monkeypatch.undo()
+
+    def compiled() -> int:
+        caches = getattr(kernels._copy_pages_kernel, "device_caches", None)
+        assert caches is not None, "this Triton keeps no device_caches on its JIT functions"
+        return sum(len(entry[0]) for entry in caches.values())
+
+    copier = PageCopier(random_caches("cuda", 3), NUM_BLOCKS)
+    copier.warm_up()
+    after_warm_up = compiled()
+    copier.copy([(0, 1)])
+    copier.copy([(0, 1), (3, 5), (6, 2)])
+    torch.cuda.synchronize()
+    assert after_warm_up > 0 and compiled() == after_warm_up
 
 
 @pytest.mark.gpu

@@ -29,8 +29,10 @@ Contract:
   attention tail page of an in-step capture, written by this step's forward) are copied right
   after the runner's ``execute_model`` returned, on the same stream, so before any later step.
 
-The copier (storage split and device-side region table) is built on first use and rebuilt
-whenever the runner's KV cache tensors change. The only runner attributes read are
+The copier (storage split and device-side region table) is built when vLLM warms the model up
+(``compile_or_warm_up_model``, after the KV cache is allocated), where it compiles its kernel
+variants on copies of a page onto itself (``PageCopier.warm_up``), and rebuilt whenever the
+runner's KV cache tensors change. The only runner attributes read are
 ``model_runner.kv_caches`` and ``model_runner.kv_cache_config.num_blocks``, present in both the
 V1 (CPU) and V2 (GPU) runners.
 """
@@ -66,6 +68,11 @@ class CaptureCopyWorkerMixin:
             from boundary_checkpoints.worker.gdn_split import install
 
             self._step_captures = install(self.vllm_config, on_cpu=platform_is_cpu())
+
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        result = super().compile_or_warm_up_model(*args, **kwargs)
+        self._copier().warm_up()  # the KV cache exists now: compile the copy kernel before any request
+        return result
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         captures = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)

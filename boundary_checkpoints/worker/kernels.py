@@ -188,6 +188,17 @@ class PageCopier:
             _Launch.build(group, vec, tile_words, num_warps, programs_per_sm) for (_, vec), group in classes.items()
         ]
 
+    def warm_up(self, block: int = 0) -> None:
+        """Compile, before the first request, every kernel variant a step's copy launches: Triton
+        specializes the pair count 1 apart from 2-8, per alignment class. Each launch copies
+        ``block``'s pages onto themselves, so every program writes back the bytes it read and no
+        page changes. Without this the first capturing step compiles them, and vLLM's JIT monitor
+        reports "_copy_pages_kernel" compiled during inference (that request's latency spike)."""
+        codes = [pair_code(block, block)] * PAIRS_PER_LAUNCH
+        for num_pairs in (1, 2):
+            for launch in self._launches:
+                launch(codes, num_pairs)
+
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         if not pairs:
             return
