@@ -530,8 +530,10 @@ class BoundaryCheckpointMixin:
         if not self.boundaries_active:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        cut = self._boundary_split(request, start, num_new_tokens)
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's, as in its split
+        if start >= prefill_end:
+            return num_new_tokens  # a decode step: no stop applies (and this schedule() cut none)
+        cut = self._boundary_split(request, start, num_new_tokens)
         if cut < num_new_tokens and start + num_new_tokens >= prefill_end:
             self._cut_prefill_ends[request.request_id] = start + cut
         else:
@@ -699,7 +701,9 @@ class BoundaryCheckpointMixin:
             request = self.requests[request_id]
             end = request.num_computed_tokens
             stopped = self._stopped_at.pop(request_id, None) == end  # the plugin's P - 1 stop
-            if end - num_scheduled < request.num_prompt_tokens and request_is_eligible(request):
+            if end - num_scheduled >= request.num_prompt_tokens:
+                continue  # a step past the prompt ends at no prompt or instruction boundary
+            if request_is_eligible(request):
                 instruction = self._instruction_target(request)
                 if instruction is not None and end == instruction:
                     self._plan_capture(request, instruction, INSTRUCTION, adopt=False)
