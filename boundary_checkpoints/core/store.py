@@ -87,13 +87,14 @@ class Checkpoint:
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
-        return [block for block, _ in self._distinct_sized().values()]
+        return [block for block, _ in self.sized_blocks().values()]
 
     def block_bytes(self) -> dict[int, int]:
         """Bytes of each distinct block, by block id."""
-        return {block_id: size for block_id, (_, size) in self._distinct_sized().items()}
+        return {block_id: size for block_id, (_, size) in self.sized_blocks().items()}
 
-    def _distinct_sized(self) -> dict[int, tuple[BlockLike, int]]:
+    def sized_blocks(self) -> dict[int, tuple[BlockLike, int]]:
+        """Every non-null block of the bundle once, with its bytes, by block id (group order)."""
         seen: dict[int, tuple[BlockLike, int]] = {}
         for group, blocks in enumerate(self.group_blocks):
             size = self.page_bytes[group] if group < len(self.page_bytes) else 0
@@ -176,8 +177,8 @@ class CheckpointStore:
         if self.max_blocks < 0:
             raise ValueError("max_blocks must be >= 0")
         self._by_parent: dict[tuple[Hashable, int], dict[tuple[int, ...], Checkpoint]] = {}
-        self._block_users: dict[int, int] = {}
-        self._block_bytes: dict[int, int] = {}
+        self._block_users: dict[int, int] = {}  # retained block id -> bundles holding it
+        self._blocks: dict[int, tuple[BlockLike, int]] = {}  # retained block id -> (block, bytes)
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -192,7 +193,7 @@ class CheckpointStore:
 
     @property
     def retained_bytes(self) -> int:
-        return sum(self._block_bytes.values())
+        return sum(size for _, size in self._blocks.values())
 
     def checkpoints(self) -> list[Checkpoint]:
         return [ckpt for tails in self._by_parent.values() for ckpt in tails.values()]
@@ -276,9 +277,9 @@ class CheckpointStore:
             return False
         tails[key.tail] = checkpoint
         checkpoint.published_at = self.reuse.stamp()
-        for block_id, size in checkpoint.block_bytes().items():
+        for block_id, sized in checkpoint.sized_blocks().items():
             self._block_users[block_id] = self._block_users.get(block_id, 0) + 1
-            self._block_bytes[block_id] = size
+            self._blocks[block_id] = sized
         self.policy.add(checkpoint)
         self.counters.published += 1
         self._enforce_budget(keep=checkpoint)
@@ -320,7 +321,7 @@ class CheckpointStore:
 
     def freeable_blocks(self, is_free: Callable[[BlockLike], bool]) -> int:
         """Blocks that evicting every bundle would give back to the pool."""
-        return sum(1 for block in self._distinct_retained() if is_free(block))
+        return sum(1 for block, _ in self._blocks.values() if is_free(block))
 
     def evict_to_free(self, is_free: Callable[[BlockLike], bool]) -> bool:
         """Evict the least recently used bundle whose release frees a block; False if none would.
@@ -413,13 +414,6 @@ class CheckpointStore:
         self.reuse.remember_evicted(victim.key, victim.published_at)
         self.counters.evictions += 1
 
-    def _distinct_retained(self) -> list[BlockLike]:
-        seen: dict[int, BlockLike] = {}
-        for checkpoint in self.checkpoints():
-            for block in checkpoint.distinct_blocks():
-                seen.setdefault(block.block_id, block)
-        return list(seen.values())
-
     def _retained_at(self, key: CheckpointKey) -> Checkpoint | None:
         return self._by_parent.get((key.parent, key.start), {}).get(key.tail)
 
@@ -442,7 +436,7 @@ class CheckpointStore:
                 self._block_users[block.block_id] = users
             else:
                 del self._block_users[block.block_id]
-                del self._block_bytes[block.block_id]
+                del self._blocks[block.block_id]
         # Tail pages first, so vLLM's free queue reuses the deepest pages first.
         self.release(blocks[::-1])
 
