@@ -200,3 +200,41 @@ def test_store_evicts_other_kinds_before_instruction_bundles_and_lineage_skips_t
     assert released == [2, 3, 4, 5, 6, 7] and len(store) == 1
     assert store.evict_to_free(lambda block: True)  # the instruction bundle only when alone
     assert released[-1] == 1 and len(store) == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_refusal_predicts_what_publication_refuses(seed):
+    """``CheckpointStore.refusal`` (asked before a capture takes its private blocks) against the
+    publication it predicts, on random bundles sharing blocks, of every kind, with reuse distances
+    that protect some of them: a predicted refusal is always a refusal (no bundle the budget would
+    keep is skipped), and a refusal it did not predict is only the newcomer evicted by the budget
+    behind lasting bundles (the one case it leaves to publication)."""
+    from boundary_checkpoints.core.keys import CheckpointKey
+    from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+
+    rng = random.Random(seed)
+    store = CheckpointStore(release=lambda blocks: None, max_blocks=8)
+    blocks = [Block(i) for i in range(24)]
+    outcomes = {"predicted": 0, "kept": 0, "behind_lasting": 0}
+    for n in range(200):
+        kind = rng.choice(["prompt", "response", "response", INSTRUCTION])
+        ids = rng.sample(range(24), rng.randint(1, 5)) if rng.random() < 0.97 else list(range(9))  # some oversize
+        bundle = Checkpoint(CheckpointKey(("root", None, None), 0, (n,)), kind, (tuple(blocks[i] for i in ids),),
+                            producer=f"p{n}")  # fmt: skip
+        predicted = store.refusal(set(ids), 0, bundle.lasting)
+        oversize_before = store.counters.refused_oversize
+        store.publish(bundle)
+        refused = bundle.key not in store
+        if predicted is not None:
+            assert refused, (n, predicted)
+            assert (store.counters.refused_oversize == oversize_before + 1) == (predicted == "oversize"), n
+            outcomes["predicted"] += 1
+        elif refused:
+            assert not bundle.lasting and all(c.lasting for c in store.checkpoints()), n
+            outcomes["behind_lasting"] += 1
+        else:
+            outcomes["kept"] += 1
+        retained = store.checkpoints()
+        if retained and rng.random() < 0.5:  # a restore: a reuse distance, so protection starts
+            store.record_lookup(rng.choice(retained))
+    assert outcomes["predicted"] > 0 and outcomes["kept"] > 0, outcomes

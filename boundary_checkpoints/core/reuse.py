@@ -92,7 +92,9 @@ class ReuseTracker:
         """Median of the recent reuse distances, or None before any was observed."""
         return statistics.median(self._distances) if self._distances else None
 
-    def protects(self, published_at: int) -> bool:
-        """Whether a bundle published at ``published_at`` is still likely to be reused."""
+    def protects(self, published_at: int, publications_ahead: int = 0) -> bool:
+        """Whether a bundle published at ``published_at`` is still likely to be reused, now or
+        after ``publications_ahead`` more publications."""
         distance = self.reuse_distance()
-        return distance is not None and self.clock - published_at < PROTECTION_FACTOR * max(distance, 1)
+        age = self.clock + publications_ahead - published_at
+        return distance is not None and age < PROTECTION_FACTOR * max(distance, 1)

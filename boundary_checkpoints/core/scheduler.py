@@ -170,7 +170,7 @@ from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.layout import describe_layout
-from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+from boundary_checkpoints.core.store import LASTING_KINDS, Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
 from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
@@ -764,6 +764,15 @@ class BoundaryCheckpointMixin:
         if adopt:
             destinations = tuple(plan.sources)  # the bundle's own reference on each source
         else:
+            shared = {b.block_id for group in plan.shared for b in group if not b.is_null}
+            refusal = self.checkpoint_store.refusal(shared, len(sources), kind in LASTING_KINDS)
+            if refusal is not None:  # refused before it takes blocks from vLLM's free queue
+                counters = self.checkpoint_store.counters
+                if refusal == "oversize":
+                    counters.refused_oversize += 1
+                else:
+                    counters.refused_protected += 1
+                return
             if self._block_pool.get_num_free_blocks() < len(sources):
                 self.checkpoint_store.counters.captures_dropped += 1
                 return

@@ -319,6 +319,32 @@ class CheckpointStore:
         checkpoint.kind = kind
         return True
 
+    def refusal(self, block_ids: set[int], num_private: int, lasting: bool) -> str | None:
+        """Why a bundle holding ``block_ids`` (pages already in the pool) and ``num_private`` blocks
+        not taken yet would be refused if published now (``"oversize"``, ``"protected"``: the
+        refusals of :meth:`_enforce_budget`, which this mirrors), or None otherwise.
+        Asked before a capture takes its private blocks and copies: a refused bundle would
+        otherwise have taken them from the pool's free queue, evicting blocks of vLLM's prefix
+        cache, to be dropped at publication. Publications in between can change the answer; it
+        decides only whether a capture is taken, never what a restore reads."""
+        if len(block_ids) + num_private > self.max_blocks:
+            return "oversize"
+        excess = self.retained_blocks + num_private + len(block_ids - self._block_users.keys()) - self.max_blocks
+        released: dict[int, int] = {}
+        for victim in self.policy.in_order():
+            if excess <= 0:
+                break
+            if victim.lasting and not lasting:
+                return None  # only lasting bundles left: publication decides (it may evict the newcomer)
+            if victim.lasting == lasting and self.reuse.protects(victim.published_at, publications_ahead=1):
+                return "protected"  # as at the newcomer's publication, which advances the clock
+            for block in victim.distinct_blocks():
+                block_id = block.block_id
+                released[block_id] = released.get(block_id, 0) + 1
+                if released[block_id] == self._block_users[block_id] and block_id not in block_ids:
+                    excess -= 1
+        return None if excess <= 0 else "protected"
+
     def freeable_blocks(self, is_free: Callable[[BlockLike], bool]) -> int:
         """Blocks that evicting every bundle would give back to the pool."""
         return sum(1 for block, _ in self._blocks.values() if is_free(block))
