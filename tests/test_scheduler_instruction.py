@@ -238,3 +238,27 @@ def test_refusal_predicts_what_publication_refuses(seed):
         if retained and rng.random() < 0.5:  # a restore: a reuse distance, so protection starts
             store.record_lookup(rng.choice(retained))
     assert outcomes["predicted"] > 0 and outcomes["kept"] > 0, outcomes
+
+
+def test_a_demoted_prompt_bundle_goes_first_and_without_protection():
+    """Once a request's response bundle is retained, the scheduler demotes its prompt bundle
+    (``CheckpointStore.demote``): under a full budget a newcomer evicts it instead of being
+    refused for it, and the response bundle stays."""
+    from boundary_checkpoints.core.keys import CheckpointKey
+    from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+
+    def bundle(n: int, kind: str, producer: str, ids: tuple[int, ...]) -> Checkpoint:
+        return Checkpoint(CheckpointKey(("root", None, None), 0, (n,)), kind, (tuple(Block(i) for i in ids),),
+                          producer=producer)  # fmt: skip
+
+    for demote in (False, True):
+        store = CheckpointStore(release=lambda blocks: None, max_blocks=3)
+        prompt, response = bundle(1, "prompt", "a", (10, 11)), bundle(2, "response", "a", (11, 12))
+        assert store.publish(prompt) and store.publish(response)
+        store.reuse.record_hit(0)  # a reuse distance of 2 publications: both bundles are young enough
+        if demote:
+            store.demote(prompt)
+        newcomer = bundle(3, "prompt", "b", (20,))
+        assert store.refusal({20}, 0, lasting=False) == (None if demote else "protected")
+        store.publish(newcomer)
+        assert (newcomer.key in store, prompt.key in store, response.key in store) == (demote, not demote, True)

@@ -478,3 +478,17 @@ def test_a_shared_prefix_caches_what_stock_caches_under_the_p_minus_1_stop(model
         driver.run([second])
         cached[policy] = driver.cached_tokens[second.request_id]
     assert cached == {"aligned": stock_hit, "request_boundaries": stock_hit}
+
+
+def test_a_finished_requests_prompt_bundle_is_demoted_behind_its_response(model_dir):
+    """When a request's response bundle is published its own prompt bundle is demoted (evicted
+    first under a tight budget, core/store.py); a resend still restores from it at P - 1."""
+    scheduler, worker = build_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(3), 40)
+    driver.run([make_request(prompt, salt="s")])
+    bundles = {c.kind: c for c in scheduler.checkpoint_store.checkpoints()}
+    assert bundles["prompt"].demoted and not bundles["response"].demoted
+    resend = make_request(prompt, salt="s")
+    driver.run([resend])
+    assert driver.cached_tokens[resend.request_id] == len(prompt) - 1

@@ -320,7 +320,7 @@ def cyclic_exact_hits(model_dir, protect: bool, conversations: int = 12, turns: 
     budget that holds the bundles of only a few of them: (exact boundary hits, later turns)."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=256, max_retained_fraction=0.2)
     if not protect:  # the negative control: plain least-recently-used eviction
-        scheduler.checkpoint_store.reuse.protects = lambda published_at: False
+        scheduler.checkpoint_store.reuse.protects = lambda published_at, publications_ahead=0: False
     driver = Driver(scheduler, worker)
     rng = random.Random(112)
     prompts = [tokens(rng, 40) for _ in range(conversations)]

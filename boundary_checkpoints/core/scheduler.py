@@ -861,6 +861,12 @@ class BoundaryCheckpointMixin:
                     if not own_prompt:
                         self.checkpoint_store.adopt(source, pending.request_id)
                     self.checkpoint_store.retire(source.producer)
+                if published and pending.kind == RESPONSE:
+                    # The next turn restores from this bundle: the request's own prompt bundle
+                    # (a resend's) goes first under a tight budget.
+                    for checkpoint in self.checkpoint_store.checkpoints():
+                        if checkpoint.kind == PROMPT and checkpoint.producer == pending.request_id:
+                            self.checkpoint_store.demote(checkpoint)
                 if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",

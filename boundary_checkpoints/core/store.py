@@ -67,6 +67,9 @@ class Checkpoint:
     owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
     published_at: int = 0  # publication count when retained (core/reuse.py); 0: not published yet
     next_token: int | None = None  # token N its draft rows depend on (None: no such dependence)
+    # Evicted first and never protected (:meth:`CheckpointStore.demote`): a prompt bundle whose
+    # request's response bundle is retained.
+    demoted: bool = False
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -150,6 +153,10 @@ class LruEvictionPolicy:
 
     def touch(self, checkpoint: Checkpoint) -> None:
         self._order.move_to_end(id(checkpoint))
+
+    def demote(self, checkpoint: Checkpoint) -> None:
+        """Make ``checkpoint`` the next victim of its class (lasting or not)."""
+        self._order.move_to_end(id(checkpoint), last=False)
 
     def remove(self, checkpoint: Checkpoint) -> None:
         self._order.pop(id(checkpoint), None)
@@ -310,6 +317,16 @@ class CheckpointStore:
         checkpoint.owners.add(turn)
         return True
 
+    def demote(self, checkpoint: Checkpoint) -> None:
+        """Evict ``checkpoint`` before any other bundle of its class, and without the protection
+        of its reuse distance (a newcomer no longer yields to it). For a prompt bundle once its
+        request's response bundle is retained: the next turn restores from the response, so under
+        a tight budget the prompt bundle (a resend's) is the one to give up. A lookup that finds it
+        makes it the most recent again (LRU), still without protection."""
+        if self._is_retained(checkpoint) and not checkpoint.lasting:
+            checkpoint.demoted = True
+            self.policy.demote(checkpoint)
+
     def make_lasting(self, key: CheckpointKey, kind: str = INSTRUCTION) -> bool:
         """Give the retained bundle at ``key`` the lasting ``kind`` (a prompt checkpoint that is
         also an instruction boundary); False if none is retained."""
@@ -336,7 +353,9 @@ class CheckpointStore:
                 break
             if victim.lasting and not lasting:
                 return None  # only lasting bundles left: publication decides (it may evict the newcomer)
-            if victim.lasting == lasting and self.reuse.protects(victim.published_at, publications_ahead=1):
+            if victim.lasting == lasting and not victim.demoted and self.reuse.protects(
+                victim.published_at, publications_ahead=1
+            ):
                 return "protected"  # as at the newcomer's publication, which advances the clock
             for block in victim.distinct_blocks():
                 block_id = block.block_id
@@ -424,7 +443,12 @@ class CheckpointStore:
             victim = self.policy.victim()
             if victim is None:
                 return
-            if victim is not keep and victim.lasting == keep.lasting and self.reuse.protects(victim.published_at):
+            if (
+                victim is not keep
+                and victim.lasting == keep.lasting
+                and not victim.demoted
+                and self.reuse.protects(victim.published_at)
+            ):
                 # Likely reused before the newcomer would be (core/reuse.py): refuse the newcomer.
                 self._drop(keep)
                 self.counters.refused_protected += 1
