@@ -530,12 +530,11 @@ class BoundaryCheckpointMixin:
         if not self.boundaries_active:
             return num_new_tokens
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)  # vLLM's, as in its split
-        if start >= prefill_end:
+        if not is_prefill_step(request, start):
             return num_new_tokens  # a decode step: no stop applies (and this schedule() cut none)
         cut = self._boundary_split(request, start, num_new_tokens)
-        if cut < num_new_tokens and start + num_new_tokens >= prefill_end:
-            self._cut_prefill_ends[request.request_id] = start + cut
+        if cut < num_new_tokens and not is_prefill_step(request, start + num_new_tokens):
+            self._cut_prefill_ends[request.request_id] = start + cut  # vLLM's chunk reached the prefill's end
         else:
             self._cut_prefill_ends.pop(request.request_id, None)
         return cut
