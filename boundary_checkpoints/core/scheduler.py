@@ -137,6 +137,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from vllm.logger import init_logger
@@ -213,7 +214,7 @@ def recording_coordinator_class(cls: type) -> type:
             f"Recording{cls.__name__}",
             (cls,),
             {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None,
-             "cut_prefill_ends": {}},
+             "cut_prefill_ends": MappingProxyType({})},  # the scheduler sets its own dict
         )
     return _RECORDING_COORDINATORS[cls]
 
@@ -540,9 +541,9 @@ class BoundaryCheckpointMixin:
         return cut
 
     def _boundary_split(self, request: Request, start: int, num_new_tokens: int) -> int:
-        """The plugin's chunk stops (contract 1) applied to vLLM's chunk ``[start, start +
+        """The plugin's chunk stops (contract 1) applied to vLLM's prefill chunk ``[start, start +
         num_new_tokens)``: the number of tokens to schedule."""
-        if self._kpool and start % self._kpool and is_prefill_step(request, start):
+        if self._kpool and start % self._kpool:  # a prefill step (the caller's fast path took decodes)
             return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
         if not request_is_eligible(request):
             return num_new_tokens
@@ -847,25 +848,23 @@ class BoundaryCheckpointMixin:
                 # The same object a restore may already hold in ``_restored_from`` (contract 6).
                 published = self.checkpoint_store.publish(pending.checkpoint)
                 source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
+                own_prompts = [
+                    c for c in self.checkpoint_store.checkpoints()
+                    if c.kind == PROMPT and c.producer == pending.request_id
+                ] if published and pending.kind == RESPONSE else []  # fmt: skip
                 if published and source is not None and source.kind == RESPONSE:
                     # The conversation moved on from that turn. A resend (restored from a prompt
                     # checkpoint) is a branch and retires nothing. A turn that kept no prompt
                     # checkpoint of its own (deduplicated against a sibling's, or skipped by
                     # prompt_checkpoint_min_tokens) owns the response it resumed from: that is
                     # where a resend of its prompt restores.
-                    own_prompt = any(
-                        c.kind == PROMPT and c.producer == pending.request_id
-                        for c in self.checkpoint_store.checkpoints()
-                    )
-                    if not own_prompt:
+                    if not own_prompts:
                         self.checkpoint_store.adopt(source, pending.request_id)
-                    self.checkpoint_store.retire(source.producer)
-                if published and pending.kind == RESPONSE:
-                    # The next turn restores from this bundle: the request's own prompt bundle
-                    # (a resend's) goes first under a tight budget.
-                    for checkpoint in self.checkpoint_store.checkpoints():
-                        if checkpoint.kind == PROMPT and checkpoint.producer == pending.request_id:
-                            self.checkpoint_store.demote(checkpoint)
+                    self.checkpoint_store.retire(source.producer)  # leaves own_prompts: they are this turn's
+                # The next turn restores from this response bundle: the request's own prompt
+                # bundle (a resend's) goes first under a tight budget.
+                for checkpoint in own_prompts:
+                    self.checkpoint_store.demote(checkpoint)
                 if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",

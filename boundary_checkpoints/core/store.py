@@ -353,9 +353,7 @@ class CheckpointStore:
                 break
             if victim.lasting and not lasting:
                 return None  # only lasting bundles left: publication decides (it may evict the newcomer)
-            if victim.lasting == lasting and not victim.demoted and self.reuse.protects(
-                victim.published_at, publications_ahead=1
-            ):
+            if self._protected_from(victim, lasting, publications_ahead=1):
                 return "protected"  # as at the newcomer's publication, which advances the clock
             for block in victim.distinct_blocks():
                 block_id = block.block_id
@@ -443,12 +441,7 @@ class CheckpointStore:
             victim = self.policy.victim()
             if victim is None:
                 return
-            if (
-                victim is not keep
-                and victim.lasting == keep.lasting
-                and not victim.demoted
-                and self.reuse.protects(victim.published_at)
-            ):
+            if victim is not keep and self._protected_from(victim, keep.lasting):
                 # Likely reused before the newcomer would be (core/reuse.py): refuse the newcomer.
                 self._drop(keep)
                 self.counters.refused_protected += 1
@@ -457,6 +450,15 @@ class CheckpointStore:
             # not: it goes before them (counted as a budget eviction).
             self._evict(victim)
             self.counters.evictions_budget += 1
+
+    def _protected_from(self, victim: Checkpoint, lasting: bool, publications_ahead: int = 0) -> bool:
+        """Whether ``victim`` is kept against a newcomer of the ``lasting`` class (the newcomer is
+        refused instead): same class, not demoted, and young by its reuse distance."""
+        return (
+            victim.lasting == lasting
+            and not victim.demoted
+            and self.reuse.protects(victim.published_at, publications_ahead)
+        )
 
     def _evict(self, victim: Checkpoint) -> None:
         """Drop ``victim`` to make room, remembering its key to notice a regret later."""
