@@ -229,3 +229,28 @@ def test_strided_views_fall_back_to_vllm_copy():
     expected[:, 3] = expected[:, 1]
     copy_pages([view], NUM_BLOCKS, [(1, 3)])
     assert torch.equal(base, expected)
+
+
+def test_worker_compiles_the_copy_kernel_before_vllm_arms_its_jit_monitor():
+    """The worker mixin warms its copier up before vLLM's ``compile_or_warm_up_model``, whose end
+    arms vLLM's JIT monitor: a warm-up after it was reported as two "_copy_pages_kernel" compiles
+    during inference (H200, session 14). Fails if the order is reversed."""
+    from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
+
+    events = []
+
+    class VllmWorker:
+        def compile_or_warm_up_model(self):
+            events.append("vllm warm-up, JIT monitor armed")
+            return "compilation times"
+
+    class Copier:
+        def warm_up(self):
+            events.append("copy kernel compiled")
+
+    class Worker(CaptureCopyWorkerMixin, VllmWorker):
+        def _copier(self):
+            return Copier()
+
+    assert Worker().compile_or_warm_up_model() == "compilation times"
+    assert events == ["copy kernel compiled", "vllm warm-up, JIT monitor armed"]

@@ -31,7 +31,8 @@ Contract:
 
 The copier (storage split and device-side region table) is built when vLLM warms the model up
 (``compile_or_warm_up_model``, after the KV cache is allocated), where it compiles its kernel
-variants on copies of a page onto itself (``PageCopier.warm_up``), and rebuilt whenever the
+variants on copies of a page onto itself (``PageCopier.warm_up``) before vLLM's own warm-up, which
+arms vLLM's JIT monitor when it ends, and rebuilt whenever the
 runner's KV cache tensors change. The only runner attributes read are
 ``model_runner.kv_caches`` and ``model_runner.kv_cache_config.num_blocks``, present in both the
 V1 (CPU) and V2 (GPU) runners.
@@ -70,9 +71,11 @@ class CaptureCopyWorkerMixin:
             self._step_captures = install(self.vllm_config, on_cpu=platform_is_cpu())
 
     def compile_or_warm_up_model(self, *args, **kwargs):
-        result = super().compile_or_warm_up_model(*args, **kwargs)
-        self._copier().warm_up()  # the KV cache exists now: compile the copy kernel before any request
-        return result
+        # The KV cache exists (initialize_from_config ran). Compile the copy kernel first: vLLM's
+        # warm-up ends by arming its JIT monitor, which reports any compile after it as "during
+        # inference" (the H200 logs of session 14 showed this warm-up's own two variants there).
+        self._copier().warm_up()
+        return super().compile_or_warm_up_model(*args, **kwargs)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         captures = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)
