@@ -395,6 +395,18 @@ VALIDATED_ARCHITECTURES = (
 # MTP k = 1 and 3 passed on the H200 with every draft rejected (a random MTP layer; its lookahead
 # tail ring restored whole, core/layout.py; gpu-session12-h200.md §2): not enough to validate.
 VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# Unvalidated speculative combinations that failed on a GPU, cause not yet found: (architecture,
+# method, smallest k that failed) -> what happened, added to the reason ``auto`` falls back with
+# and to the decision line of an explicit ``request_boundaries``. The planted GLM MTP fixture
+# passed at k = 1 with drafts accepted (1.99 tokens per drafting step) and crashed at k = 3
+# (docs/results/gpu-session14-h200.md §3).
+FAILED_ON_GPU = {
+    ("Glm5NextForCausalLM", "mtp", 2): (
+        "on the H200 k = 3 with drafts accepted took the engine down in its first batch (a device-side "
+        "index assert; k = 1 passed; stock not yet run at k = 3 with drafts accepted: "
+        "docs/results/gpu-session14-h200.md §3)"
+    ),
+}
 
 
 def unvalidated_reasons(vllm_config: Any) -> list[str]:
@@ -439,9 +451,14 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
             )
         if architectures and not set(architectures) & set(VALIDATED_SPECULATIVE_ARCHITECTURES):
+            failures = [
+                what for (arch, failed_method, smallest), what in FAILED_ON_GPU.items()
+                if arch in architectures and failed_method == method and (k or 1) >= smallest
+            ]  # fmt: skip
             reasons.append(
                 f"speculative decoding ({method}) on {', '.join(architectures)} is not validated yet "
                 f"(measured with it: {', '.join(VALIDATED_SPECULATIVE_ARCHITECTURES)})"
+                + "".join(f"; {what}" for what in failures)
             )
     return reasons
 

@@ -599,6 +599,22 @@ def test_speculative_decoding_on_an_architecture_measured_only_without_it_falls_
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
+def test_glm_under_mtp_says_what_failed_on_the_gpu_from_k2(k):
+    """GLM-5.3-Flash under MTP crashed the engine at k = 3 with drafts accepted on the H200 (k = 1
+    passed): from k = 2 the reason, under ``auto`` and on an explicit ``request_boundaries``'s
+    decision line, says so; at k = 1 it is the plain "not validated" reason."""
+    fake = mtp_fake(k)
+    fake.model_config.architectures = ["Glm5NextForCausalLM"]
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled and len(auto.reasons) == 1
+    assert ("took the engine down" in auto.reasons[0]) == (k >= 2), auto.reasons
+    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
+    assert explicit.boundaries_enabled and ("took the engine down" in explicit.summary()) == (k >= 2)
+    fake.model_config.architectures = ["KimiLinearForCausalLM"]  # the note is GLM's alone
+    assert "took the engine down" not in decide_policy(BoundaryConfig(policy="auto"), fake).reasons[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_single_module_mtp_up_to_k3_turns_on_under_auto(k):
     """Single-module MTP with k <= 3 (measured on the H200 with drafts accepted) is validated:
     auto turns boundary retention on, with no reason."""

@@ -42,7 +42,8 @@ GLM plus one MTP layer, ``Glm5NextMTP``, with the same planted successor: ~0.77 
 at ``k = 1`` offline, ``tests/test_planted_glm_mtp.py``; the random ``glm5_next_mtp`` drafter had
 none accepted on the H200, 1.000 tokens per drafting step), with the plugin restoring GLM's
 indexer tail ring with speculative lookahead (vLLM sizes it for a pool plus the drafts: ``ring/8
-p4``, docs/notes/model-families.md §10); the planted GLM has not run on a GPU yet.
+p4``, docs/notes/model-families.md §10); on the H200 (session 14) the planted GLM passed at k = 1
+(1.988 tokens per drafting step) and crashed the engine at k = 3 (docs/results/gpu-session14-h200.md §3).
 
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
