@@ -98,6 +98,16 @@ def _log_text(server) -> str:
     return server.log_path.read_text(errors="replace")
 
 
+def _log_lines_about(server, request_id: str | None) -> list[str]:
+    """The server log's lines that name ``request_id`` (vLLM logs it with suffixes), and the pause
+    and abort lines, in order: what a failed abort check needs to tell a late pause from a lost
+    abort."""
+    if not request_id:
+        return ["(no request id: the stream sent no event)"]
+    return [line for line in _log_text(server).splitlines()
+            if request_id in line or "pause" in line.lower() or "abort" in line.lower()][-40:]  # fmt: skip
+
+
 def _last_stats(server) -> dict[str, int]:
     """The plugin's latest counters line in the server log, as a dict ({} if none yet)."""
     lines = [m.group(1) for m in map(STATS_RE.search, _log_text(server).splitlines()) if m]
@@ -146,7 +156,8 @@ def _send_together(server, requests: list[dict]) -> list:
 
 class StreamingRequest(threading.Thread):
     """A streaming completion in a thread: ``started`` is set at the first token; ``token_ids``,
-    ``finish_reason`` and ``error`` once it ended."""
+    ``finish_reason`` and ``error`` once it ended; ``request_id`` is the server's id of it (the
+    events' ``id``, which the server log's request lines carry)."""
 
     def __init__(self, base_url: str, prompt: list[int], **kwargs):
         super().__init__(daemon=True)
@@ -156,6 +167,7 @@ class StreamingRequest(threading.Thread):
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.request_id: str | None = None
 
     def run(self) -> None:
         request = urllib.request.Request(
@@ -166,6 +178,7 @@ class StreamingRequest(threading.Thread):
                 for event in iter_sse_events(resp):
                     if "error" in event and "choices" not in event:
                         self.error = str(event["error"])
+                    self.request_id = self.request_id or event.get("id")
                     for choice in event.get("choices") or []:
                         self.token_ids.extend(choice.get("token_ids") or [])
                         if self.token_ids:
@@ -475,9 +488,8 @@ def test_pause_with_clear_cache_then_resume(server, mode):
     if mode == "abort":
         for r in long_requests:
             assert len(r.token_ids) < ABORTED_MAX_TOKENS and (r.finish_reason == "abort" or r.error), (
-                r.finish_reason,
-                r.error,
-            )
+                len(r.token_ids), r.finish_reason, r.error, _log_lines_about(server, r.request_id),
+            )  # fmt: skip
     resets = _resets_logged(server)[resets_before:]
     assert len(resets) == 1 and resets[0][0] >= 1, resets
     _check_cache_emptied_then_working(base, rng, old)
