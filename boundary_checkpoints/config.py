@@ -396,10 +396,10 @@ VALIDATED_ARCHITECTURES = (
 # tail ring restored whole, core/layout.py; gpu-session12-h200.md §2): not enough to validate.
 VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 # Unvalidated speculative combinations that failed on a GPU, cause not yet found: (architecture,
-# method, smallest k that failed) -> what happened, added to the reason ``auto`` falls back with
-# and to the decision line of an explicit ``request_boundaries``. The planted GLM MTP fixture
-# passed at k = 1 with drafts accepted (1.99 tokens per drafting step) and crashed at k = 3
-# (docs/results/gpu-session14-h200.md §3).
+# method, smallest k the note covers) -> what happened, added to the reason ``auto`` falls back
+# with and to the decision line of an explicit ``request_boundaries``. The planted GLM MTP fixture
+# passed at k = 1 with drafts accepted (1.99 tokens per drafting step) and crashed at k = 3; k = 2
+# has not run, so the note covers it too (docs/results/gpu-session14-h200.md §3).
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 2): (
         "on the H200 k = 3 with drafts accepted took the engine down in its first batch (a device-side "
