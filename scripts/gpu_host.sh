@@ -16,7 +16,7 @@
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
 #                                     tiny families end to end (tests/test_gpu_spec_families.py only;
 #                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP, planted drafter:
-#                                     k = 1 passed, k = 3 crashed in session 14) or -k "not mtp"
+#                                     k = 1 passed, k = 3 crashed once in session 14) or -k "not mtp"
 #                                     to split it under the 10-minute command limit)
 #   bash scripts/gpu_host.sh run CMD [ARGS]  any command in this environment (bundle, package, results dir), e.g.
 #                                     run python3 benchmarks/step_profile.py ... (its docstring has the command)

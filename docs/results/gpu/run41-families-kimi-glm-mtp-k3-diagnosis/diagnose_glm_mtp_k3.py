@@ -8,8 +8,8 @@ Prints one line per policy: ``OK`` with the acceptance counts, or the tail of th
 Run on the GPU host: ``bash scripts/gpu_host.sh run python3 <this file>``.
 
 Run 41 ran it without ``disable_log_stats=False``: both policies stopped at vLLM's "Stat logging
-disabled" assertion before their first request, so the question is still open; this copy has the
-argument and has not run on a GPU.
+disabled" assertion before their first request. This copy has the argument; it ran in session 15
+(run 42, docs/results/gpu-session15-h200.md §1): neither policy crashed.
 """
 
 import os
@@ -37,20 +37,25 @@ run_probes(llm, lengths, 32, 16, seed=0, acceptance=acceptance, next_token=lambd
 print("DIAG OK", policy, json.dumps(acceptance))
 """
 
-for policy in ("aligned", "request_boundaries"):
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+# Session 16's repetition (docs/notes/next-gpu-session.md): DIAG_LAUNCH_BLOCKING=0 keeps launches
+# asynchronous (as in run 40's crash), DIAG_ROUNDS=R runs the two policies R times, alternating.
+ROUNDS = int(os.environ.get("DIAG_ROUNDS", "1"))
+ORDER = [(r, policy) for r in range(ROUNDS) for policy in ("aligned", "request_boundaries")[:: 1 if r % 2 == 0 else -1]]
+for round_index, policy in ORDER:
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING=os.environ.get("DIAG_LAUNCH_BLOCKING", "1"),
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
     try:
         result = subprocess.run([sys.executable, "-c", CHILD, policy], env=env, capture_output=True, text=True,
                                 timeout=float(os.environ.get("DIAG_TIMEOUT_S", "170")))
     except subprocess.TimeoutExpired:
-        print(f"DIAG TIMEOUT {policy}")
+        print(f"DIAG TIMEOUT {policy} round {round_index}")
         continue
     ok = [line for line in result.stdout.splitlines() if line.startswith("DIAG OK")]
     if ok:
-        print(ok[0])
+        print(ok[0], "round", round_index)
     else:
         frames = [line for line in result.stderr.splitlines() if "File " in line or "Error" in line or "assert" in line]
-        print(f"DIAG FAILED {policy} rc={result.returncode}")
+        print(f"DIAG FAILED {policy} round {round_index} rc={result.returncode}")
         print("\n".join(frames[-40:]))
-    with open(os.path.join(os.environ.get("BC_RESULTS_DIR", "."), f"diag-{policy}.log"), "w") as f:
+    with open(os.path.join(os.environ.get("BC_RESULTS_DIR", "."), f"diag-{policy}-{round_index}.log"), "w") as f:
         f.write(result.stdout[-20000:] + "\n--- stderr ---\n" + result.stderr[-60000:])
