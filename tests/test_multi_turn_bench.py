@@ -412,6 +412,72 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+class _JumpingClock(runner.Clock):
+    """The run's clock, plus ``offset`` seconds that the test advances (a slot "takes" that long)."""
+
+    offset = 0.0
+
+    def now(self) -> float:
+        return super().now() + _JumpingClock.offset
+
+
+def test_round_budget_estimates_a_round_by_the_longest_so_far():
+    clock = _JumpingClock()
+    _JumpingClock.offset = 0.0
+    budget = runner.RoundBudget(clock, 50.0)
+    assert budget.allows(1, 0)  # the first round starts whenever time is left
+    budget.finished(1, 20.0)
+    _JumpingClock.offset = 20.0
+    assert budget.allows(1, 1) and budget.stop is None  # 20 + 20 <= 50
+    budget.finished(1, 15.0)  # the estimate keeps the longest round: 20
+    _JumpingClock.offset = 31.0
+    assert not budget.allows(1, 2)  # 31 + 20 > 50
+    assert budget.stop["in_flight"] == 1 and budget.stop["round"] == 2 and budget.stop["expected_round_s"] == 20
+    fresh = runner.RoundBudget(clock, 50.0)
+    fresh.finished(1, 20.0)
+    assert fresh.allows(8, 0) is False  # a new level's first round is estimated by the longest of any level
+    assert runner.RoundBudget(clock, None).allows(1, 0) and runner.RoundBudget(clock, 60.0).allows(1, 0)
+    _JumpingClock.offset = 0.0
+
+
+@pytest.mark.parametrize("late_start", [False, True], ids=["two_rounds_fit", "nothing_fits"])
+def test_time_budget_keeps_the_rounds_that_fit(tmp_path, capsys, monkeypatch, late_start):
+    """Each slot "takes" 10 s on the run's clock, so a round of two labels takes 20 s: a 50 s
+    budget lets rounds 1 and 2 start (at 0 and 20 s) and stops round 3 (40 + 20 > 50) and the next
+    level; a run whose servers took the whole budget to start runs nothing and fails."""
+    _JumpingClock.offset = 60.0 if late_start else 0.0
+    real_slot = runner.run_slot
+
+    def slot_taking_ten_seconds(*args, **kwargs):
+        _JumpingClock.offset += 10.0
+        return real_slot(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "Clock", _JumpingClock)
+    monkeypatch.setattr(runner, "run_slot", slot_taking_ten_seconds)
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    out_json = tmp_path / "result.json"
+    with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
+        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
+                "--vocab-size", "1024", "-N", "2", "-T", "2", "-S", "40", "-U", "8", "-A", "4", "-C", "1,2",
+                "--repeat", "3", "--time-budget", "50", "--out-json", str(out_json),
+                "--plot", str(tmp_path / "plot.png")]  # fmt: skip
+        assert cli.main(argv) == (1 if late_start else 0)
+    _JumpingClock.offset = 0.0
+    printed = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert result["time_budget_s"] == 50
+    if late_start:
+        assert result["levels"] == [] and result["stopped_early"]["round"] == 0
+        assert "rounds done: none (of 3 per level)" in printed
+        return
+    assert "stopped by --time-budget 50 s; rounds done: 2 at 1 in flight (of 3 per level)" in printed
+    assert [lv["in_flight"] for lv in result["levels"]] == [1] and len(result["levels"][0]["rounds"]) == 2
+    stop = result["stopped_early"]
+    assert (stop["in_flight"], stop["round"]) == (1, 2) and stop["at_s"] + stop["expected_round_s"] > 50
+    assert result["levels"][0]["summary"]["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]["n"] == 2
+    assert {r["round"] for r in result["records"]} == {0, 1}
+
+
 @pytest.mark.parametrize("mode", ["together", "one_by_one", "relaunch"])
 def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
     """The launch modes with stand-in servers: together, both start before the first slot and stop

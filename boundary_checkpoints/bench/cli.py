@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--turn1-only", action="store_true",
                     help="every conversation one turn with its own system ids: nothing is reused (-T ignored)")
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
+    wl.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                    help="start a round only if it is expected to end within SECONDS of the run's start "
+                         "(server starts included; estimate: the longest round so far), and report the rounds "
+                         "that ran: for runs under a hard time limit")
     wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--vocab-size", type=int, default=None,
                     help="random ids come from [4, vocab) (default: the model directory's config.json)")
@@ -193,6 +197,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("conversations", "turns", "answer_tokens", "user_tokens", "repeat"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.time_budget is not None and args.time_budget <= 0:
+        p.error("--time-budget must be > 0 seconds")
     if args.system_tokens < 0:
         p.error("--system-tokens must be >= 0")
     for item in args.server_env:
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         run_salt=f"bench-{uuid.uuid4().hex[:12]}", block_size=args.block_size,
         block_size_source="--block-size" if args.block_size else "unknown", warmup=args.warmup,
         stats_log_interval=args.stats_log_interval, request_timeout=args.request_timeout,
+        time_budget_s=args.time_budget,
     )  # fmt: skip
     if args.launch:
         max_len = logs.server_arg_value(["--max-model-len", "4096", *split_server_args(args.server_arg)],
@@ -298,14 +305,17 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(report.level_text(result, level, markdown=args.markdown))
     print(f"\nblock size B = {result['block_size']} ({result['block_size_source']})")
+    if result["stopped_early"]:
+        done = ", ".join(f"{len(lv['rounds'])} at {lv['in_flight']} in flight" for lv in result["levels"]) or "none"
+        print(f"stopped by --time-budget {args.time_budget:g} s; rounds done: {done} (of {args.repeat} per level)")
     if args.out_json:
         Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"result: {args.out_json}")
-    if args.plot and report.plot_result(result, Path(args.plot)):
+    if args.plot and result["levels"] and report.plot_result(result, Path(args.plot)):
         print(f"plot: {args.plot}")
     errors = sum(rd["policies"][p]["errors"] for lv in result["levels"] for rd in lv["rounds"] for p in labels)
-    return 1 if errors else 0
+    return 1 if errors or not result["levels"] else 0
 
 
 if __name__ == "__main__":

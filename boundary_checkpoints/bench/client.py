@@ -120,24 +120,31 @@ def complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **
     start = time.perf_counter()
     with _post(base_url, body, timeout) as resp:
         payload = json.load(resp)
-    latency = time.perf_counter() - start
+    return _parse_completion(payload, time.perf_counter() - start, chat=False, prompt_tokens=len(prompt_ids))
+
+
+def _parse_completion(payload: dict, latency: float, *, chat: bool, prompt_tokens: int) -> Completion:
+    """The first choice of a non-streaming completion (``chat``: a chat completion) body;
+    ``prompt_tokens``: the count when the body's usage has none."""
     try:
         choice = payload["choices"][0]
         usage = payload.get("usage") or {}
         return Completion(
             token_ids=list(choice.get("token_ids") or []),
-            text=choice.get("text", ""),
-            prompt_tokens=usage.get("prompt_tokens", len(prompt_ids)),
+            text=((choice.get("message") or {}).get("content") or "") if chat else choice.get("text", ""),
+            prompt_tokens=usage.get("prompt_tokens", prompt_tokens),
             completion_tokens=usage.get("completion_tokens", 0),
             cached_tokens=_cached_tokens(usage),
             finish_reason=choice.get("finish_reason"),
             latency_s=latency,
             usage=usage,
-            top_logprobs=_top_logprobs(choice),
+            top_logprobs=_chat_top_logprobs(choice) if chat else _top_logprobs(choice),
+            prompt_token_ids=list(payload.get("prompt_token_ids") or []) if chat else [],
             stop_reason=choice.get("stop_reason"),
         )
     except (KeyError, IndexError, TypeError, ValueError) as err:
-        raise CompletionError(f"unexpected completion body: {str(payload)[:2000]}") from err
+        kind = "chat completion" if chat else "completion"
+        raise CompletionError(f"unexpected {kind} body: {str(payload)[:2000]}") from err
 
 
 def complete_json(base_url: str, prompt_ids: list[int] | str, *, timeout: float = 300.0, **kwargs) -> dict:
@@ -269,23 +276,5 @@ def chat(
     if not stream:
         with _post(base_url, body, timeout, CHAT_PATH) as resp:
             payload = json.load(resp)
-        latency = time.perf_counter() - start
-        try:
-            choice = payload["choices"][0]
-            usage = payload.get("usage") or {}
-            return Completion(
-                token_ids=list(choice.get("token_ids") or []),
-                text=(choice.get("message") or {}).get("content") or "",
-                prompt_tokens=usage.get("prompt_tokens", 0),
-                completion_tokens=usage.get("completion_tokens", 0),
-                cached_tokens=_cached_tokens(usage),
-                finish_reason=choice.get("finish_reason"),
-                latency_s=latency,
-                usage=usage,
-                top_logprobs=_chat_top_logprobs(choice),
-                prompt_token_ids=list(payload.get("prompt_token_ids") or []),
-                stop_reason=choice.get("stop_reason"),
-            )
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise CompletionError(f"unexpected chat completion body: {str(payload)[:2000]}") from err
+        return _parse_completion(payload, time.perf_counter() - start, chat=True, prompt_tokens=0)
     return _read_stream(base_url, body, timeout, CHAT_PATH, 0, chat=True)

@@ -22,6 +22,12 @@ Contract:
   a last line is logged) and that peak minus the last ``bytes_retained`` logged before the slot
   (what the slot's own conversations added: a server that stays up still holds earlier slots'
   checkpoints, under other salts, until it evicts them).
+- ``time_budget_s`` (optional): a round starts only if it is expected to end within that many
+  seconds of the run's start (server starts included): the time so far plus the longest round of
+  this level so far (for a level's first round, the longest round of any level; the run's first
+  round starts whenever any time is left). The rounds that ran are summarized as usual, a level
+  with none is left out, and the result's ``stopped_early`` says where the budget stopped the run
+  (None if it did not), so a run under a hard time limit keeps what it measured.
 - The result (a JSON-serialisable dict) holds per level the per-round summaries, their spreads
   (median and p25-p75 over rounds, ``stats.aggregate``), the per-round ratios to the stock label,
   the targets on the medians, per-turn tables pooled over rounds, and every request record.
@@ -131,6 +137,7 @@ class Settings:
     warmup: int = 1
     stats_log_interval: float = 1.0
     request_timeout: float = 600.0
+    time_budget_s: float | None = None  # see the module docstring
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,6 +152,30 @@ class Clock:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+
+class RoundBudget:
+    """Whether the next round is expected to end within ``limit_s`` seconds of ``clock`` (None: no
+    limit); see the module docstring. ``stop`` records the first refusal."""
+
+    def __init__(self, clock: Clock, limit_s: float | None):
+        self.clock, self.limit_s = clock, limit_s
+        self.longest_s: dict[int, float] = {}  # in-flight level -> its longest round
+        self.stop: dict[str, Any] | None = None
+
+    def allows(self, level: int, round_index: int) -> bool:
+        if self.limit_s is None:
+            return True
+        now = self.clock.now()
+        expected = self.longest_s.get(level, max(self.longest_s.values(), default=0.0))
+        if now + expected <= self.limit_s and now < self.limit_s:
+            return True
+        self.stop = {"in_flight": level, "round": round_index, "at_s": round(now, 3),
+                     "expected_round_s": round(expected, 3), "time_budget_s": self.limit_s}  # fmt: skip
+        return False
+
+    def finished(self, level: int, seconds: float) -> None:
+        self.longest_s[level] = max(self.longest_s.get(level, 0.0), seconds)
 
 
 def send(target: Target, prompt: list[int], *, max_tokens: int, salt: str, clock: Clock, timeout: float,
@@ -529,13 +560,21 @@ def answer_variety(records: list[RequestRecord], label: str) -> float | None:
     )
 
 
-def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress) -> dict[str, Any]:
-    """Every round at one in-flight level: the level's part of the result, with its records."""
+def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress,
+              budget: RoundBudget) -> dict[str, Any] | None:  # fmt: skip
+    """The rounds at one in-flight level that ``budget`` lets start: the level's part of the result,
+    with its records (None if no round started)."""
     s = servers.settings
     plans = make_plans(workload)
     records: list[RequestRecord] = []
     rounds = []
     for r in range(s.repeat):
+        if not budget.allows(workload.concurrency, r):
+            progress.write(f"time budget: round {r + 1} of {s.repeat} at {workload.concurrency} in flight would end "
+                           f"past {budget.limit_s:g} s (now {budget.stop['at_s']:g} s, longest round "
+                           f"{budget.stop['expected_round_s']:g} s): no more rounds")  # fmt: skip
+            break
+        started = clock.now()
         order = round_order(s.labels, r)
         summaries: dict[str, dict] = {}
         round_records: list[RequestRecord] = []
@@ -546,6 +585,9 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
         rounds.append({"round": r, "order": order, "policies": {p: summaries[p] for p in s.labels},
                        "floor": floor, "ratios": stats.round_ratios(summaries, floor)})  # fmt: skip
         records += round_records
+        budget.finished(workload.concurrency, clock.now() - started)
+    if not rounds:
+        return None
     ratio_labels = [p for p in s.labels if p != STOCK_POLICY] if STOCK_POLICY in s.labels else []
     ratios = {p: stats.aggregate([rd["ratios"][p] for rd in rounds]) for p in ratio_labels}
     floor_rounds = [rd["floor"] for rd in rounds]
@@ -574,12 +616,19 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
     total = sum(s.repeat * s.workload.at_in_flight(c).timed_requests(len(s.labels), floor) for c in s.in_flight)
     progress = Progress(total)
     clock = Clock()
+    budget = RoundBudget(clock, s.time_budget_s)
+    levels = []
     try:
         if isinstance(servers, LaunchedServers):
             servers.start_all(progress)
         if floor and s.block_size is None:
             progress.write("warning: block size unknown (no log line, no --block-size): floor skipped")
-        levels = [run_level(servers, s.workload.at_in_flight(c), clock, progress) for c in s.in_flight]
+        for c in s.in_flight:
+            level = run_level(servers, s.workload.at_in_flight(c), clock, progress, budget)
+            if level is not None:
+                levels.append(level)
+            if budget.stop is not None:
+                break
     finally:
         progress.close()
         servers.close()
@@ -596,6 +645,8 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
         "block_size": s.block_size,
         "block_size_source": s.block_size_source,
         "floor_policy": s.floor_label if s.block_size else None,
+        "time_budget_s": s.time_budget_s,
+        "stopped_early": budget.stop,
         "servers": servers.info,
         "levels": levels,
         "records": [dict(asdict(r), prefill_tokens=r.prefill_tokens, tpot_s=r.tpot_s) for r in records],
