@@ -113,8 +113,8 @@ from boundary_checkpoints.bench.report import format_table
 from boundary_checkpoints.bench.runner import POLICY_ENV, machine_info
 from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY, percentile, spread
 from boundary_checkpoints.bench.workload import FIRST_RANDOM_ID, round_order
+from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.prompt_capture import IN_STEP, STOP
-from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 CONFIGS = {
     "aligned": {"policy": STOCK_POLICY},

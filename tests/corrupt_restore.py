@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, BoundaryScheduler
-from boundary_checkpoints.worker.capture import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
+from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 
 class OneTokenCorruption:

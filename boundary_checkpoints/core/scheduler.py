@@ -171,10 +171,10 @@ from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
 from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.core.store import LASTING_KINDS, Checkpoint, CheckpointStore
 from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
-from boundary_checkpoints.worker.capture import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 

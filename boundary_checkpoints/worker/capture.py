@@ -42,11 +42,8 @@ from __future__ import annotations
 
 import copy
 
+from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.worker.kernels import PageCopier
-
-CAPTURE_COPIES_ATTR = "boundary_capture_copies"
-IN_STEP_CAPTURES_ATTR = "boundary_in_step_captures"
-POST_FORWARD_COPIES_ATTR = "boundary_post_forward_copies"
 
 
 class CaptureCopyWorkerMixin:

@@ -1,0 +1,20 @@
+"""The copies a scheduler step hands its workers: attribute names on vLLM's ``SchedulerOutput``.
+
+Contract: the scheduler (``core/scheduler.py``) sets these attributes on the ``SchedulerOutput``
+of a step that needs them, and the plugin's worker classes (``worker/capture.py``) read them;
+an absent attribute means no such copies. Each holds a list of ``(source block, destination
+block)`` pairs of scheduler block ids, applied in every KV cache group of every worker:
+
+* :data:`CAPTURE_COPIES_ATTR`: before the step's forward (and before vLLM's zeroing and its own
+  copy-on-write copies): pages and states captured at a boundary an earlier step computed;
+* :data:`IN_STEP_CAPTURES_ATTR`: during the forward, ``(state slot, destination)`` pairs the GDN
+  layers split at ``P - 1`` (``worker/gdn_split.py``);
+* :data:`POST_FORWARD_COPIES_ATTR`: right after the forward: pages the forward wrote (the
+  attention tail page of an in-step capture).
+
+They live here, on the scheduler side, so that the scheduler never imports worker code.
+"""
+
+CAPTURE_COPIES_ATTR = "boundary_capture_copies"
+IN_STEP_CAPTURES_ATTR = "boundary_in_step_captures"
+POST_FORWARD_COPIES_ATTR = "boundary_post_forward_copies"
