@@ -5,8 +5,10 @@ Contract: parses the command line, resolves it into ``runner.Settings`` and a ``
 (``--launch MODEL_DIR``: vLLM servers it starts and stops itself; ``--url`` (repeatable, with
 ``--label``): servers that already run), runs ``runner.run_benchmark``, prints
 ``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
-``meta``: argv, UTC start and end, salt, machine) and ``--plot``. Exit code 0; 1 if a conversation
-request failed; 2 on a usage error; 130 when interrupted (servers are stopped in every case).
+``meta``: argv, UTC start and end, salt, machine) and ``--plot``. With ``--time-budget`` only the
+rounds expected to end within it run (``runner``'s contract). Exit code 0; 1 if a conversation
+request failed or no round fitted the time budget; 2 on a usage error; 130 when interrupted
+(servers are stopped in every case).
 ``--write-model DIR --arch ARCH`` first writes a model directory with
 ``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
 ``--load-format dummy``); ``--write-dflash-drafter DIR`` a random-weight DFlash (or DFlash2)
