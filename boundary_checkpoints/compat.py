@@ -262,6 +262,23 @@ def gdn_prefill_backend(vllm_config) -> str:
     return _resolve_gdn_prefill_backend(vllm_config)[1]
 
 
+def indexer_requires_uniform_decode_rows(num_speculative_tokens: int, adaptive_verification: bool) -> bool:
+    """True when vLLM's DSA indexer (the sparse attention of GLM-5.3-Flash) on this platform splits
+    a batch into decode and prefill rows with ``require_uniform``: a row counts as a decode only if
+    its query length equals the first row's, so under speculative decoding a one-token row after
+    the verify rows (``1 + k`` tokens) runs the indexer's prefill path. False on platforms whose
+    indexer flattens decode queries or reads variable-length ones (Blackwell with DeepGEMM)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.mla.indexer import _supports_varlen_paged_mqa_logits, _use_flattening
+
+    config = SimpleNamespace(
+        num_speculative_tokens=num_speculative_tokens,
+        speculative_config=SimpleNamespace(enable_adaptive_verification=adaptive_verification),
+    )
+    return not (_use_flattening(config) or _supports_varlen_paged_mqa_logits())
+
+
 def mixed_batches_replay_full_graphs(vllm_config) -> bool:
     """True when ``vllm_config``'s CUDA graph mode replays batches that hold prefills from FULL
     graphs (``cudagraph_mode`` FULL: a layer's Python forward then does not run on replay)."""

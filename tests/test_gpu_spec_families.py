@@ -419,6 +419,39 @@ def test_glm5_next_boundaries_above_index_topk():
     report_decode_path("glm5_next", info, rows)
 
 
+REFUSAL_SCRIPT = r"""
+import sys
+from vllm import LLM
+try:
+    LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=4096, max_num_seqs=4,
+        gpu_memory_utilization=0.3, enable_prefix_caching=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": int(sys.argv[2])},
+        additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": "request_boundaries"}})
+except Exception as exc:  # the plugin's BoundaryConfigError, possibly wrapped by vLLM's config validation
+    print("REFUSED", type(exc).__name__, str(exc).replace(chr(10), " "))
+else:
+    print("STARTED")
+"""
+
+
+def check_glm_mtp_refused(k: int) -> None:
+    """On a platform whose indexer needs uniform decode rows (the H200), an explicit
+    ``request_boundaries`` for GLM under MTP is refused at startup with the pooled-indexer reason
+    (``config.speculative_reasons``), read from the real model config (index_kpool)."""
+    import subprocess
+    import sys
+
+    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+
+    model = make_tiny_model(default_model_dir(GLM_MTP_FAMILY, 0), family=GLM_MTP_FAMILY, seed=0)
+    result = subprocess.run([sys.executable, "-c", REFUSAL_SCRIPT, str(model), str(k)], capture_output=True,
+                            text=True, timeout=CASE_TIMEOUT_S)  # fmt: skip
+    print(f"{GLM_MTP_FAMILY} k={k}: " + next((line for line in result.stdout.splitlines() if line.startswith(
+        ("REFUSED", "STARTED"))), "no answer"))  # fmt: skip
+    assert "REFUSED" in result.stdout and "pooled indexer (index_kpool" in result.stdout, (
+        result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_glm5_next_mtp_boundaries(k):
     """GLM-5.3-Flash under MTP (``glm5_next_mtp_planted``: the tiny GLM plus one planted MTP layer,
@@ -430,7 +463,16 @@ def test_glm5_next_mtp_boundaries(k):
     whole-block copies (docs/notes/model-families.md §10). The planted drafter's drafts are
     accepted (~0.77 per draft offline), so acceptance is checked as the Qwen MTP test's
     (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens per drafting step of
-    both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``."""
+    both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``.
+
+    Where vLLM's indexer needs uniform decode rows (the H200; ``compat.indexer_requires_uniform_decode_rows``)
+    the plugin refuses this layout (docs/notes/model-families.md §13), and the test checks that
+    refusal instead."""
+    from boundary_checkpoints.compat import indexer_requires_uniform_decode_rows
+
+    if indexer_requires_uniform_decode_rows(k, False):
+        check_glm_mtp_refused(k)
+        return
     info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS)
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")

@@ -129,8 +129,12 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    the indexer's prefill path, which forms pools only from the step's own tokens and never writes
    the straddling pool. A stop at ``P - 1`` is followed by a one-token step anyway. Only prefill
    steps are cut (vLLM's own test, ``is_prefill_step``): a decode step under MTP keeps its drafts
-   and runs the decode path whatever its start; a prefilling request carries no drafts, so its
-   cut step is one token, within the indexer's decode threshold ``1 + k``.
+   and runs the decode path whatever its start. A cut step runs the indexer's decode path only
+   where the indexer counts every row up to its threshold as a decode: under speculative
+   decoding on an indexer that needs uniform decode rows (the H200), a one-token row beside
+   verify rows runs its prefill path and writes the pool it completes from the wrong tokens, so
+   ``config.speculative_reasons`` refuses speculative decoding there
+   (docs/notes/model-families.md §13).
 """
 
 from __future__ import annotations
