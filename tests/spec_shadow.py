@@ -22,7 +22,17 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
   :func:`mtp_row` of the prefix state after ``i + 1`` tokens and token ``i + 1`` (the drafter's
   shifted input), for the step's valid rows; rejected rows hold junk. Every step checks both kinds
   of rows below its start, so a restore whose draft row ``N - 1`` came from another token ``N``
-  raises :class:`ShadowMismatch` like a wrong state does.
+  raises :class:`ShadowMismatch` like a wrong state does. One stock exception: the last row of a
+  page that another request computed (shared through vLLM's prefix cache by its hash) holds the
+  draft row of that request's next token, which may differ from this request's: vLLM keys the
+  page by its own tokens only, and its EAGLE/MTP drop of the last hit page checks the next page
+  by hash (``kv_cache_coordinator.py``), so stock vLLM reads such a row too. It is accepted when
+  it is exactly the writer's row; a copied page (a restore) gets no such leeway.
+* Drafts cut by the token budget (vLLM's scheduler trims a request's drafts to what the budget
+  leaves, ``scheduler.py``: ``0 < d < k``): the conv update leaves the window after input ``t`` at
+  offset ``k - d + t`` while vLLM's next step reads offset ``a - 1``. The request's next read of
+  its conv window is then vLLM's own, not the plugin's, and is not checked (its SSM still is); a
+  restored request's read always is.
 * Drafts for the next step are proposed after every step that sampled: the first ``m`` are the
   target's true continuation and the rest are wrong, ``m = accept(request_id, step)`` (a script).
   :class:`SpecDriver` hands them to the scheduler (``update_draft_token_ids``) as vLLM's engine
@@ -85,6 +95,8 @@ class SpecShadowWorker(ShadowWorker):
     accept: Callable[[str, int], int] = lambda request_id, step: 0
     conv: dict[int, list[int]] = field(default_factory=dict)
     draft_rows: dict[int, list[int]] = field(default_factory=dict)
+    draft_next: dict[int, list[int | None]] = field(default_factory=dict)  # token each computed row drafted from
+    cut_drafts: dict[str, bool] = field(default_factory=dict)  # the request's last step ran 0 < d < k drafts
     accepted: dict[str, int] = field(default_factory=dict)  # vLLM's num_accepted_tokens per request
     async_scheduling: bool = False
     rejected: dict[str, int] = field(default_factory=dict)  # drafts the request's last step rejected
@@ -100,6 +112,7 @@ class SpecShadowWorker(ShadowWorker):
             so = self._as_the_worker_knows_it(so)
         for block_id in so.new_block_ids_to_zero or ():  # zeroed before any copy into them
             self.draft_rows.pop(block_id, None)
+            self.draft_next.pop(block_id, None)
         # vLLM's input batch adds a new or resumed request (preemption drops it) with
         # num_accepted_tokens 1 (``InputBatch.add_request``).
         for new in so.scheduled_new_reqs:
@@ -144,6 +157,7 @@ class SpecShadowWorker(ShadowWorker):
                 table[dst] = list(table[src])
             else:
                 table.pop(dst, None)
+        self.draft_next.pop(dst, None)  # a copied row is exact or wrong, never a stock share
 
     def _forward(self, req_id: str, req: ShadowRequest, num: int) -> list[int]:
         drafts = list(self._spec_tokens.get(req_id, ()))
@@ -171,6 +185,7 @@ class SpecShadowWorker(ShadowWorker):
             if kind == "ring":
                 self._run_ring(req_id, req, group, start, end, states)
         self._post_copy(req_id, req, start + num_known, len(drafts), num_accepted)
+        self.cut_drafts[req_id] = 0 < len(drafts) < self.num_spec
         self.steps.setdefault(req_id, []).append(SpecStep(start, num, len(drafts), num_accepted))
         if sampled:
             self._propose(req_id, req)
@@ -189,13 +204,23 @@ class SpecShadowWorker(ShadowWorker):
                 drafts = self.draft_rows.get(blocks[row // size], [])
                 want = mtp_row(req.prefix_state(row + 1), req.tokens[row + 1])
                 if row % size >= len(drafts) or drafts[row % size] != want:
-                    raise ShadowMismatch(f"{req_id}: MTP draft row {row} of attention group {group} is wrong")
+                    if not self._shared_by_stock(blocks[row // size], row % size, size, req.prefix_state(row + 1)):
+                        raise ShadowMismatch(f"{req_id}: MTP draft row {row} of attention group {group} is wrong")
+
+    def _shared_by_stock(self, block: int, slot: int, size: int, state: int) -> bool:
+        """Whether a draft row that differs from this request's is the last row of a page another
+        request computed, drafted from that request's next token (the module docstring)."""
+        if slot != size - 1 or block not in self.draft_next or block not in self.draft_rows:
+            return False
+        written_for = self.draft_next[block][slot]
+        return written_for is not None and self.draft_rows[block][slot] == mtp_row(state, written_for)
 
     def _run_recurrent(self, req_id, req, blocks, size, previous, start, end, num_drafts, states) -> None:
         """Migrate, read and check, then write the state columns of one recurrent group."""
         k = self.num_spec
         column = -(-end // size) - 1
-        if previous is None:
+        restored = previous is None
+        if restored:
             previous = (start - 1) // size
             self.restored_reads += bool(start)
         accepted = self.accepted.get(req_id, 1)
@@ -208,6 +233,8 @@ class SpecShadowWorker(ShadowWorker):
         if start:
             ssm = self.states.get(blocks[column + offset])
             window = self.conv.get(blocks[column], [None] * (k + 1))[offset]
+            if restored is False and self.cut_drafts.get(req_id):
+                window = req.prefix_state(start)  # vLLM's own read after a budget-cut step (docstring)
             if ssm != req.prefix_state(start) or window != req.prefix_state(start):
                 raise ShadowMismatch(f"{req_id}: recurrent state at {start} is wrong (column {column}+{offset})")
         if num_drafts:
@@ -245,6 +272,7 @@ class SpecShadowWorker(ShadowWorker):
                 drafts = self.draft_rows.setdefault(block, [ZERO] * size)
                 valid = row < req.num_computed
                 drafts[row % size] = mtp_row(req.prefix_state(row + 1), req.tokens[row + 1]) if valid else JUNK
+                self.draft_next.setdefault(block, [None] * size)[row % size] = req.tokens[row + 1] if valid else None
 
     def _run_ring(self, req_id, req, group, start, end, states) -> None:
         """Read (decode path, completing the open pool) and write both rings of one step, once

@@ -466,6 +466,28 @@ NOTHING_TO_RESEND = [Fresh(seed=0, length=49, max_tokens=1, salt=None, stop_at=N
 ] * 4
 
 
+# Found by a 2500-example run (seed 1), both stock vLLM's own reads (tests/spec_shadow.py):
+# the second prompt shares the first's 16-token page, whose last MTP draft row was drafted from
+# the first request's next token; the continuation retires the second prompt's checkpoint, so the
+# resend hits that page through vLLM's prefix cache, as stock vLLM does.
+DRAFT_ROW_FROM_A_SHARED_PAGE = [
+    Fresh(seed=0, length=16, max_tokens=1, salt=None, stop_at=None),
+    Fresh(seed=0, length=32, max_tokens=1, salt=None, stop_at=None),
+    Continue(which=1, extra=0, seed=0, max_tokens=1, stop_at=None),
+    Resend(which=1, max_tokens=1),
+]
+# The 46-token prompt's chunks take the 32-token budget, so vLLM's scheduler cuts the running
+# request's drafts (k = 3) to fewer than k; its conv window is then where vLLM's next read does not
+# look.
+DRAFTS_CUT_BY_THE_BUDGET = [
+    Fresh(seed=0, length=1, max_tokens=1, salt=None, stop_at=None),
+    Fresh(seed=0, length=46, max_tokens=1, salt=None, stop_at=None),
+    Abort(which=0),
+    Fresh(seed=0, length=1, max_tokens=3, salt=None, stop_at=None),
+    Resend(which=0, max_tokens=1),
+]
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_spec_streams_keep_every_contract(model_dir, k):
     totals = Totals()
@@ -476,6 +498,7 @@ def test_spec_streams_keep_every_contract(model_dir, k):
     @given(script=acceptance, pool=pools, ops=streams)
     @example(script=[0, 0, 1], pool=Pool(29, 32, 0.25, False), ops=RESUMED_AFTER_ACCEPTED_DRAFTS)
     @example(script=[0], pool=Pool(24, 32, 0.25, False), ops=NOTHING_TO_RESEND)
+    @example(script=[0], pool=Pool(24, 32, 0.25, False), ops=DRAFTS_CUT_BY_THE_BUDGET)
     def play(script, pool, ops):
         note(f"k={k} script={script} {pool}")
         stream = SpecStream(model_dir, k, script, pool)
@@ -502,6 +525,7 @@ def test_spec_conversations_restore_exactly(model_dir, k):
     @settings(max_examples=CONVERSATION_EXAMPLES, **SETTINGS)
     @seed(SEED + 10 + k)
     @given(script=acceptance, ops=conversations)
+    @example(script=[0], ops=DRAFT_ROW_FROM_A_SHARED_PAGE)
     def play(script, ops):
         note(f"k={k} script={script}")
         totals.add(play_conversation(model_dir, k, script, ops))
