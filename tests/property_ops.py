@@ -30,6 +30,12 @@ def random_tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(4, 1000) for _ in range(n)]
 
 
+def pick_tracked(tracked: list, which: int):
+    """The earlier request an operation's ``which`` picks (modulo how many there are), or None
+    when there is none yet (a stream's first prompts may all have been too long for its pool)."""
+    return tracked[which % len(tracked)] if tracked else None
+
+
 def common_prefix(a, b) -> int:
     n = 0
     for x, y in zip(a, b):

@@ -56,6 +56,7 @@ from property_ops import (
     Reset,
     Steps,
     common_prefix,
+    pick_tracked,
     random_tokens,
     reference_output,
 )
@@ -213,23 +214,23 @@ class Stream:
         self._add(random_tokens(op.seed, op.length), op.salt, op.max_tokens, op.stop_at)
 
     def _op_resend(self, op: Resend):
-        if not self.tracked:
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
             return False
-        original = self.tracked[op.which % len(self.tracked)]
         salt = original.salt if op.other_salt is False else op.other_salt
         self._add(original.prompt, salt, op.max_tokens)
 
     def _op_branch(self, op: Branch):
-        if not self.tracked:
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
             return False
-        original = self.tracked[op.which % len(self.tracked)]
         prompt = original.prompt[: op.keep] + random_tokens(op.seed, op.extra)
         self._add(prompt, original.salt, op.max_tokens)
 
     def _op_continue(self, op: Continue):
-        if not self.tracked:
+        previous = pick_tracked(self.tracked, op.which)
+        if previous is None:
             return False
-        previous = self.tracked[op.which % len(self.tracked)]
         self._step_until(previous.request.is_finished)  # the client waits for the last turn
         prompt = list(previous.request.all_token_ids) + random_tokens(op.seed, op.extra)
         if len(prompt) > self.max_prompt:

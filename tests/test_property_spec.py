@@ -54,6 +54,7 @@ from property_ops import (
     Reset,
     Steps,
     common_prefix,
+    pick_tracked,
     random_tokens,
     reference_output,
 )
@@ -247,24 +248,23 @@ class SpecStream:
         return self._add(random_tokens(op.seed, op.length), op.salt, op.max_tokens, op.stop_at)
 
     # A stream's first fresh prompt may exceed max_prompt (k = 3 on the smallest pools: 48 tokens),
-    # so the operations that pick an earlier request find none: they do nothing, as in
-    # test_property_scheduler.py.
+    # so the operations that pick an earlier request may find none: they do nothing.
     def _op_resend(self, op: Resend):
-        if not self.tracked:
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
             return None
-        original = self.tracked[op.which % len(self.tracked)]
         return self._add(original.prompt, original.salt, op.max_tokens)
 
     def _op_branch(self, op: Branch):
-        if not self.tracked:
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
             return None
-        original = self.tracked[op.which % len(self.tracked)]
         return self._add(original.prompt[: op.keep] + random_tokens(op.seed, op.extra), original.salt, op.max_tokens)
 
     def _op_continue(self, op: Continue):
-        if not self.tracked:
+        previous = pick_tracked(self.tracked, op.which)
+        if previous is None:
             return None
-        previous = self.tracked[op.which % len(self.tracked)]
         self.step_until(previous.request.is_finished)
         prompt = list(previous.request.all_token_ids) + random_tokens(op.seed, op.extra)
         return self._add(prompt, previous.salt, op.max_tokens, op.stop_at)
