@@ -96,7 +96,6 @@ class SpecShadowWorker(ShadowWorker):
     conv: dict[int, list[int]] = field(default_factory=dict)
     draft_rows: dict[int, list[int]] = field(default_factory=dict)
     draft_next: dict[int, list[int | None]] = field(default_factory=dict)  # token each computed row drafted from
-    cut_drafts: dict[str, bool] = field(default_factory=dict)  # the request's last step ran 0 < d < k drafts
     accepted: dict[str, int] = field(default_factory=dict)  # vLLM's num_accepted_tokens per request
     async_scheduling: bool = False
     rejected: dict[str, int] = field(default_factory=dict)  # drafts the request's last step rejected
@@ -185,7 +184,6 @@ class SpecShadowWorker(ShadowWorker):
             if kind == "ring":
                 self._run_ring(req_id, req, group, start, end, states)
         self._post_copy(req_id, req, start + num_known, len(drafts), num_accepted)
-        self.cut_drafts[req_id] = 0 < len(drafts) < self.num_spec
         self.steps.setdefault(req_id, []).append(SpecStep(start, num, len(drafts), num_accepted))
         if sampled:
             self._propose(req_id, req)
@@ -210,7 +208,7 @@ class SpecShadowWorker(ShadowWorker):
     def _shared_by_stock(self, block: int, slot: int, size: int, state: int) -> bool:
         """Whether a draft row that differs from this request's is the last row of a page another
         request computed, drafted from that request's next token (the module docstring)."""
-        if slot != size - 1 or block not in self.draft_next or block not in self.draft_rows:
+        if slot != size - 1 or block not in self.draft_next:  # written beside draft_rows[block]
             return False
         written_for = self.draft_next[block][slot]
         return written_for is not None and self.draft_rows[block][slot] == mtp_row(state, written_for)
@@ -233,7 +231,7 @@ class SpecShadowWorker(ShadowWorker):
         if start:
             ssm = self.states.get(blocks[column + offset])
             window = self.conv.get(blocks[column], [None] * (k + 1))[offset]
-            if restored is False and self.cut_drafts.get(req_id):
+            if not restored and 0 < self.steps[req_id][-1].num_drafts < k:
                 window = req.prefix_state(start)  # vLLM's own read after a budget-cut step (docstring)
             if ssm != req.prefix_state(start) or window != req.prefix_state(start):
                 raise ShadowMismatch(f"{req_id}: recurrent state at {start} is wrong (column {column}+{offset})")
