@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bundle: `PART_MB=40 bash ../shared/gpu/build_bundle.sh` here (each transfer carries the working
+# Bundle: `PART_MB=47 bash ../shared/gpu/build_bundle.sh` here (each transfer carries the working
 # tree, about 16 MB, beside one part, and may not exceed 64 MiB), then send each part into
 # /tmp/gpu-parts on the host. Files back from $OUT are capped at 8: run a stage with OUT set to a
 # scratch folder and tar that folder into the real $OUT.
@@ -28,6 +28,14 @@ stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|run|in_step|familie
 out="${OUT:-/tmp/bc-out}"
 mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
+# A vLLM server that an earlier call's time limit cut (bc-bench starts each server in its own
+# session, which the device tool leaves running) holds GPU memory, and the next engine's memory
+# check then fails (session 17, run 47): stop any such leftover before this stage starts.
+leftover=$(pgrep -f 'vllm\.entrypoints|VLLM::EngineCore' | tr '\n' ' ')
+if [[ -n "$leftover" ]]; then
+  echo "stopping leftover vLLM processes of an earlier call: $leftover"
+  pkill -9 -f 'vllm\.entrypoints|VLLM::EngineCore'; sleep 5
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
 export HF_HUB_OFFLINE=1 BC_RESULTS_DIR="$out" PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu-host.txt"

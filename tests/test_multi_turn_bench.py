@@ -701,3 +701,38 @@ def test_end_to_end_two_rounds_on_cpu_servers(tiny_model_dir, tmp_path, capsys):
     servers = result["servers"]
     assert all(s["exit_codes"] and s["exit_codes"][0] is not None for s in servers.values())
     assert servers["request_boundaries"]["boundary_stats"]["hits"] >= 4
+
+
+def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):
+    """A launched server that is not healthy when the time budget ends is stopped with the others,
+    and the run ends at the budget with ``stopped_early`` naming it, instead of waiting out the
+    startup timeout (on the GPU host an outer ``timeout`` then cut the run and the server, in its
+    own session, outlived it and held the GPU's memory)."""
+    import subprocess
+    import sys
+    import time
+
+    from boundary_checkpoints.bench import server as server_mod
+
+    processes = []
+
+    def never_healthy(model, log_path, **kw):
+        Path(log_path).write_text("still loading\n")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        processes.append(proc)
+        return server_mod.ServerProcess(process=proc, host="127.0.0.1", port=server_mod.find_free_port(),
+                                        log_path=Path(log_path), command=["fake"])  # fmt: skip
+
+    monkeypatch.setattr(server_mod, "start_server", never_healthy)
+    labels = ["aligned", "request_boundaries"]
+    settings = runner.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
+                               in_flight=[1], repeat=2, run_salt="t", warmup=0, stats_log_interval=0,
+                               time_budget_s=1.0)  # fmt: skip
+    spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
+                             log_dir=tmp_path, one_by_one=True, startup_timeout=60.0)  # fmt: skip
+    started = time.monotonic()
+    result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
+    assert time.monotonic() - started < 20  # the budget (1 s) plus the stop's grace, not the 60 s timeout
+    assert result["levels"] == [] and result["stopped_early"]["phase"] == "server start"
+    assert result["stopped_early"]["label"] == "aligned" and len(processes) == 1  # the second never started
+    assert processes[0].poll() is not None  # stopped, not left running

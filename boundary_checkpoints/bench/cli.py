@@ -6,8 +6,9 @@ Contract: parses the command line, resolves it into ``runner.Settings`` and a ``
 ``--label``): servers that already run), runs ``runner.run_benchmark``, prints
 ``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
 ``meta``: argv, UTC start and end, salt, machine) and ``--plot``. With ``--time-budget`` only the
-rounds expected to end within it run (``runner``'s contract). Exit code 0; 1 if a conversation
-request failed or no round fitted the time budget; 2 on a usage error; 130 when interrupted
+rounds expected to end within it run, and a server still starting when it ends is stopped
+(``runner``'s contract). Exit code 0; 1 if a conversation request failed or no round fitted the
+time budget; 2 on a usage error; 130 when interrupted
 (servers are stopped in every case).
 ``--write-model DIR --arch ARCH`` first writes a model directory with
 ``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
@@ -124,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
     wl.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="start a round only if it is expected to end within SECONDS of the run's start "
-                         "(server starts included; estimate: the longest round so far), and report the rounds "
-                         "that ran: for runs under a hard time limit")
+                         "(server starts included; estimate: the longest round so far), stop a server still "
+                         "starting when it ends, and report the rounds that ran: for runs under a hard time "
+                         "limit (leave the stop's grace, up to 25 s per server, before that limit)")
     wl.add_argument("--seed", type=int, default=0)
     wl.add_argument("--vocab-size", type=int, default=None,
                     help="random ids come from [4, vocab) (default: the model directory's config.json)")

@@ -25,9 +25,13 @@ Contract:
 - ``time_budget_s`` (optional): a round starts only if it is expected to end within that many
   seconds of the run's start (server starts included): the time so far plus the longest round of
   this level so far (for a level's first round, the longest round of any level; the run's first
-  round starts whenever any time is left). The rounds that ran are summarized as usual, a level
-  with none is left out, and the result's ``stopped_early`` says where the budget stopped the run
-  (None if it did not), so a run under a hard time limit keeps what it measured.
+  round starts whenever any time is left). A launched server waits for health at most until the
+  budget ends; one still starting then is stopped with the others (``stopped_early`` names it,
+  with ``phase: server start``; in ``relaunch`` mode the level under way is lost), so no server
+  outlives a budgeted run that an outer time limit would cut. The rounds that ran are summarized
+  as usual, a level with none is left out, and the result's ``stopped_early`` says where the
+  budget stopped the run (None if it did not), so a run under a hard time limit keeps what it
+  measured.
 - The result (a JSON-serialisable dict) holds per level the per-round summaries, their spreads
   (median and p25-p75 over rounds, ``stats.aggregate``), the per-round ratios to the stock label,
   the targets on the medians, per-turn tables pooled over rounds, and every request record.
@@ -176,6 +180,24 @@ class RoundBudget:
 
     def finished(self, level: int, seconds: float) -> None:
         self.longest_s[level] = max(self.longest_s.get(level, 0.0), seconds)
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the budget ends (never below 0; None: no limit)."""
+        return None if self.limit_s is None else max(0.0, self.limit_s - self.clock.now())
+
+    def stop_during_start(self, label: str) -> None:
+        """Record that the budget ended while ``label``'s server was starting."""
+        self.stop = {"phase": "server start", "label": label, "at_s": round(self.clock.now(), 3),
+                     "time_budget_s": self.limit_s}  # fmt: skip
+
+
+class BudgetEndedDuringStart(Exception):
+    """A launched server was still starting when the run's time budget ended (see the module
+    docstring); ``label`` names it."""
+
+    def __init__(self, label: str):
+        super().__init__(f"[{label}] still starting when the time budget ended")
+        self.label = label
 
 
 def send(target: Target, prompt: list[int], *, max_tokens: int, salt: str, clock: Clock, timeout: float,
@@ -426,6 +448,7 @@ class LaunchedServers(ServerSet):
         super().__init__(settings)
         self.spec = spec
         self.running: dict[str, Any] = {}
+        self.budget: RoundBudget | None = None  # the run's budget: a start waits at most until it ends
 
     def _start(self, label: str, progress: Progress):
         from boundary_checkpoints.bench.server import find_free_port, start_server
@@ -450,9 +473,13 @@ class LaunchedServers(ServerSet):
         from boundary_checkpoints.bench.server import ServerStartError, wait_until_healthy
 
         server = self.running[label]
+        left = self.budget.seconds_left() if self.budget is not None else None
+        budget_bound = left is not None and left < self.spec.startup_timeout
         try:
-            ready = wait_until_healthy(server, timeout=self.spec.startup_timeout)
+            ready = wait_until_healthy(server, timeout=left if budget_bound else self.spec.startup_timeout)
         except ServerStartError as err:
+            if budget_bound and server.running():
+                raise BudgetEndedDuringStart(label) from err
             raise SystemExit(f"[{label}] server failed to start: {err}") from err
         self.info[label]["ready_s"].append(round(ready, 1))
         progress.write(f"[{label}] ready in {ready:.1f} s")
@@ -620,6 +647,7 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
     levels = []
     try:
         if isinstance(servers, LaunchedServers):
+            servers.budget = budget
             servers.start_all(progress)
         if floor and s.block_size is None:
             progress.write("warning: block size unknown (no log line, no --block-size): floor skipped")
@@ -629,6 +657,9 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
                 levels.append(level)
             if budget.stop is not None:
                 break
+    except BudgetEndedDuringStart as ended:
+        budget.stop_during_start(ended.label)
+        progress.write(f"time budget: {ended}; stopping every server (levels done: {len(levels)})")
     finally:
         progress.close()
         servers.close()
