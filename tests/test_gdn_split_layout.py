@@ -26,9 +26,9 @@ def group(first_slot: int):
 
 
 def assert_same_split(got, want) -> None:
-    for name in ("keep", "last", "slots", "destinations"):
+    for name in ("order", "slots", "destinations"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert got.slot_ids == want.slot_ids
+    assert got.slot_ids == want.slot_ids and got.num_kept == want.num_kept
     for name in ("without_last", "last_tokens"):
         a, b = getattr(got, name), getattr(want, name)
         assert a.num_actual_tokens == b.num_actual_tokens and a.num_prefill_tokens == b.num_prefill_tokens
@@ -40,11 +40,12 @@ def test_groups_with_the_same_capture_rows_share_one_layout_and_keep_their_own_b
     first, second = group(10), group(40)
     pairs = {12: 100, 14: 101, 42: 200, 44: 201}  # rows 2 and 4 capture in both groups
     a, b = step_splits([first, second], pairs, rebuild_kernel_metadata=False)
-    assert a.keep is b.keep and a.last is b.last  # one layout
+    assert a.order is b.order  # one layout
     assert a.slot_ids == (12, 14) and b.slot_ids == (42, 44)
     assert a.destinations.tolist() == [100, 101] and b.destinations.tolist() == [200, 201]
     assert a.last_tokens.non_spec_state_indices_tensor.tolist() == [12, 14]
-    assert a.last.tolist() == [12, 85]  # last tokens of rows 2 (6..12) and 4 (16..85)
+    assert a.order[a.num_kept :].tolist() == [12, 85]  # last tokens of rows 2 (6..12) and 4 (16..85)
+    assert a.num_kept == 86 - 2 and a.order[: a.num_kept].tolist() == [t for t in range(86) if t not in (12, 85)]
     assert a.without_last.non_spec_query_start_loc.tolist() == [0, 1, 6, 12, 15, 84, 84]
     assert_same_split(a, step_splits([first], pairs, False)[0])
     assert_same_split(b, step_splits([second], pairs, False)[0])
@@ -54,8 +55,8 @@ def test_a_group_with_other_capture_rows_gets_its_own_layout():
     first, second, third = group(10), group(40), group(70)
     pairs = {12: 100, 42: 200, 73: 300}  # row 2 in the first two groups, row 3 in the third
     a, b, c = step_splits([first, second, third], pairs, rebuild_kernel_metadata=False)
-    assert a.keep is b.keep and c.keep is not a.keep
-    assert c.last.tolist() == [15]  # row 3: tokens 13..15
+    assert a.order is b.order and c.order is not a.order
+    assert c.order[c.num_kept :].tolist() == [15]  # row 3: tokens 13..15
     assert_same_split(c, step_splits([third], pairs, False)[0])
     assert step_splits([group(500)], pairs, False) == [None]  # no capture row in that group
 

@@ -20,8 +20,11 @@ Contract
      into the row's destination block;
   2. those last tokens as one-token decode rows that read and write their slots: what the step
      after the stop runs for them.
-  Outputs go back to their token positions. Every GDN kernel treats rows independently, so each
-  row's outputs and states are those of the two-step run (bit for bit on the CPU kernels).
+  Each of the layer's inputs is gathered once, in the order call 1's tokens then call 2's
+  (:attr:`RowLayout.order`), so the two calls take contiguous slices of one buffer, and the
+  outputs go back to their token positions in one scatter. Every GDN kernel treats rows
+  independently, so each row's outputs and states are those of the two-step run (bit for bit on
+  the CPU kernels).
 * Any other call (no pair this step, no capture row in this KV group, no metadata) is vLLM's.
 """
 
@@ -53,8 +56,8 @@ GDNMetadata = gdn_metadata_class()
 class RowSplit:
     """One step's split of one KV group's batch (see the module docstring)."""
 
-    keep: torch.Tensor  # token positions of call 1, ascending
-    last: torch.Tensor  # token position of each capture row's last token
+    order: torch.Tensor  # token positions: call 1's (ascending), then each capture row's last token
+    num_kept: int  # call 1's tokens: order[:num_kept]
     slots: torch.Tensor  # each capture row's state index
     slot_ids: tuple[int, ...]  # the same indices on the host (no device read to learn them)
     destinations: torch.Tensor  # each capture row's destination block
@@ -68,8 +71,8 @@ class RowLayout:
     depends only on the batch's rows and which of them are capture rows, so the KV groups of a step
     (the same batch, each with its own state indices) share one."""
 
-    keep: torch.Tensor
-    last: torch.Tensor
+    order: torch.Tensor  # call 1's token positions (ascending), then each capture row's last token
+    num_kept: int  # call 1's tokens
     num_tokens: int  # real tokens of the batch (zero-token padding rows hold none)
     query_fields: dict  # call 1's query starts (and the CUDA core's kernel metadata), for ``replace``
     last_query_start_loc: torch.Tensor  # call 2: one token per row
@@ -115,14 +118,15 @@ def row_layout(metadata, starts: torch.Tensor, rows: tuple[int, ...], rebuild_ke
         shortened[row + 1 :] -= 1
     keep = torch.ones(num_tokens, dtype=torch.bool)
     keep[last] = False
+    order = torch.cat([keep.nonzero().flatten(), torch.tensor(last, dtype=torch.long)])
     prefill_starts = shortened[metadata.num_decodes :] - metadata.num_decode_tokens
     fields = {"non_spec_query_start_loc": to_device(shortened, device),
               "prefill_query_start_loc": to_device(prefill_starts, device)}  # fmt: skip
     if rebuild_kernel_metadata:
         fields |= kernel_fields(shortened, prefill_starts, device)
     return RowLayout(
-        keep=to_device(keep.nonzero().flatten(), device),
-        last=to_device(torch.tensor(last), device),
+        order=to_device(order, device),
+        num_kept=num_tokens - len(rows),
         num_tokens=num_tokens,
         query_fields=fields,
         last_query_start_loc=torch.arange(len(rows) + 1, dtype=starts.dtype, device=device),
@@ -145,7 +149,7 @@ def group_split(metadata, layout: RowLayout, slots: list[int], pairs: dict[int, 
         non_spec_state_indices_tensor=indices[0],
     )  # fmt: skip
     return RowSplit(
-        keep=layout.keep, last=layout.last, slots=indices[0], slot_ids=tuple(slots), destinations=indices[1],
+        order=layout.order, num_kept=layout.num_kept, slots=indices[0], slot_ids=tuple(slots), destinations=indices[1],
         without_last=without_last, last_tokens=last_tokens,
     )  # fmt: skip
 
@@ -242,16 +246,16 @@ class BoundaryQwenGDN(qwen_gdn_layer_class()):
         split = self.boundary_captures.split_for(metadata) if isinstance(metadata, GDNMetadata) else None
         if split is None:
             return self._vllm_core(mixed_qkv, b, a, core_attn_out)
-        out = core_attn_out.new_zeros((len(split.keep), *core_attn_out.shape[1:]))
+        order, kept = split.order, split.num_kept
+        qkv, gate_b, gate_a = mixed_qkv[order], b[order], a[order]
+        out = core_attn_out.new_zeros((len(order), *core_attn_out.shape[1:]))
         with layer_metadata(self.prefix, split.without_last):
-            self._vllm_core(mixed_qkv[split.keep], b[split.keep], a[split.keep], out)
-        core_attn_out.index_copy_(0, split.keep, out)
+            self._vllm_core(qkv[:kept], gate_b[:kept], gate_a[:kept], out[:kept])
         for state in self.kv_cache:  # conv and SSM state after P - 1 into the checkpoint's block
             state[split.destinations] = state[split.slots]
-        out = core_attn_out.new_zeros((len(split.last), *core_attn_out.shape[1:]))
         with layer_metadata(self.prefix, split.last_tokens):
-            self._vllm_core(mixed_qkv[split.last], b[split.last], a[split.last], out)
-        core_attn_out.index_copy_(0, split.last, out)
+            self._vllm_core(qkv[kept:], gate_b[kept:], gate_a[kept:], out[kept:])
+        core_attn_out.index_copy_(0, order, out)
 
     def _vllm_core(self, mixed_qkv, b, a, core_attn_out) -> None:
         if self.boundary_on_cpu:
