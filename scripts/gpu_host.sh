@@ -31,10 +31,11 @@ source .gpu-bundle/install_on_host.sh || exit 1
 # A vLLM server that an earlier call's time limit cut (bc-bench starts each server in its own
 # session, which the device tool leaves running) holds GPU memory, and the next engine's memory
 # check then fails (session 17, run 47): stop any such leftover before this stage starts.
-leftover=$(pgrep -f 'vllm\.entrypoints|VLLM::EngineCore' | tr '\n' ' ')
+vllm_processes='vllm\.entrypoints|VLLM::EngineCore'
+leftover=$(pgrep -f "$vllm_processes" | tr '\n' ' ')
 if [[ -n "$leftover" ]]; then
   echo "stopping leftover vLLM processes of an earlier call: $leftover"
-  pkill -9 -f 'vllm\.entrypoints|VLLM::EngineCore'; sleep 5
+  pkill -9 -f "$vllm_processes"; sleep 5
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$out/pip.log" 2>&1 || { tail "$out/pip.log"; exit 1; }
 export HF_HUB_OFFLINE=1 BC_RESULTS_DIR="$out" PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn

@@ -1,8 +1,11 @@
-"""A throwaway HTTP server on 127.0.0.1 for client tests that need no vLLM (stand-in handlers)."""
+"""A throwaway HTTP server on 127.0.0.1 for client tests that need no vLLM (stand-in handlers),
+and stand-in server processes for the tests of starting and stopping one."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,3 +87,15 @@ class CompletionsStub(BaseHTTPRequestHandler):
         if body.get("stream_options", {}).get("include_usage"):
             self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         self.wfile.write(b"data: [DONE]\n\n")
+
+
+def stand_in_server(log_path, code: str):
+    """A ``bench.server.ServerProcess`` running ``python -c code`` in its own session, as
+    ``start_server`` runs vLLM, with its output in ``log_path``; it never answers ``/health``."""
+    from boundary_checkpoints.bench import server
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+    return server.ServerProcess(process=proc, host="127.0.0.1", port=server.find_free_port(),
+                                log_path=log_path, command=[])  # fmt: skip

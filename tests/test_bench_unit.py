@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from http_stub import CompletionsStub, serve
+from http_stub import CompletionsStub, serve, stand_in_server
 
 from boundary_checkpoints.bench import client, demo, server
 
@@ -114,24 +112,15 @@ def test_find_free_port_is_bindable():
         sock.bind(("127.0.0.1", port))
 
 
-def _fake_server(tmp_path, code: str) -> server.ServerProcess:
-    log_path = tmp_path / "fake.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
-    return server.ServerProcess(process=proc, host="127.0.0.1", port=server.find_free_port(),
-                                log_path=log_path, command=[])  # fmt: skip
-
-
 def test_start_failure_reports_log_tail(tmp_path):
-    fake = _fake_server(tmp_path, "print('model config is broken'); raise SystemExit(3)")
+    fake = stand_in_server(tmp_path / "fake.log", "print('model config is broken'); raise SystemExit(3)")
     with pytest.raises(server.ServerStartError, match="model config is broken") as info:
         server.wait_until_healthy(fake, timeout=30, poll_interval=0.05)
     assert "exited with code 3" in str(info.value)
 
 
 def test_start_timeout(tmp_path):
-    fake = _fake_server(tmp_path, "import time; print('still loading', flush=True); time.sleep(60)")
+    fake = stand_in_server(tmp_path / "fake.log", "import time; print('still loading', flush=True); time.sleep(60)")
     ticks = []
     try:
         with pytest.raises(server.ServerStartError, match="not healthy after"):
@@ -150,7 +139,7 @@ def test_stop_server_kills_the_whole_group(tmp_path):
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    fake = _fake_server(tmp_path, code)
+    fake = stand_in_server(tmp_path / "fake.log", code)
     deadline = time.monotonic() + 10
     while not fake.log_path.read_text().strip() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from http_stub import CompletionsStub, serve
+from http_stub import CompletionsStub, serve, stand_in_server
 
 from boundary_checkpoints.bench import cli, logs, report, runner, stats
 from boundary_checkpoints.bench import workload as wl
@@ -708,8 +708,6 @@ def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):
     and the run ends at the budget with ``stopped_early`` naming it, instead of waiting out the
     startup timeout (on the GPU host an outer ``timeout`` then cut the run and the server, in its
     own session, outlived it and held the GPU's memory)."""
-    import subprocess
-    import sys
     import time
 
     from boundary_checkpoints.bench import server as server_mod
@@ -717,11 +715,9 @@ def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):
     processes = []
 
     def never_healthy(model, log_path, **kw):
-        Path(log_path).write_text("still loading\n")
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-        processes.append(proc)
-        return server_mod.ServerProcess(process=proc, host="127.0.0.1", port=server_mod.find_free_port(),
-                                        log_path=Path(log_path), command=["fake"])  # fmt: skip
+        stand_in = stand_in_server(log_path, "import time; time.sleep(120)")
+        processes.append(stand_in.process)
+        return stand_in
 
     monkeypatch.setattr(server_mod, "start_server", never_healthy)
     labels = ["aligned", "request_boundaries"]
