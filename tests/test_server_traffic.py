@@ -44,6 +44,7 @@ BLOCK = 256  # the CPU engine's block for the tiny model
 FIRST_WORD_ID = 8  # ids 8..1023 are the words w8..w1023 of the tiny word-level tokenizer
 VOCAB = 1024
 CONFIG = {"boundary_checkpoints": {"policy": "request_boundaries", "stats_log_interval_s": 1}}
+MAX_MODEL_LEN = 40_960  # the tiny model's max_position_embeddings: room for 300 + ABORTED_MAX_TOKENS
 STATS_RE = re.compile(r"boundary_checkpoints: (hits=\d+.*)$")
 RESET_RE = re.compile(r"prefix cache reset dropped (\d+) checkpoints and (\d+) pending captures")
 
@@ -56,7 +57,8 @@ def server(tiny_model_dir, tmp_path_factory):
         log_path,
         additional_config=CONFIG,
         env={"VLLM_SERVER_DEV_MODE": "1"},
-        extra_args=["--enable-log-requests"],  # "Added request" lines: see _send_together
+        # "Added request" lines (see _send_together); room for ABORTED_MAX_TOKENS
+        extra_args=["--enable-log-requests", "--max-model-len", str(MAX_MODEL_LEN)],
         timeout=300,
     ) as running:
         yield running
@@ -192,17 +194,27 @@ class StreamingRequest(threading.Thread):
 
 
 # Requests an abort must catch: on an idle machine 200 tokens take about a second; these would take
-# tens of seconds. A stalled client or frontend can still deliver the abort late (a CI machine once
-# saw all three finish whole), so the abort tests retry with fresh requests (_abort_running).
-ABORTED_MAX_TOKENS = 3000
+# minutes. The engine decodes on while a busy frontend (or client) falls behind with the streams it
+# serves, so a control call can reach the engine late: on a CI machine all three 3000-token requests
+# of the pause test once finished first, and a loaded machine delivers 200-token answers in one
+# burst. So the long requests stream in chunks (_start_long_requests), the abort tests retry with
+# fresh requests (_abort_running), and the reset test ends its long requests itself (a pause that
+# aborts them).
+ABORTED_MAX_TOKENS = 40_000
+RESUMED_TOKENS = 64  # what each long request must decode after the resets preempted it
+LONG_STREAM_INTERVAL = 50
 ATTEMPTS = 3  # tries at catching requests still decoding, each with fresh requests
 
 
 def _start_long_requests(
     base_url: str, rng: random.Random, max_tokens: int = 200, count: int = 3
 ) -> list[StreamingRequest]:
-    """``count`` long requests (``max_tokens``, ignore_eos), each generating before this returns."""
-    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=max_tokens, cache_salt=_salt())
+    """``count`` long requests (``max_tokens``, ignore_eos), each generating before this returns.
+    They stream the first token at once and then every ``LONG_STREAM_INTERVAL`` tokens (the
+    request's ``stream_interval``), which keeps the frontend's work per engine step small, so that
+    control calls are not held up behind the streams."""
+    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=max_tokens, cache_salt=_salt(),
+                                 stream_interval=LONG_STREAM_INTERVAL)
                 for _ in range(count)]  # fmt: skip
     for r in requests:
         r.start()
@@ -239,14 +251,6 @@ def _abort_running(server, rng: random.Random, abort: Callable[[], None]) -> tup
         seen.append(tokens_at_call)
     pytest.fail(f"in {ATTEMPTS} attempts the abort never found a request still decoding; tokens each "
                 f"had received when the call was sent: {seen}")  # fmt: skip
-
-
-def _preemptions(base_url: str) -> float:
-    """vLLM's own count of preempted requests so far (``vllm:num_preemptions_total``, /metrics)."""
-    status, text = _call(base_url, "GET", "/metrics")
-    assert status == 200, text[:300]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:num_preemptions_total"))  # fmt: skip
 
 
 def _join(requests: list[StreamingRequest]) -> None:
@@ -449,18 +453,18 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
 
 
 def test_reset_prefix_cache_while_requests_run(server):
-    """``POST /reset_prefix_cache?reset_running_requests=true`` while three 200-token requests run
-    (and short requests keep arriving, so captures are pending at some resets): vLLM preempts the
-    running requests, the plugin drops every retained and pending bundle first, and the reset
-    succeeds. The running requests finish with all 200 tokens, the server stays healthy, the
-    checkpoint retained before is gone, and a fresh prompt's resend hits P - 1 again. That a reset
-    really hit running requests is vLLM's own count (``vllm:num_preemptions_total``); three resets
-    that all came after the requests ended are retried with fresh requests (``ATTEMPTS``)."""
+    """``POST /reset_prefix_cache?reset_running_requests=true`` three times while three long
+    requests decode (and short requests keep arriving, so captures are pending at some resets):
+    vLLM preempts the running requests, the plugin drops every retained and pending bundle first,
+    and each reset succeeds. The long requests (``ABORTED_MAX_TOKENS``, which no machine finishes
+    in the seconds the resets take) are live at every reset and decode on after the last; then
+    ``POST /pause?mode=abort&clear_cache=false`` ends them, so each ends aborted, never whole.
+    The server stays healthy, the checkpoint retained before is gone, and a fresh prompt's resend
+    hits P - 1 again."""
     base = server.base_url
     rng = random.Random(4000)
     old = _retained_prompt(base, rng)
     resets_before = len(_resets_logged(server))
-    preemptions_before = _preemptions(base)
 
     stop_churn = threading.Event()
     churn_errors: list[str] = []
@@ -476,41 +480,46 @@ def test_reset_prefix_cache_while_requests_run(server):
     churners = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
     for t in churners:
         t.start()
-    answers, long_requests, preempted = [], [], 0.0
-    for _attempt in range(ATTEMPTS):
-        batch = _start_long_requests(base, rng)
-        for _ in range(3):  # several resets, spread over the long requests' decoding
-            status, body = _call(base, "POST", "/reset_prefix_cache?reset_running_requests=true")
-            answers.append((status, body))
-            assert status == 200 and json.loads(body) == {"success": True}, body
-            assert is_healthy(base)
-            time.sleep(0.3)
-        _join(batch)
-        long_requests += batch
-        preempted = _preemptions(base) - preemptions_before
-        if preempted:
-            break
+    long_requests = _start_long_requests(base, rng, max_tokens=ABORTED_MAX_TOKENS)
+    answers = []
+    for _ in range(3):  # several resets, spread over the long requests' decoding
+        status, body = _call(base, "POST", "/reset_prefix_cache?reset_running_requests=true")
+        answers.append((status, body))
+        assert status == 200 and json.loads(body) == {"success": True}, body
+        assert is_healthy(base)
+        time.sleep(0.3)
+    after_resets = [len(r.token_ids) for r in long_requests]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(
+        len(r.token_ids) < n + RESUMED_TOKENS and r.is_alive() for r, n in zip(long_requests, after_resets)
+    ):  # the preempted requests are scheduled again and decode on
+        time.sleep(0.1)
+    resumed = [len(r.token_ids) - n for r, n in zip(long_requests, after_resets)]
+    status, body = _call(base, "POST", "/pause?mode=abort&clear_cache=false")
+    assert status == 200, body
+    assert _call(base, "POST", "/resume")[0] == 200
+    _join(long_requests)
     stop_churn.set()
     for t in churners:
         t.join(120)
     assert not churn_errors, churn_errors[:3]
-    for r in long_requests:
-        assert r.error is None, r.error
-        assert (len(r.token_ids), r.finish_reason) == (200, "length")
-    assert preempted >= 1, f"no reset found a running request in {ATTEMPTS} attempts"
+    for r in long_requests:  # live until the pause, so live at every reset
+        assert _aborted(r), (len(r.token_ids), r.finish_reason, r.error, _log_lines_about(server, r.request_id))
+    assert min(resumed) >= RESUMED_TOKENS, resumed
 
     resets = _resets_logged(server)[resets_before:]
-    assert len(resets) == len(answers), resets
+    assert len(resets) == 3, resets
     assert resets[0][0] >= 1  # the first reset dropped the checkpoint retained before
     _check_cache_emptied_then_working(base, rng, old)
-    print(f"[reset] answers={answers} plugin drops (checkpoints, pending)={resets} preempted={preempted:g}")
+    print(f"[reset] answers={answers} plugin drops (checkpoints, pending)={resets} tokens after the last "
+          f"reset {after_resets}, then {resumed} more before the abort")  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["wait", "abort"])
 def test_pause_with_clear_cache_then_resume(server, mode):
     """``POST /pause?mode=<mode>&clear_cache=true`` while three long requests run, then
     ``POST /resume``. ``wait`` lets them finish (all 200 tokens, their response captures published)
-    and then clears the caches; ``abort`` aborts them (``_abort_running``: 3000-token requests,
+    and then clears the caches; ``abort`` aborts them (``_abort_running``: 40,000-token requests,
     retried until the abort caught some still decoding; counted as ``responses_aborted``) and then
     clears. Either way the server stays healthy, the checkpoint retained before is gone, and after
     resuming a fresh prompt's resend hits P - 1."""
