@@ -8,19 +8,29 @@ scheduler class (sync or async, matching vLLM's own choice) and the matching wor
 ``scheduler_cls`` the user configured that subclasses ``BoundaryCheckpointMixin`` is kept instead
 (``--scheduler-cls``; the tests load a fault-injecting one this way). ``aligned`` and every
 fallback leave the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
+
+:func:`register` first compares ``vllm.__version__`` with ``versions.SUPPORTED_VLLM_VERSIONS``. On
+any other version it installs nothing of the plugin (``compat`` and its vLLM internals are never
+imported) and only says so: one ERROR line, and a ``RuntimeError`` at startup when the policy is
+explicitly ``request_boundaries`` (:func:`_register_unsupported`).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 from vllm.logger import init_logger
 
 from boundary_checkpoints.config import (
+    ENV_POLICY,
     SCHEDULER_CLASSES,
     WORKER_CLASSES,
     BoundaryConfig,
     decide_policy,
     log_decision_once,
 )
+from boundary_checkpoints.versions import check_vllm_version, installed_vllm_version, is_supported_vllm
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -42,7 +52,42 @@ def apply_policy(vllm_config) -> None:
         parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
 
 
+_VERSION_GATE_MARK = "_boundary_checkpoints_version_gate"
+
+
 def register() -> None:
+    version = installed_vllm_version()
+    if not is_supported_vllm(version):
+        _register_unsupported(version)
+        return
     from boundary_checkpoints.compat import install_vllm_config_hook
 
     install_vllm_config_hook(apply_policy)
+
+
+def _register_unsupported(version: str) -> None:
+    """vLLM ``version`` is not supported: leave vLLM stock and say so once, or refuse to start
+    under an explicit ``request_boundaries``. ``VLLM_BOUNDARY_CHECKPOINTS_POLICY`` is known now;
+    a policy in ``--additional-config`` only when vLLM finalizes its config, so the check then runs
+    from a wrapper of the public ``VllmConfig.__post_init__`` that reads only the policy."""
+    if os.environ.get(ENV_POLICY):
+        check_vllm_version(version, BoundaryConfig.from_additional_config(None).policy, logger)
+        return
+    try:
+        from vllm.config import VllmConfig
+
+        original = VllmConfig.__post_init__
+    except (ImportError, AttributeError):
+        check_vllm_version(version, None, logger)
+        return
+    if getattr(original, _VERSION_GATE_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self) -> None:
+        original(self)
+        policy = BoundaryConfig.from_additional_config(getattr(self, "additional_config", None)).policy
+        check_vllm_version(version, policy, logger)
+
+    setattr(post_init, _VERSION_GATE_MARK, True)
+    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]

@@ -154,3 +154,15 @@ def test_demo_parses_mode():
     assert demo.parse_args(["--mode", "chat", "--turns", "3"]).mode == "chat"
     with pytest.raises(SystemExit):
         demo.parse_args(["--mode", "json"])
+
+
+def test_chat_warm_up_is_one_streamed_chat_request_of_turn_one_shape(chat_url):
+    plan = demo.make_chat_plan(turns=3, system_tokens=5, user_tokens=3, followup_tokens=2, seed=0)
+    out = demo.warm_up(chat_url, plan, max_tokens=3)
+    [sent] = _ChatStub.requests
+    assert sent["stream"] and sent["cache_salt"].startswith("bc-demo-warmup-") and sent["skip_special_tokens"] is False
+    assert [(m["role"], len(m["content"].split())) for m in sent["messages"]] == [("system", 5), ("user", 3)]
+    assert sent["messages"] != plan.turn_messages[0] and out.ttft_s is not None
+    # The conversation after it restores nothing from the warm-up (its own salt).
+    results = demo.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
+    assert results[0].cached_tokens == 0

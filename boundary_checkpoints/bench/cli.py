@@ -63,11 +63,27 @@ def model_vocab_size(model_dir: str) -> int | None:
     return (config.get("text_config") or {}).get("vocab_size") or config.get("vocab_size")
 
 
+class DefaultsOnceHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help only where that says something: not where the
+    help text already names its default (``(default: a new temp dir)`` would otherwise be followed
+    by ``(default: None)``), and not for a default of None, a flag's False/True or an empty list."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default" in text.lower():
+            return text
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return text
+        if isinstance(action.default, bool) or action.default == []:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bc-bench",
         description="Multi-turn serving benchmark: boundary checkpoints vs stock prefix caching, and a floor.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsOnceHelpFormatter,
     )
     tgt = p.add_argument_group("target")
     tgt.add_argument("--url", action="append", default=[],
@@ -96,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--launch: extra keys merged into every server's --additional-config")
     tgt.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                      help="--launch: extra environment variable for the servers, repeatable")
-    tgt.add_argument("--host", default="127.0.0.1")
+    tgt.add_argument("--host", default="127.0.0.1", help="--launch: the address the servers listen on")
     tgt.add_argument("--port", type=int, default=None,
                      help="--launch: the first server's port, the others follow (default: free ports)")
     tgt.add_argument("--relaunch", action="store_true",
@@ -105,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--start-one-by-one", action="store_true",
                      help="--launch: start each server once the previous one is healthy (all stay up): "
                           "vLLM's memory profile counts what servers starting beside it take on the GPU")
-    tgt.add_argument("--startup-timeout", type=float, default=900.0)
+    tgt.add_argument("--startup-timeout", type=float, default=900.0,
+                     help="--launch: seconds a server may take to answer /health")
     tgt.add_argument("--log-dir", default=None, help="--launch: server logs (default: a new temp dir)")
     tgt.add_argument("--stats-log-interval", type=float, default=1.0,
                      help="plugin stats_log_interval_s (seconds between its bytes_retained lines)")
@@ -114,10 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     wl = p.add_argument_group("workload")
     wl.add_argument("-N", "--conversations", type=int, default=4,
                     help="conversations per slot (at least the in-flight level)")
-    wl.add_argument("-T", "--turns", type=int, default=4)
-    wl.add_argument("-S", "--system-tokens", type=int, default=300)
-    wl.add_argument("-U", "--user-tokens", type=int, default=60)
-    wl.add_argument("-A", "--answer-tokens", type=int, default=32)
+    wl.add_argument("-T", "--turns", type=int, default=4, help="turns per conversation")
+    wl.add_argument("-S", "--system-tokens", type=int, default=300,
+                    help="system-like prefix ids of each conversation's turn 1")
+    wl.add_argument("-U", "--user-tokens", type=int, default=60, help="new user ids per turn")
+    wl.add_argument("-A", "--answer-tokens", type=int, default=32, help="tokens per answer (max_tokens, ignore_eos)")
     wl.add_argument("-C", "--in-flight", default="2",
                     help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)")
     wl.add_argument("--turn1-only", action="store_true",
@@ -128,15 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(server starts included; estimate: the longest round so far), stop a server still "
                          "starting when it ends, and report the rounds that ran: for runs under a hard time "
                          "limit (leave the stop's grace, up to 25 s per server, before that limit)")
-    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--seed", type=int, default=0, help="seed of the workload's random ids")
     wl.add_argument("--vocab-size", type=int, default=None,
                     help="random ids come from [4, vocab) (default: the model directory's config.json)")
     wl.add_argument("--warmup", type=int, default=1, help="throw-away 2-turn conversations per server start")
-    wl.add_argument("--request-timeout", type=float, default=600.0)
+    wl.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     fl = p.add_argument_group("floor")
     fl.add_argument("--floor", dest="floor", action="store_true", default=None,
                     help="measure the floor (default: on with --launch when aligned is a policy; off with --url)")
-    fl.add_argument("--no-floor", dest="floor", action="store_false")
+    fl.add_argument("--no-floor", dest="floor", action="store_false", help="do not measure the floor")
     fl.add_argument("--block-size", type=int, default=None,
                     help="engine block size B (default: parsed from the server log)")
     out = p.add_argument_group("output")
@@ -145,12 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     mk = p.add_argument_group("model directory")
     mk.add_argument("--write-model", metavar="DIR", default=None, help="write a model directory first")
-    mk.add_argument("--arch", choices=ARCHES, default="tiny")
+    mk.add_argument("--arch", choices=ARCHES, default="tiny",
+                    help="--write-model: the model to write (tiny: the random-weight tiny Qwen3-Next; the "
+                         "others: real-size configs for --load-format dummy)")
     mk.add_argument("--write-dflash-drafter", metavar="DIR", default=None,
                     help="also write a random-weight DFlash drafter sized to the model (--write-model's or "
                          "--launch's) for --server-arg='--speculative-config {\"method\": \"dflash\", "
                          "\"model\": DIR, ...}'")
-    mk.add_argument("--dflash-variant", choices=("dflash", "dflash2"), default="dflash")
+    mk.add_argument("--dflash-variant", choices=("dflash", "dflash2"), default="dflash",
+                    help="--write-dflash-drafter: which drafter to write")
     return p
 
 
