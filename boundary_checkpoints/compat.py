@@ -224,6 +224,16 @@ def allowed_vllm_plugins() -> list[str] | None:
     return envs.VLLM_PLUGINS
 
 
+def engine_tokenizer(model_config):
+    """The model's tokenizer as vLLM loads it for ``model_config`` (tokenizer path, mode, revision,
+    ``trust_remote_code``; ``vllm.tokenizers.cached_tokenizer_from_config``, cached per process),
+    or None under ``skip_tokenizer_init``. The engine core uses it to learn the chat template's
+    markers (``core/chat_markers.py``)."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(model_config)
+
+
 def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
     """The tokens a step sampled for ``request_id`` (``ModelRunnerOutput.sampled_token_ids``, by
     ``req_id_to_index``); empty when the step sampled none for it."""

@@ -117,6 +117,16 @@ def _check_prompt_capture(value: Any, name: str) -> str:
     return value
 
 
+CHAT_INSTRUCTION_BOUNDARIES = ("auto", "off")
+
+
+def _check_chat_instruction(value: Any, name: str) -> str:
+    allowed = ", ".join(CHAT_INSTRUCTION_BOUNDARIES)
+    if not isinstance(value, str) or value not in CHAT_INSTRUCTION_BOUNDARIES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
+    return value
+
+
 def _check_flag(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise BoundaryConfigError(f"{name} must be true or false (got {type(value).__name__} {value!r})")
@@ -130,6 +140,7 @@ _FIELD_CHECKS = {
     "prompt_capture": _check_prompt_capture,
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
+    "chat_instruction_boundary": _check_chat_instruction,
 }
 
 
@@ -168,6 +179,11 @@ class BoundaryConfig:
     would add a step to this prompt to save a resend little: the resend then recomputes that tail
     (fewer than this many tokens) from the earlier checkpoint or cached block it starts from. 0
     (default): every prompt keeps one."""
+    chat_instruction_boundary: str = "auto"
+    """``auto``: the engine learns the chat template's block markers once at startup
+    (``core/chat_markers.py``) and gives a request with no explicit instruction boundary the end of
+    its leading system/developer block(s), when its prompt starts with one; the startup line says
+    whether the markers were learned and why not. ``off``: only explicit values."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -5,8 +5,10 @@ Contract
 * A request carries its instruction boundary ``N`` in ``sampling_params.extra_args`` under
   :data:`INSTRUCTION_TOKENS_KEY`. vLLM's OpenAI server copies a request's ``vllm_xargs`` there
   (``/v1/completions`` and ``/v1/chat/completions`` alike), so a client sends
-  ``"vllm_xargs": {"boundary_checkpoints_instruction_tokens": N}``; the plugin's frontend fills it
-  in for chat requests with leading system/developer messages (``frontend/serving.py``).
+  ``"vllm_xargs": {"boundary_checkpoints_instruction_tokens": N}``; the plugin's optional frontend
+  fills it in for chat requests with leading system/developer messages (``frontend/serving.py``),
+  and without a value the engine finds it from the chat template's markers
+  (``core/chat_markers.py``).
 * ``N`` is valid for a prompt of ``P`` tokens when it is an ``int`` (never a ``bool``) with
   ``0 < N < P``: the instructions are a proper prefix of the prompt. :func:`instruction_boundary`
   returns ``(N, "")`` for a valid value, ``(None, "")`` when the key is absent, and

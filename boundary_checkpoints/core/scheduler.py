@@ -109,8 +109,11 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    (budget and pressure, item 7); an instruction boundary at ``P - 1`` makes the prompt bundle
    there an instruction bundle. A value that is not an int (or is a bool) or not in ``0 < N_i <
    P`` is ignored with a warning and counted (``instruction_ignored_<reason>``); the engine never
-   fails the request for it. Counters: ``instruction_requests``, ``instruction_stops``,
-   ``instruction_hits``.
+   fails the request for it. A request without a valid value whose prompt starts with a leading
+   system/developer block of the chat template gets ``N_i`` = the end of that block (or blocks),
+   found from the template's markers the engine learned at startup (``core/chat_markers.py``;
+   ``chat_instruction_boundary: off`` turns this off). Counters: ``instruction_requests``,
+   ``instruction_from_template``, ``instruction_stops``, ``instruction_hits``.
 11. Indexer tail ring (GLM-5.3-Flash; a RING group, ``core/layout.py``): a bundle holds a copy
    of the producer's whole ring block at ``N``, taken in the same step as its recurrent copy
    (items 2, 3); under MTP the ring has lookahead slots (``pos % slots``) and the producer's
@@ -171,6 +174,7 @@ from boundary_checkpoints.core.boundaries import (
     response_boundary,
     speculative_response_boundary,
 )
+from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, parent_of, root_discriminator
@@ -358,6 +362,7 @@ class BoundaryCheckpointMixin:
         self._tainted: set[str] = set()
         self._instruction_targets: dict[str, int | None] = {}  # request id -> valid N_i or None
         self._instruction_counts: dict[str, int] = {}
+        self._chat_markers = chat_markers_for(self.boundary_config, self.vllm_config)  # contract 10
         self._stopped_at: dict[str, int] = {}  # request id -> P - 1 where the plugin cut its next chunk
         self._sched_seq = 0
         self._processed_seq = 0
@@ -373,13 +378,14 @@ class BoundaryCheckpointMixin:
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
-            "retaining at most %d of %d blocks, prompt checkpoints %s",
+            "retaining at most %d of %d blocks, prompt checkpoints %s, chat instruction boundaries %s",
             len(geometries),
             ", ".join(g.label for g in geometries),
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
             prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
+            self._chat_markers.describe(),
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -397,7 +403,8 @@ class BoundaryCheckpointMixin:
         return [manager.req_to_blocks.get(request_id, []) for manager in managers]
 
     def _instruction_target(self, request: Request) -> int | None:
-        """The request's valid instruction boundary N_i, or None; validated and counted once."""
+        """The request's instruction boundary N_i (a valid explicit value, else the end of its leading
+        system block by the chat template's markers), or None; validated and counted once."""
         request_id = request.request_id
         if request_id in self._instruction_targets:
             return self._instruction_targets[request_id]
@@ -410,7 +417,11 @@ class BoundaryCheckpointMixin:
                 request_id, extra_args.get(INSTRUCTION_TOKENS_KEY), reason,
                 request.num_prompt_tokens,
             )
-        elif target is not None:
+        if target is None and self._chat_markers.markers is not None:
+            target = self._chat_markers.markers.boundary(request.prompt_token_ids)
+            if target is not None:
+                self._count_instruction("instruction_from_template")
+        if target is not None:
             self._count_instruction("instruction_requests")
         self._instruction_targets[request_id] = target
         return target

@@ -3,9 +3,9 @@
 vLLM loads endpoint plugins in the API server process only, and only those named in the
 ``VLLM_PLUGINS`` allowlist: ``VLLM_PLUGINS=boundary_checkpoints`` enables this one together with
 the general plugin of the same name (an allowlist also filters general plugins, so name it
-there). Without it the engine still honours a valid instruction boundary sent in ``vllm_xargs``
-and ignores (and counts) a bad one, but nothing answers a bad value with HTTP 400 and chat
-requests get no boundary computed.
+there). Without it the engine still honours a valid instruction boundary sent in ``vllm_xargs``,
+ignores (and counts) a bad one, and computes chat requests' boundaries itself from the chat
+template's markers (``core/chat_markers.py``), but nothing answers a bad value with HTTP 400.
 
 :meth:`BoundaryEndpointPlugin.init_state` re-classes the server's completion and chat serving
 objects to the subclasses in ``frontend/serving.py`` (``__class__`` assignment, as the scheduler
