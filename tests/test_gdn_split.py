@@ -10,14 +10,13 @@ control's smallest difference, and each row's outputs and final states no furthe
 reference than stock's own step (the whole batch through vLLM's core) moves that row, plus 1%
 (of the output magnitude; of the negative control): :func:`row_failures`.
 
-On the H200 the captured states were bit-exact (sessions 8 and 9). Session 8 bounded each row by
-1% of the negative control and failed: final conv states 4.27 off, SSM 0.059, outputs 0.0089.
-Session 9's per-row breakdown (``docs/results/gpu/run24-gdn-split``) showed stock's own step
-moving every row exactly as far (the reference runs rows alone, and the kernels round a row
-differently in a mixed batch), the split within 0.05% of stock on every row; the former bound
-``max(stock, 1%)`` then failed by 2e-5 on one capture row's SSM state (0.039799 against stock's
-0.039781), rounding of the split's own two calls. The bound is now stock's deviation plus 1%,
-and :func:`test_row_criterion_on_the_recorded_h200_rows` holds it to those recorded rows and to a
+On CUDA the captured states are bit-exact. A bound of 1% of the negative control per row is too
+tight: stock's own step moves every row as far from the reference (which runs rows alone; the
+kernels round a row differently in a mixed batch) -- final conv states about 4.3 off, SSM 0.059,
+outputs 0.0089 -- and the split stays within 0.05% of stock on every row. ``max(stock, 1%)`` is
+too tight as well: the split's own two calls round one capture row's SSM state 2e-5 past stock's
+(0.039799 against 0.039781). The bound is therefore stock's deviation plus 1%, and
+:func:`test_row_criterion_on_the_recorded_h200_rows` holds it to rows recorded on an H200 and to a
 row moved by 2% of the negative control.
 """
 
@@ -103,7 +102,7 @@ RECORDED_H200 = Path(__file__).resolve().parents[1] / "docs/results/gpu/run24-gd
 
 
 def test_row_criterion_on_the_recorded_h200_rows():
-    """The per-row bound passes the H200's recorded rows (session 9) and fails the same rows with
+    """The per-row bound passes the rows recorded on an H200 and fails the same rows with
     one capture row's SSM state moved 2% of the negative control further from the reference, or
     one row's outputs moved 2% of the output magnitude."""
     import copy

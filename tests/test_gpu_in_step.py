@@ -5,7 +5,7 @@ One fresh process (:func:`engine_script.run_engine_script`: engine core and work
 ``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the
 response, two cold controls; every phase one shared batch of 10 conversations, prompt lengths 1,
 B - 1, B, B + 1 and 3000, B the engine's block size) three times: the plugin (``prompt_capture``
-set to ``in_step``, as ``auto`` decides with this kernel since session 9);
+set to ``in_step``, as ``auto`` decides with this kernel);
 the same engine with its scheduler re-classed to
 ``corrupt_restore``'s corrupting scheduler (its prompt checkpoints hold the state after ``P``:
 the negative control, fresh prompts); stock ``aligned`` on a second engine, the plugin's prompts

@@ -233,8 +233,8 @@ def test_strided_views_fall_back_to_vllm_copy():
 
 def test_worker_compiles_the_copy_kernel_before_vllm_arms_its_jit_monitor():
     """The worker mixin warms its copier up before vLLM's ``compile_or_warm_up_model``, whose end
-    arms vLLM's JIT monitor: a warm-up after it was reported as two "_copy_pages_kernel" compiles
-    during inference (H200, session 14). Fails if the order is reversed."""
+    arms vLLM's JIT monitor: a warm-up after it is reported as two "_copy_pages_kernel" compiles
+    during inference. Fails if the order is reversed."""
     from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
 
     events = []

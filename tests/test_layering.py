@@ -1,4 +1,4 @@
-"""The scheduler side never imports the worker side (DESIGN: "shared names live in core/"): the
+"""The scheduler side never imports the worker side (shared names live in ``core/``): the
 scheduler process must not load the worker's kernels or model-runner glue to schedule a step."""
 
 import subprocess

@@ -2,7 +2,9 @@
 the pure parts, a whole run against two stand-in servers, and one small run against real CPU servers.
 
 The end-to-end test launches the tiny Qwen3-Next twice at once (stock ``aligned`` and
-``request_boundaries``) through ``--launch``: 2 rounds, N=2, T=2, S=64, U=16, A=8, one in flight.
+``request_boundaries``) through ``--launch``: 2 rounds, N=2, T=2, S=64, U=16, A=8, one in flight;
+the chat one (``--mode chat --turn1-only``) 1 round of 3 one-turn conversations sharing a system
+message shorter than one block.
 """
 
 from __future__ import annotations
@@ -701,6 +703,38 @@ def test_end_to_end_two_rounds_on_cpu_servers(tiny_model_dir, tmp_path, capsys):
     servers = result["servers"]
     assert all(s["exit_codes"] and s["exit_codes"][0] is not None for s in servers.values())
     assert servers["request_boundaries"]["boundary_stats"]["hits"] >= 4
+
+
+@pytest.mark.slow
+def test_chat_shared_system_first_turns_on_cpu_servers(tiny_model_dir, tmp_path, capsys):
+    """``--mode chat --turn1-only``: one-turn chat conversations sharing a system message shorter
+    than one block (150 words + the template's 3 tokens < 256): the plugin restores the system
+    block on every first turn after the first, stock caches nothing (its grid has no full block)."""
+    out_json = tmp_path / "chat.json"
+    argv = [
+        "--launch", str(tiny_model_dir), "--mode", "chat", "--turn1-only", "--repeat", "1",
+        "-N", "3", "-S", "150", "-U", "20", "-A", "4", "--in-flight", "1",
+        "--log-dir", str(tmp_path / "logs"), "--out-json", str(out_json),
+        "--startup-timeout", "300", "--warmup", "0",
+    ]  # fmt: skip
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert result["block_size"] == 256 and result["workload"]["mode"] == "chat"
+
+    def firsts(policy):
+        rows = [r for r in result["records"] if r["policy"] == policy and r["phase"] == "conversation"]
+        assert len(rows) == 3 and all(r["turn"] == 1 and r["error"] is None for r in rows)
+        return [r["cached_tokens"] for r in sorted(rows, key=lambda r: r["conversation"])]
+
+    system_block = 150 + 3  # "<s> system" + 150 words + "</s>", one token each on the tiny tokenizer
+    assert firsts("request_boundaries") == [0, system_block, system_block]
+    assert firsts("aligned") == [0, 0, 0]
+    summary = result["levels"][0]["summary"]
+    assert summary["turn1_cached_median"] == {"aligned": 0, "request_boundaries": system_block}
+    assert summary["lost_hits"]["request_boundaries"] == {"requests": 0, "tokens_lost": 0, "compared": 3}
+    assert "turn-1 cached tokens: median per policy" in printed
+    assert f"aligned 0, request_boundaries {system_block}" in printed
 
 
 def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):

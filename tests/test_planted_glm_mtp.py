@@ -1,7 +1,7 @@
 """The ``glm5_next_mtp_planted`` fixture (``fixtures/families.py``): a tiny GLM-5.3-Flash whose one
 MTP layer predicts the target's greedy answers, so that speculative decoding accepts drafts (the
 GPU test of GLM under MTP, ``tests/test_gpu_spec_families.py``, then crosses boundaries with
-accepted drafts; the random ``glm5_next_mtp`` drafter never had one accepted on the H200).
+accepted drafts; the random ``glm5_next_mtp`` drafter has none accepted on a GPU).
 
 Checked without an engine, mirroring ``tests/test_planted_mtp.py``: the target differs from
 ``glm5_next_mtp`` in the embedding (exactly ``embed_scale`` = 32x) and ``lm_head`` only; vLLM's GLM MTP forward,

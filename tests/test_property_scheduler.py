@@ -271,6 +271,10 @@ class Stream:
     def check(self) -> None:
         stats = self.scheduler.boundary_stats()
         assert stats["blocks_retained"] <= self.budget, stats
+        store = self.scheduler.checkpoint_store
+        bundles = store.checkpoints()
+        sizes = {block_id: size for c in bundles for block_id, size in c.block_bytes().items()}
+        assert (stats["checkpoints_retained"], stats["bytes_retained"]) == (len(bundles), sum(sizes.values())), stats
         self.check_provenance()
         for t in self.tracked:
             rid = t.request.request_id

@@ -429,8 +429,8 @@ def test_a_prompt_stopped_at_p_minus_1_keeps_stocks_block_state_for_a_shared_pre
     """Recurrent kernels that export the last block boundary's state from inside a chunk (KDA,
     Mamba2 on the GPU): stock computes a 45-token prompt in one chunk and caches the state at 32
     for the next prompt that shares the first 40 tokens. The plugin's stop at P - 1 cuts that
-    chunk at 44; the state at 32 must still be kept (the H200's GLM-5.3-Flash benchmark lost it:
-    a second conversation with the same system prompt cached 0 tokens where stock cached a block)."""
+    chunk at 44; the state at 32 must still be kept (otherwise a second conversation with the same
+    system prompt caches 0 tokens where stock caches a block)."""
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, prompt_capture="stop", prefill_checkpoint_alignment=1, async_scheduling=bool(lag)
     )

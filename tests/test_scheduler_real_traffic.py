@@ -337,7 +337,7 @@ def cyclic_exact_hits(model_dir, protect: bool, conversations: int = 12, turns: 
 
 
 def test_a_cyclic_workload_larger_than_the_budget_keeps_a_stable_subset(model_dir):
-    """LRU evicts every bundle just before its next turn (0 exact hits, as on the H200 under
+    """LRU evicts every bundle just before its next turn (0 exact hits, as on a GPU under
     pressure); once misses show that evicted bundles were wanted (regrets), young bundles are
     protected and a stable subset of conversations hits every turn."""
     lru_hits, later_turns = cyclic_exact_hits(model_dir, protect=False)

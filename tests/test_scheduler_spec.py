@@ -300,14 +300,14 @@ def test_async_response_bundle_adopts_the_in_flight_step_and_restores_exactly(
 
 @pytest.mark.parametrize(("k", "max_tokens"), [(1, 3), (2, 5), (3, 7)])
 def test_next_turns_the_guard_refuses_are_counted(model_dir, k, max_tokens):
-    """The H200 run of 2026-12-01 (planted fixture, k = 1, async scheduling): 16 producers finished
-    with their next step in flight; 4 continuations restored only ``P - 1`` while the counters
-    accounted for 1. Each in-flight bundle is keyed with the token that step sampled, and those 4
-    continued with another token (the successor of the answer's last token, which the target did
-    not sample there): the guard refused the bundle, rightly (its MTP draft row ``N - 1`` was
-    computed from the sampled token, and no exact state before ``N`` is left). The lookup then
-    restored the prompt checkpoint, a hit counted by kind only; only a prompt of one token (no
-    prompt checkpoint) counted a miss ``draft_next_token``. Here each refusal is counted either
+    """Under async scheduling (planted fixture, k = 1 on a GPU) producers finish with their next
+    step in flight, and each in-flight bundle is keyed with the token that step sampled. A
+    continuation with another token (the successor of the answer's last token, which the target
+    did not sample there) is refused that bundle by the guard, rightly (its MTP draft row ``N - 1``
+    was computed from the sampled token, and no exact state before ``N`` is left); the lookup then
+    restores the prompt checkpoint at ``P - 1``. Counted by kind only, such a hit would hide the
+    refusal; only a prompt of one token (no prompt checkpoint) would count a miss
+    ``draft_next_token``. Here each refusal is counted either
     way, so the GPU test's account of continuations restored at ``P - 1``
     (``mtp_checks.unserved_responses``) covers every one; a next turn with the sampled token still
     restores the whole in-flight boundary."""

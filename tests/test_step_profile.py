@@ -118,8 +118,8 @@ def test_profile_tables_and_traces_name_ops(run):
         names = {e.get("name") for e in trace["traceEvents"]}
         assert "bc_schedule" in names and ("bc_execute_model[capture]" in names) == (config == "in_step"), config
     # The model's matmuls: vLLM's CPU linear layers run oneDNN's (``_C::onednn_mm``) on some CPUs
-    # (an AMD EPYC machine, 2026-12-02), aten's on others (the CI machine of 2026-12-01) and the
-    # AMX-packed ``_C::weight_packed_linear`` on Xeons with AMX tiles (session 17's machine).
+    # (e.g. AMD EPYC), aten's on others and the AMX-packed ``_C::weight_packed_linear`` on Xeons
+    # with AMX tiles.
     matmuls = ("aten::mm", "aten::addmm", "_C::onednn_mm", "_C::weight_packed_linear")
     assert any(op in tables for op in matmuls), tables[:2000]
 

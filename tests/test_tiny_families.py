@@ -88,7 +88,7 @@ def test_kimi_linear_config_parses_with_vllms_own_class(family_dirs):
     assert [config.is_kda_layer(i) for i in range(4)] == [True, True, True, False]
     assert config.kv_lora_rank + config.qk_rope_head_dim == 576 and config.mla_use_nope
     # The fused Kimi-K3 MLA prefill/decode kernel's fixed dims (q_nope, q_rope, v, latent); qk_nope
-    # 64 failed it on the H200 (session 9). The kernel cannot be imported on CPU, hence the literal.
+    # 64 fails it on CUDA. The kernel cannot be imported on CPU, hence the literal.
     dims = (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank)
     assert dims == (128, 64, 128, 512)
     assert not config.is_moe
@@ -133,7 +133,7 @@ def test_vllm_loader_takes_nemotron_h_weights(family_dirs):
 @pytest.mark.parametrize("family", ["glm5_next", "kimi_linear"])
 def test_vllm_loader_takes_mla_family_weights_on_cpu(family_dirs, family):
     """vLLM's own model class and ``load_weights``, built on CPU behind the shims: a tensor name the
-    model does not declare raises (``KeyError``, as on the H200 in session 8: GLM's mHC tensors,
+    model does not declare raises (``KeyError``, as on CUDA for GLM's mHC tensors and
     Kimi's dense MLPs under ``block_sparse_moe.``), a shape that differs raises, a parameter or
     shard left unwritten is reported."""
     check_loader(family_dirs[family], FAMILIES[family].architecture, cpu_shims=True)

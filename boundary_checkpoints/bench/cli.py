@@ -13,7 +13,11 @@ time budget; 2 on a usage error; 130 when interrupted
 ``--write-model DIR --arch ARCH`` first writes a model directory with
 ``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
 ``--load-format dummy``); ``--write-dflash-drafter DIR`` a random-weight DFlash (or DFlash2)
-drafter sized to that model (``fixtures.dflash``). See ``benchmarks/README.md`` for the workload and metric definitions.
+drafter sized to that model (``fixtures.dflash``). ``--mode chat`` sends every conversation through
+``/v1/chat/completions`` as messages (a system message of about ``-S`` tokens shared by every
+conversation of a slot, ``-U`` tokens of user text per turn, each answer's text sent back), with
+words drawn from the model's tokenizer vocabulary (``chat_words``).
+See ``benchmarks/README.md`` for the workload and metric definitions.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ import time
 import uuid
 from pathlib import Path
 
-from boundary_checkpoints.bench import logs, report, runner
+from boundary_checkpoints.bench import chat_words, logs, report, runner
 from boundary_checkpoints.bench.server import interrupt_on_termination
 from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY
-from boundary_checkpoints.bench.workload import Workload
+from boundary_checkpoints.bench.workload import MODES, Workload
 from boundary_checkpoints.fixtures import tiny_models
 
 ARCHES = ("tiny", *tiny_models.REAL_SIZE_ARCHES)
@@ -129,17 +133,27 @@ def build_parser() -> argparse.ArgumentParser:
     tgt.add_argument("--no-plugin-log-config", dest="plugin_log_config", action="store_false",
                      help="--launch: do not route the plugin's INFO log lines into the server log")
     wl = p.add_argument_group("workload")
+    wl.add_argument("--mode", choices=MODES, default="tokens",
+                    help="tokens: /v1/completions with token-id prompts; chat: /v1/chat/completions with "
+                         "messages (a system message shared by every conversation of a slot, a user message "
+                         "per turn, each answer sent back as an assistant message)")
+    wl.add_argument("--tokenizer", metavar="DIR", default=None,
+                    help="--mode chat: draw the messages' words from DIR/tokenizer.json, one token each "
+                         "(default: --launch's model directory; without one, or a tokenizer without enough "
+                         "single-token words, the tiny model's words w8..w1023)")
     wl.add_argument("-N", "--conversations", type=int, default=4,
                     help="conversations per slot (at least the in-flight level)")
     wl.add_argument("-T", "--turns", type=int, default=4, help="turns per conversation")
     wl.add_argument("-S", "--system-tokens", type=int, default=300,
-                    help="system-like prefix ids of each conversation's turn 1")
-    wl.add_argument("-U", "--user-tokens", type=int, default=60, help="new user ids per turn")
+                    help="system-like prefix ids of each conversation's turn 1 (chat: words of the system message)")
+    wl.add_argument("-U", "--user-tokens", type=int, default=60,
+                    help="new user ids per turn (chat: words of each user message)")
     wl.add_argument("-A", "--answer-tokens", type=int, default=32, help="tokens per answer (max_tokens, ignore_eos)")
     wl.add_argument("-C", "--in-flight", default="2",
                     help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)")
     wl.add_argument("--turn1-only", action="store_true",
-                    help="every conversation one turn with its own system ids: nothing is reused (-T ignored)")
+                    help="every conversation one turn (-T ignored); tokens mode: each with its own system ids, "
+                         "nothing is reused; chat mode: all share the system message")
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
     wl.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                     help="start a round only if it is expected to end within SECONDS of the run's start "
@@ -199,6 +213,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--in-flight: {err}")
     if args.turn1_only:
         args.turns = 1
+    if args.tokenizer and args.mode != "chat":
+        p.error("--tokenizer applies to --mode chat only")
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     args.sections = {policy: {"policy": policy} for policy in args.policies}
     for item in args.variant:
@@ -294,14 +310,20 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
                         user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                         concurrency=args.in_flight[0], vocab_size=vocab, seed=args.seed,
-                        shared_system=not args.turn1_only)  # fmt: skip
+                        shared_system=not args.turn1_only or args.mode == "chat", mode=args.mode)  # fmt: skip
+    words = chat_words.TINY_WORDS
+    if args.mode == "chat":
+        source = args.tokenizer or args.launch
+        words = chat_words.tokenizer_words(source) or chat_words.TINY_WORDS
+        origin = f"{source}/tokenizer.json" if words is not chat_words.TINY_WORDS else "the tiny model's w8..w1023"
+        print(f"chat mode: {len(words)} single-token words from {origin}", flush=True)
     labels = args.policies if args.launch else args.label
     settings = runner.Settings(
         workload=workload, labels=labels, in_flight=args.in_flight, repeat=args.repeat,
         run_salt=f"bench-{uuid.uuid4().hex[:12]}", block_size=args.block_size,
         block_size_source="--block-size" if args.block_size else "unknown", warmup=args.warmup,
         stats_log_interval=args.stats_log_interval, request_timeout=args.request_timeout,
-        time_budget_s=args.time_budget,
+        time_budget_s=args.time_budget, chat_words=words,
     )  # fmt: skip
     if args.launch:
         max_len = logs.server_arg_value(["--max-model-len", "4096", *split_server_args(args.server_arg)],

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from boundary_checkpoints.bench import logs
+from boundary_checkpoints.bench.chat_words import TINY_VOCAB_SIZE, draw_words
 from boundary_checkpoints.bench.client import Completion, chat, complete, stream_complete
 from boundary_checkpoints.bench.probes import Answer, first_token_deviation, same_greedy_output
 from boundary_checkpoints.bench.server import (
@@ -74,8 +75,9 @@ from boundary_checkpoints.bench.server import (
 POLICY_LABELS = {"request_boundaries": "plugin", "aligned": "stock"}
 # The plugin lets this variable override --additional-config; the demo sets the policy per server.
 POLICY_ENV = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
-FIRST_WORD_ID, VOCAB_SIZE = 4, 1024
-FIRST_PLAIN_WORD_ID = 8  # chat words: "w8" .. "w1023" (ids 4..7 are the tiny tokenizer's role words)
+FIRST_WORD_ID, VOCAB_SIZE = 4, TINY_VOCAB_SIZE
+# chat words: "w8" .. "w1023" (ids 4..7 are the tiny tokenizer's role words), drawn
+# by chat_words.draw_words, which bc-bench's chat mode shares
 MODES = ("tokens", "chat")
 COMPARE_LOGPROBS = 2  # top-k recorded per position for the comparison with the cold control
 NOISE_BOUND = 0.1
@@ -134,7 +136,7 @@ def make_chat_plan(
     rng = random.Random(seed)
 
     def words(n: int) -> str:
-        return " ".join(f"w{rng.randrange(FIRST_PLAIN_WORD_ID, VOCAB_SIZE)}" for _ in range(n))
+        return draw_words(rng, n)
 
     first = [{"role": "user", "content": words(user_tokens)}]
     if system_tokens:
@@ -233,8 +235,7 @@ def warmup_input(plan: ConversationPlan | ChatPlan, seed: int = 0) -> list[int] 
     the same messages with as many words each) with other random ids or words."""
     rng = random.Random(f"bc-demo-warmup-{seed}")
     if isinstance(plan, ChatPlan):
-        return [{"role": m["role"], "content": " ".join(
-                    f"w{rng.randrange(FIRST_PLAIN_WORD_ID, VOCAB_SIZE)}" for _ in m["content"].split())}
+        return [{"role": m["role"], "content": draw_words(rng, len(m["content"].split()))}
                 for m in plan.turn_messages[0]]  # fmt: skip
     return [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in plan.turn_inputs[0]]
 

@@ -3,7 +3,7 @@
 Why these criteria: vLLM's GDN kernels need bf16 (float32 is refused), so two *correct* runs of a
 random-weight model differ by rounding, and a greedy answer may part from its cold control where
 the top two candidates are nearly tied. Whole-answer equality would measure rounding, not the
-plugin. The criteria judge what the plugin controls (contract 1 of DESIGN.md):
+plugin. The criteria judge what the plugin controls (the resume point and the restored state):
 
 1. Exact cached counts (``==`` the boundary): resend ``max(P - 1, 0)``, continuation the committed
    length ``P + answer - 1``, every cold run 0 (:func:`count_failures`).

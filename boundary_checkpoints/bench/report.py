@@ -7,7 +7,11 @@ and one for the floor), its ratio table (each label / the stock label) and the p
 (pooled over rounds); ``targets_text`` judges the medians. One-turn workloads (``--turn1-only``)
 leave out the rows and targets about later turns. The speculative decoding rows (mean acceptance
 length, its ratio to stock, the decode throughput target) appear only where some server
-speculates (``speculates``); decode throughput is shown always. ``plot_result`` draws a PNG with
+speculates (``speculates``); decode throughput is shown always. The summary table's lost-hits row
+(``lost_hits_cell``) shows, per label other than stock, the conversation requests cached below
+stock's same request over all rounds and the tokens lost (blank without a stock label). Chat-mode
+results add a line with each label's median turn-1 cached tokens (the shared system message's
+reuse; the per-turn table shows turn 1's mean). ``plot_result`` draws a PNG with
 matplotlib and returns False, with a message on stderr, when matplotlib is not installed.
 """
 
@@ -71,6 +75,16 @@ def speculates(level: dict) -> bool:
     return any((p.get("mean_acceptance_length") or {}).get("median") is not None for p in policies.values())
 
 
+LOST_HITS_ROW = "requests cached below stock, all rounds (tokens lost)"
+
+
+def lost_hits_cell(level: dict, label: str) -> str:
+    """``N (T)``: ``label``'s conversation requests cached below stock's same request, all rounds,
+    and the tokens lost; '' for the stock label itself and where the run has no stock label."""
+    item = (level["summary"].get("lost_hits") or {}).get(label)
+    return "" if item is None else f"{item['requests']} ({item['tokens_lost']})"
+
+
 def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     """Per label (and the floor, where it applies): every metric as ``median [p25..p75]``."""
     labels = result["policies"]
@@ -101,6 +115,7 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
         row("mean acceptance length (tok/draft step)", "mean_acceptance_length", lambda v: num(v, 2))
     row("prefill tokens computed", "prefill_tokens", lambda v: num(v, 0))
     row("cached-token ratio", "cached_ratio", lambda v: num(v, 3))
+    rows.append([LOST_HITS_ROW] + [lost_hits_cell(level, p) for p in labels] + ([""] if floor else []))
     if not one_turn:
         row("exact hits (turns >= 2)", "exact_hits", lambda v: num(v, 0))
         row("turns >= 2", "later_turns", lambda v: num(v, 0))
@@ -163,11 +178,22 @@ def targets_text(result: dict, level: dict) -> str:
     return "\n".join(lines)
 
 
+def turn1_cached_text(result: dict, level: dict) -> str:
+    """Chat mode: ``turn-1 cached tokens: median per policy: aligned 0, request_boundaries 153``
+    (pooled over rounds; '' in tokens mode)."""
+    if result["workload"].get("mode") != "chat":
+        return ""
+    medians = level["summary"].get("turn1_cached_median") or {}
+    values = ", ".join(f"{p} {num(medians.get(p), 0)}" for p in result["policies"])
+    return f"turn-1 cached tokens: median per policy (all rounds; the system message's reuse): {values}"
+
+
 def level_text(result: dict, level: dict, markdown: bool = False) -> str:
     """Everything printed for one in-flight level."""
     n_rounds = len(level["rounds"])
+    mode = " (chat mode)" if result["workload"].get("mode") == "chat" else ""
     parts = [f"## in flight {level['in_flight']}: {level['conversations']} conversations, {n_rounds} rounds "
-             f"(median [p25..p75] over rounds)",  # fmt: skip
+             f"(median [p25..p75] over rounds){mode}",  # fmt: skip
              summary_table(result, level, markdown)]
     floor = level["summary"].get("floor")
     if floor:
@@ -176,7 +202,8 @@ def level_text(result: dict, level: dict, markdown: bool = False) -> str:
                      f"{num(floor['mean_computed_tokens']['median'], 0)} tokens computed, cached as primed "
                      f"{num(floor['cached_as_primed']['median'], 0)}/{num(floor['requests']['median'], 0)} "
                      f"(median per round)")  # fmt: skip
-    for text in (ratio_table(level, markdown), per_turn_table(result, level, markdown), targets_text(result, level)):
+    for text in (ratio_table(level, markdown), per_turn_table(result, level, markdown),
+                 turn1_cached_text(result, level), targets_text(result, level)):  # fmt: skip
         if text:
             parts.append(text)
     same = level["summary"].get("same_answers")

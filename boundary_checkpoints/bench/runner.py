@@ -32,6 +32,14 @@ Contract:
   as usual, a level with none is left out, and the result's ``stopped_early`` says where the
   budget stopped the run (None if it did not), so a run under a hard time limit keeps what it
   measured.
+- ``workload.mode == "chat"`` sends every conversation turn through ``/v1/chat/completions`` as
+  messages (``workload.chat_messages``: the slot's shared system message, the user messages, the
+  earlier answers' text as assistant messages), streamed, greedy, ``max_tokens`` = A,
+  ``ignore_eos`` and ``skip_special_tokens: false`` (a random-weight model emits special tokens,
+  whose text then re-renders as the same tokens), under the same per-slot ``cache_salt``; its
+  records carry the server's ``usage`` counts, and a turn's boundary is the previous turn's
+  rendered prompt + answer - 1. Warm-up conversations are chat conversations too, and the floor
+  (tokens, ``/v1/completions``) uses the prompt ids the server rendered (``return_token_ids``).
 - The result (a JSON-serialisable dict) holds per level the per-round summaries, their spreads
   (median and p25-p75 over rounds, ``stats.aggregate``), the per-round ratios to the stock label,
   the targets on the medians, per-turn tables pooled over rounds, and every request record.
@@ -57,17 +65,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 from boundary_checkpoints.bench import logs, stats
-from boundary_checkpoints.bench.client import CompletionError, stream_complete
+from boundary_checkpoints.bench.chat_words import TINY_WORDS, draw_words
+from boundary_checkpoints.bench.client import Completion, CompletionError, chat, stream_complete
 from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
 from boundary_checkpoints.bench.workload import (
     FIRST_RANDOM_ID,
+    ChatConversationPlan,
     ConversationPlan,
     FloorPrompts,
     Workload,
+    chat_messages,
     draw_ids,
     exact_boundary,
     first_prompt,
     floor_prompts,
+    make_chat_plans,
     make_plans,
     next_prompt,
     round_order,
@@ -142,6 +154,7 @@ class Settings:
     stats_log_interval: float = 1.0
     request_timeout: float = 600.0
     time_budget_s: float | None = None  # see the module docstring
+    chat_words: tuple[str, ...] = TINY_WORDS  # chat mode: words that render to one token each
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,9 +224,30 @@ def send(target: Target, prompt: list[int], *, max_tokens: int, salt: str, clock
         error = None
     except REQUEST_ERRORS as err:
         res, error = None, f"{type(err).__name__}: {err}"[:2000]
-    end = clock.now()
+    return _record(target, res, error, start, clock.now(), len(prompt), fields)
+
+
+CHAT_OPTIONS = {"ignore_eos": True, "skip_special_tokens": False}  # vLLM's extra chat parameters
+
+
+def send_chat(target: Target, messages: list[dict], *, max_tokens: int, salt: str, clock: Clock, timeout: float,
+              **fields) -> tuple[RequestRecord, Completion | None]:  # fmt: skip
+    """One streamed chat request (``CHAT_OPTIONS``, greedy) as a :class:`RequestRecord` like
+    ``send``'s, with the completion (None if the request failed: the record's ``error`` says why)."""
+    start = clock.now()
+    try:
+        res = chat(target.base_url, messages, stream=True, model=target.model, max_tokens=max_tokens,
+                   cache_salt=salt, timeout=timeout, **CHAT_OPTIONS)  # fmt: skip
+        error = None
+    except REQUEST_ERRORS as err:
+        res, error = None, f"{type(err).__name__}: {err}"[:2000]
+    return _record(target, res, error, start, clock.now(), 0, fields), res
+
+
+def _record(target: Target, res: Completion | None, error: str | None, start: float, end: float,
+            prompt_len: int, fields: dict) -> RequestRecord:  # fmt: skip
     return RequestRecord(
-        policy=target.label, prompt_tokens=res.prompt_tokens if res else len(prompt),
+        policy=target.label, prompt_tokens=res.prompt_tokens if res else prompt_len,
         cached_tokens=res.cached_tokens if res else None, completion_tokens=res.completion_tokens if res else 0,
         ttft_s=res.ttft_s if res else None, latency_s=res.latency_s if res else end - start,
         start_s=start, end_s=end, finish_reason=res.finish_reason if res else None,
@@ -248,12 +282,23 @@ class Slot:
         self.progress.update(_postfix(rec))
         return rec
 
+    def _send_chat(self, messages: list[dict], **fields) -> tuple[RequestRecord, Completion | None]:
+        rec, res = send_chat(self.target, messages, max_tokens=self.workload.answer_tokens, salt=self.salt,
+                             clock=self.clock, timeout=self.timeout, **fields, **self.tags)  # fmt: skip
+        with self._lock:
+            self.records.append(rec)
+        self.progress.update(_postfix(rec))
+        return rec, res
+
     def _pool(self, fn: Callable[[Any], None], items: list) -> None:
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.workload.concurrency) as pool:
             for fut in [pool.submit(fn, item) for item in items]:
                 fut.result()
 
-    def _conversation(self, plan: ConversationPlan) -> None:
+    def _conversation(self, plan: ConversationPlan | ChatConversationPlan) -> None:
+        if isinstance(plan, ChatConversationPlan):
+            self._chat_conversation(plan)
+            return
         w = self.workload
         prompt, boundary, answer, history = first_prompt(plan), 0, [], []
         for turn in range(1, w.turns + 1):
@@ -269,6 +314,22 @@ class Slot:
         with self._lock:
             self.turn_prompts[plan.index] = history
 
+    def _chat_conversation(self, plan: ChatConversationPlan) -> None:
+        """Turn after turn through the chat endpoint, each answer's text sent back; the history
+        keeps the prompt ids the server rendered (for the floor; a turn without them is left out)."""
+        answers: list[str] = []
+        boundary, history = 0, []
+        for turn in range(1, self.workload.turns + 1):
+            rec, res = self._send_chat(chat_messages(plan, answers), phase="conversation",
+                                       conversation=plan.index, turn=turn, boundary=boundary)  # fmt: skip
+            if res is None:
+                break  # later turns need this answer
+            history.append((res.prompt_token_ids, boundary))
+            answers.append(res.text)
+            boundary = exact_boundary(rec.prompt_tokens, len(rec.answer_ids))
+        with self._lock:
+            self.turn_prompts[plan.index] = history
+
     def run_conversations(self) -> None:
         self._pool(self._conversation, self.plans)
 
@@ -278,8 +339,11 @@ class Slot:
         filler_rng = random.Random(f"floor-filler-{w.seed}-{index}")
         out = []
         for turn, (prompt, boundary) in enumerate(self.turn_prompts.get(index, []), start=1):
-            if turn >= 2:
-                fp = floor_prompts(prompt, boundary, w.user_tokens + 1, block_size,
+            if turn < 2:
+                continue
+            new_tokens = w.user_tokens + 1 if w.mode == "tokens" else len(prompt) - boundary
+            if new_tokens > 0:  # chat: 0 when the server returned no prompt ids
+                fp = floor_prompts(prompt, boundary, new_tokens, block_size,
                                    filler=lambda k: draw_ids(filler_rng, k, w.vocab_size))  # fmt: skip
                 out.append((turn, fp))
         return out
@@ -304,10 +368,14 @@ class Slot:
         self._pool(timed, list(plans))
 
 
-def warm_up(target: Target, workload: Workload, salt: str, conversations: int, timeout: float) -> None:
-    """Throw-away 2-turn conversations (own salt, own ids), so that the timed slots exclude
-    first-call costs (kernel compiles, allocator growth)."""
+def warm_up(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
+            words: tuple[str, ...] = TINY_WORDS) -> None:  # fmt: skip
+    """Throw-away 2-turn conversations (own salt, own ids; chat mode: chat conversations of
+    ``words``), so that the timed slots exclude first-call costs (kernel compiles, allocator growth)."""
     w, clock = workload, Clock()
+    if w.mode == "chat":
+        warm_up_chat(target, workload, salt, conversations, timeout, words)
+        return
     for i in range(conversations):
         rng = random.Random(f"warmup-{w.seed}-{i}")
         prompt = draw_ids(rng, w.system_tokens + w.user_tokens, w.vocab_size)
@@ -318,6 +386,26 @@ def warm_up(target: Target, workload: Workload, salt: str, conversations: int, t
         second = next_prompt(prompt, first.answer_ids, draw_ids(rng, w.user_tokens, w.vocab_size))
         send(target, second, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
              phase="warmup", conversation=-1 - i, turn=2, boundary=0)  # fmt: skip
+
+
+def warm_up_chat(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
+                 words: tuple[str, ...]) -> None:  # fmt: skip
+    """``warm_up``'s chat conversations: turn 1's shape (a system and a user message) with other
+    words, then a second turn with the answer sent back."""
+    w, clock = workload, Clock()
+    for i in range(conversations):
+        rng = random.Random(f"chat-warmup-{w.seed}-{i}")
+        plan = ChatConversationPlan(index=-1 - i, system_text=draw_words(rng, w.system_tokens, words),
+                                    user_texts=(draw_words(rng, w.user_tokens, words),
+                                                draw_words(rng, w.user_tokens, words)))  # fmt: skip
+        answers: list[str] = []
+        for turn in (1, 2):
+            rec, res = send_chat(target, chat_messages(plan, answers), max_tokens=w.answer_tokens,
+                                 salt=f"{salt}-{i}", clock=clock, timeout=timeout, phase="warmup",
+                                 conversation=-1 - i, turn=turn, boundary=0)  # fmt: skip
+            if res is None:
+                raise CompletionError(f"[{target.label}] warm-up chat request failed: {rec.error}")
+            answers.append(res.text)
 
 
 def flush_plugin_stats(target: Target, interval: float, salt: str) -> None:
@@ -392,7 +480,8 @@ class ServerSet:
         s = self.settings
         if target.label not in self._warm and s.warmup > 0:
             progress.write(f"[{target.label}] warm-up ({s.warmup} conversation(s))")
-            warm_up(target, s.workload, f"{s.run_salt}-warmup-{target.label}", s.warmup, s.request_timeout)
+            warm_up(target, s.workload, f"{s.run_salt}-warmup-{target.label}", s.warmup, s.request_timeout,
+                    s.chat_words)  # fmt: skip
         self._warm.add(target.label)
         return target
 
@@ -592,7 +681,7 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
     """The rounds at one in-flight level that ``budget`` lets start: the level's part of the result,
     with its records (None if no round started)."""
     s = servers.settings
-    plans = make_plans(workload)
+    plans = make_chat_plans(workload, s.chat_words) if workload.mode == "chat" else make_plans(workload)
     records: list[RequestRecord] = []
     rounds = []
     for r in range(s.repeat):
@@ -610,7 +699,8 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
             round_records += slot_records
         floor = stats.summarize_floor(round_records)
         rounds.append({"round": r, "order": order, "policies": {p: summaries[p] for p in s.labels},
-                       "floor": floor, "ratios": stats.round_ratios(summaries, floor)})  # fmt: skip
+                       "floor": floor, "ratios": stats.round_ratios(summaries, floor),
+                       "lost_hits": stats.lost_hits(round_records, s.labels)})  # fmt: skip
         records += round_records
         budget.finished(workload.concurrency, clock.now() - started)
     if not rounds:
@@ -631,6 +721,8 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
             "answer_variety": answer_variety(records, s.labels[0]),
             "per_turn": {p: stats.per_turn([r for r in records if r.policy == p]) for p in s.labels},
             "floor_per_turn": stats.per_turn(records, "floor") or None,
+            "lost_hits": stats.lost_hits(records, s.labels),
+            "turn1_cached_median": {p: stats.turn1_cached_median(records, p) for p in s.labels},
         },
         "records": records,
     }

@@ -10,6 +10,10 @@ Contract (pure functions, no I/O):
   output throughput; decode throughput, the tokens after the first over the time after the first,
   summed over requests); ``summarize_floor`` the timed ``floor`` records; ``per_turn`` per turn.
   ``acceptance_length`` is speculative decoding's mean tokens per drafting step.
+- ``lost_hits`` counts, per label other than the stock one, the ``conversation`` requests whose
+  ``cached_tokens`` is below the stock label's for the same (round, conversation, turn) (at the
+  same in-flight level), and the tokens lost in total; ``turn1_cached_median`` is the median
+  ``cached_tokens`` of a label's turn-1 requests.
 - ``round_ratios`` compares each label with the stock label (and the floor) within one round;
   ``aggregate`` turns per-round dictionaries of numbers into per-key spreads.
 - ``targets`` judges the plugin against the targets on the medians over rounds (the
@@ -193,6 +197,36 @@ def per_turn(records: Sequence[RequestRecord], phase: str = "conversation") -> d
             "ttft_p50_s": percentile([r.ttft_s for r in rows], 50),
         }
     return out
+
+
+def lost_hits(records: Sequence[RequestRecord], labels: Sequence[str],
+              stock: str = STOCK_POLICY) -> dict[str, dict[str, int]] | None:  # fmt: skip
+    """Per label of ``labels`` other than ``stock``: ``requests`` (its conversation requests cached
+    below stock's for the same in-flight level, round, conversation and turn), ``tokens_lost``
+    (the sum of stock's cached minus its own over those) and ``compared`` (the pairs where both
+    requests succeeded with a known ``cached_tokens``). None when ``stock`` is not a label."""
+    if stock not in labels:
+        return None
+
+    def key(r: RequestRecord) -> tuple:
+        return (r.in_flight, r.round, r.conversation, r.turn)
+
+    usable = [r for r in records if r.phase == "conversation" and r.error is None and r.cached_tokens is not None]
+    base = {key(r): r.cached_tokens for r in usable if r.policy == stock}
+    out = {}
+    for label in labels:
+        if label == stock:
+            continue
+        pairs = [(r.cached_tokens, base[key(r)]) for r in usable if r.policy == label and key(r) in base]
+        below = [stock_cached - own for own, stock_cached in pairs if own < stock_cached]
+        out[label] = {"requests": len(below), "tokens_lost": sum(below), "compared": len(pairs)}
+    return out
+
+
+def turn1_cached_median(records: Sequence[RequestRecord], label: str) -> float | None:
+    """Median ``cached_tokens`` of ``label``'s successful turn-1 conversation requests (None: none)."""
+    return percentile((r.cached_tokens for r in records if r.policy == label and r.phase == "conversation"
+                       and r.turn == 1 and r.error is None), 50)  # fmt: skip
 
 
 def round_ratios(summaries: dict[str, dict], floor: dict | None, stock: str = STOCK_POLICY) -> dict[str, dict]:

@@ -11,6 +11,12 @@ Contract (pure functions, no I/O):
   exact hit on turn k computes U + 1 tokens.
 - ``floor_prompts`` builds the floor's prime and timed request: a prefix cached exactly on the
   block grid (L0 = ``floor_prefix_len``) followed by the U + 1 tokens an exact hit computes.
+- Chat mode (``mode="chat"``): ``make_chat_plans(workload, words)`` gives every conversation the
+  same seeded system text of S words (``chat_words.draw_words``, one token per word on the
+  model's tokenizer, so every conversation of a slot shares the system message, also with one
+  turn) and U words of user text per turn. ``chat_messages(plan, answers)`` is the request of turn
+  ``len(answers) + 1``: the system message (none when S is 0), then per earlier turn its user
+  message and its answer's text as an assistant message, then the turn's user message.
 - ``round_order(labels, r)`` rotates the labels by the round index, so that over rounds every
   label runs first equally often (two labels: they alternate).
 """
@@ -22,7 +28,11 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from boundary_checkpoints.bench.chat_words import TINY_WORDS, draw_words
+
 FIRST_RANDOM_ID = 4  # ids 0..3 are special tokens in every model the package writes
+MODES = ("tokens", "chat")  # /v1/completions with token ids; /v1/chat/completions with messages
+CHAT_TOKENS_PER_MESSAGE = 8  # a generous bound on what a chat template adds around one message
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,15 @@ class Workload:
     vocab_size: int
     seed: int = 0
     shared_system: bool = True
+    mode: str = "tokens"  # one of MODES
 
     def max_prompt_tokens(self) -> int:
-        """Length of the last turn's prompt (answers are exactly ``answer_tokens`` long)."""
-        return self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
+        """Length of the last turn's prompt (answers are exactly ``answer_tokens`` long; chat: plus
+        at most ``CHAT_TOKENS_PER_MESSAGE`` template tokens per message and the generation prompt)."""
+        tokens = self.system_tokens + self.turns * self.user_tokens + (self.turns - 1) * self.answer_tokens
+        if self.mode == "chat":
+            tokens += CHAT_TOKENS_PER_MESSAGE * (1 + 2 * self.turns)
+        return tokens
 
     def max_sequence_tokens(self) -> int:
         """Last prompt plus its answer: what must fit in the server's max model length."""
@@ -144,6 +159,43 @@ def floor_prompts(prompt: Sequence[int], boundary: int, new_tokens: int, block_s
             raise ValueError(f"L0={l0} exceeds the boundary {boundary}: a filler is needed")
         prefix += filler(l0 - len(prefix))
     return FloorPrompts(prefix_len=l0, prime=prefix + tail[:1], timed=prefix + tail)
+
+
+@dataclass(frozen=True)
+class ChatConversationPlan:
+    """The inputs of one chat conversation: the system text (shared) and every turn's user text."""
+
+    index: int
+    system_text: str
+    user_texts: tuple[str, ...]
+
+
+def make_chat_plans(workload: Workload, words: Sequence[str] = TINY_WORDS) -> list[ChatConversationPlan]:
+    """Seeded text of every chat conversation, drawn from ``words`` (one token each): the same
+    system text of ``system_tokens`` words for all (``shared_system`` is not consulted: chat mode
+    always shares it), and per turn ``user_tokens`` words from the conversation's own RNG."""
+    w = workload
+    system = draw_words(random.Random(f"chat-system-{w.seed}"), w.system_tokens, words)
+    plans = []
+    for i in range(w.conversations):
+        rng = random.Random(f"chat-conversation-{w.seed}-{i}")
+        plans.append(ChatConversationPlan(index=i, system_text=system,
+                                          user_texts=tuple(draw_words(rng, w.user_tokens, words)
+                                                           for _ in range(w.turns))))  # fmt: skip
+    return plans
+
+
+def chat_messages(plan: ChatConversationPlan, answers: Sequence[str]) -> list[dict]:
+    """The messages of turn ``len(answers) + 1``: system (if any), then each earlier turn's user
+    message and its answer ``answers[k]`` as an assistant message, then this turn's user message."""
+    turn = len(answers) + 1
+    if turn > len(plan.user_texts):
+        raise ValueError(f"{len(answers)} answers: the plan has only {len(plan.user_texts)} turns")
+    messages = [{"role": "system", "content": plan.system_text}] if plan.system_text else []
+    for user, answer in zip(plan.user_texts, answers):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": plan.user_texts[turn - 1]})
+    return messages
 
 
 def round_order(labels: Sequence[str], round_index: int) -> list[str]:

@@ -4,8 +4,8 @@ Contract
 --------
 Least-recently-used eviction keeps none of a cyclic workload whose working set exceeds the
 retention budget: with more conversations in flight than bundles fit, each bundle is evicted just
-before its next turn needs it (measured on the H200: 0 exact hits in 192 turns,
-``docs/results/gpu-real-traffic.md``). This module lets the store keep a stable subset instead:
+before its next turn needs it (0 exact hits in 192 turns of such a workload on a GPU). This
+module lets the store keep a stable subset instead:
 
 * time is counted in publications (:meth:`ReuseTracker.stamp` gives each published bundle the
   current count);

@@ -81,7 +81,11 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    plugin pins a hit's blocks for the rest of the ``schedule()`` that looked it up, and vLLM
    keeps its own reference on a copy source until the copy ran, so a bundle evicted, or (still
    pending) discarded, after the lookup only drops its own references.
-7. Pressure: retained checkpoints hold at most ``max_retained_fraction`` of the block pool. When
+7. Pressure: a bundle also holds the blocks of vLLM's own block-grid hit below its boundary that
+   it does not hold already (the recurrent states on the block grid, ``_grid_blocks``), and
+   releases them with its own: a request whose bundle was evicted still finds the hit stock would
+   have given it, since retention never left those states to age out of vLLM's free queue
+   first. Retained checkpoints hold at most ``max_retained_fraction`` of the block pool. When
    an allocation does not fit, bundles that give blocks back to the pool are evicted (LRU), one at
    a time until it fits, before vLLM would have to preempt or refuse a request; bundles whose pages
    running requests share free nothing and stay. vLLM's deliberate "not this step" answer for a
@@ -134,7 +138,7 @@ Contract (one engine step at a time; data flows scheduler -> worker -> scheduler
    steps are cut (vLLM's own test, ``is_prefill_step``): a decode step under MTP keeps its drafts
    and runs the decode path whatever its start. A cut step runs the indexer's decode path only
    where the indexer counts every row up to its threshold as a decode: under speculative
-   decoding on an indexer that needs uniform decode rows (the H200), a one-token row beside
+   decoding on an indexer that needs uniform decode rows (e.g. Hopper), a one-token row beside
    verify rows runs its prefill path and writes the pool it completes from the wrong tokens, so
    ``config.speculative_reasons`` refuses speculative decoding there
    (docs/notes/model-families.md §13).
@@ -158,6 +162,7 @@ from boundary_checkpoints.compat import (
     RequestStatus,
     Scheduler,
     SchedulerOutput,
+    block_grid_hit,
     platform_is_cpu,
     sampled_token_ids,
 )
@@ -776,10 +781,11 @@ class BoundaryCheckpointMixin:
             self.checkpoint_store.counters.captures_dropped += 1
             return
         sources = plan.copy_sources()
+        grid = self._grid_blocks(request, num_tokens, plan)
         if adopt:
             destinations = tuple(plan.sources)  # the bundle's own reference on each source
         else:
-            shared = {b.block_id for group in plan.shared for b in group if not b.is_null}
+            shared = {b.block_id for group in (*plan.shared, *grid) for b in group if not b.is_null}
             refusal = self.checkpoint_store.refusal(shared, len(sources), kind in LASTING_KINDS)
             if refusal is not None:  # refused before it takes blocks from vLLM's free queue
                 counters = self.checkpoint_store.counters
@@ -788,7 +794,12 @@ class BoundaryCheckpointMixin:
                 else:
                     counters.refused_protected += 1
                 return
+        grid_pins = [b for group in grid for b in group]
+        # Out of vLLM's free queue before any fresh block is taken, so none of them is one.
+        self._block_pool.touch(grid_pins)
+        if not adopt:
             if self._block_pool.get_num_free_blocks() < len(sources):
+                self._block_pool.free_blocks(grid_pins)
                 self.checkpoint_store.counters.captures_dropped += 1
                 return
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))
@@ -799,7 +810,7 @@ class BoundaryCheckpointMixin:
         next_token = request.all_token_ids[num_tokens] if self._next_token_guard and in_flight is None else None
         checkpoint = Checkpoint(
             key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
-            next_token=next_token,
+            next_token=next_token, grid_blocks=grid,
         )
         pending = PendingCapture(
             request.request_id, checkpoint, plan, destinations, in_flight=in_flight, in_step=in_step
@@ -807,6 +818,16 @@ class BoundaryCheckpointMixin:
         if adopt:
             pending.ready_seq = self._sched_seq if in_flight is None else in_flight.seq
         self._pending.append(pending)
+
+    def _grid_blocks(self, request: Request, num_tokens: int, plan) -> tuple[tuple, ...]:
+        """Per KV group, the blocks of vLLM's own block-grid hit for ``request``'s first
+        ``num_tokens`` tokens that the bundle planned by ``plan`` does not hold (contract 7)."""
+        blocks, num_hit = block_grid_hit(self.kv_cache_manager, request.block_hashes, num_tokens)
+        if not num_hit:
+            return ()
+        held = {b.block_id for group in plan.shared for b in group if not b.is_null}
+        held |= {b.block_id for b in plan.sources if b is not None}
+        return tuple(tuple(b for b in group if not b.is_null and b.block_id not in held) for group in blocks)
 
     def _emit_pending_copies(self, output: SchedulerOutput) -> list:
         """Attach planned capture copies to this step and drop their source pins."""
@@ -893,6 +914,7 @@ class BoundaryCheckpointMixin:
         """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``."""
         self._restored_from.pop(pending.request_id, None)
         blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
+        blocks += [b for group in pending.checkpoint.grid_blocks for b in group]
         blocks += [d for d in pending.destinations if d is not None]
         self._block_pool.free_blocks(blocks)
         if dropped:

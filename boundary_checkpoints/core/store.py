@@ -11,8 +11,9 @@ Contract
   is that token; :meth:`lookup` skips it for others (miss reason ``draft_next_token``, or
   ``draft_next_token_fallbacks`` when a shorter bundle serves them instead: :meth:`refused_by_guard`).
 * The store owns exactly one reference (``ref_cnt``) per distinct block of every retained bundle.
-  :meth:`publish` takes over references the caller already holds; :meth:`evict_lru`, dedup and
-  :meth:`clear` give them back through ``release``. Nothing else ever frees a retained block, so a
+  :meth:`publish` takes over references the caller already holds; eviction (the budget's, in
+  :meth:`publish`, and :meth:`evict_to_free`), dedup and :meth:`clear` give them back through
+  ``release``. Nothing else ever frees a retained block, so a
   bundle is never half-evicted: losing any block means dropping the whole bundle first.
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
@@ -28,8 +29,9 @@ Contract
   (:meth:`evict_to_free`) evicts only bundles that give at least one block back to the pool
   (``is_free(block)`` after the release), one at a time, so the caller can stop as soon as its
   allocation fits.
-* Lineage (DESIGN contract 7: a few states per conversation, not one per turn): every bundle has
-  a set of *owners*, the turns (request ids) that keep it alive; its producer first. When a turn
+* Lineage (``core/scheduler.py`` contract 5: a few states per conversation, not one per turn):
+  every bundle has a set of *owners*, the turns (request ids) that keep it alive; its producer
+  first. When a turn
   moves on (:meth:`retire`: the next turn of that conversation published its response), the turn
   leaves every owner set, and a bundle with no owner left is dropped. A bundle that is still a
   live turn's resend restore point gains that turn as an owner (:meth:`adopt`), so every live
@@ -70,6 +72,11 @@ class Checkpoint:
     # Evicted first and never protected (:meth:`CheckpointStore.demote`): a prompt bundle whose
     # request's response bundle is retained.
     demoted: bool = False
+    # Per KV group, the blocks of vLLM's own block-grid hit below the boundary that the bundle does
+    # not hold already (the recurrent states on the block grid): kept alive with the bundle and
+    # released with it, so a request that loses the bundle still finds the hit stock would give.
+    # Never restored from.
+    grid_blocks: tuple[tuple[BlockLike, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -99,11 +106,12 @@ class Checkpoint:
     def sized_blocks(self) -> dict[int, tuple[BlockLike, int]]:
         """Every non-null block of the bundle once, with its bytes, by block id (group order)."""
         seen: dict[int, tuple[BlockLike, int]] = {}
-        for group, blocks in enumerate(self.group_blocks):
-            size = self.page_bytes[group] if group < len(self.page_bytes) else 0
-            for block in blocks:
-                if not block.is_null:
-                    seen.setdefault(block.block_id, (block, size))
+        for group_blocks in (self.group_blocks, self.grid_blocks):
+            for group, blocks in enumerate(group_blocks):
+                size = self.page_bytes[group] if group < len(self.page_bytes) else 0
+                for block in blocks:
+                    if not block.is_null:
+                        seen.setdefault(block.block_id, (block, size))
         return seen
 
 
@@ -186,10 +194,12 @@ class CheckpointStore:
         self._by_parent: dict[tuple[Hashable, int], dict[tuple[int, ...], Checkpoint]] = {}
         self._block_users: dict[int, int] = {}  # retained block id -> bundles holding it
         self._blocks: dict[int, tuple[BlockLike, int]] = {}  # retained block id -> (block, bytes)
+        self._bytes = 0  # sum of the retained blocks' bytes (read every engine step)
+        self._count = 0  # retained bundles
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return sum(len(tails) for tails in self._by_parent.values())
+        return self._count
 
     def __contains__(self, key: CheckpointKey) -> bool:
         return self._retained_at(key) is not None
@@ -200,7 +210,7 @@ class CheckpointStore:
 
     @property
     def retained_bytes(self) -> int:
-        return sum(size for _, size in self._blocks.values())
+        return self._bytes
 
     def checkpoints(self) -> list[Checkpoint]:
         return [ckpt for tails in self._by_parent.values() for ckpt in tails.values()]
@@ -283,9 +293,12 @@ class CheckpointStore:
             self.counters.duplicates += 1
             return False
         tails[key.tail] = checkpoint
+        self._count += 1
         checkpoint.published_at = self.reuse.stamp()
         for block_id, sized in checkpoint.sized_blocks().items():
             self._block_users[block_id] = self._block_users.get(block_id, 0) + 1
+            if block_id not in self._blocks:
+                self._bytes += sized[1]
             self._blocks[block_id] = sized
         self.policy.add(checkpoint)
         self.counters.published += 1
@@ -478,6 +491,7 @@ class CheckpointStore:
         key = checkpoint.key
         tails = self._by_parent[(key.parent, key.start)]
         del tails[key.tail]
+        self._count -= 1
         if not tails:
             del self._by_parent[(key.parent, key.start)]
         self.policy.remove(checkpoint)
@@ -488,7 +502,7 @@ class CheckpointStore:
                 self._block_users[block.block_id] = users
             else:
                 del self._block_users[block.block_id]
-                del self._blocks[block.block_id]
+                self._bytes -= self._blocks.pop(block.block_id)[1]
         # Tail pages first, so vLLM's free queue reuses the deepest pages first.
         self.release(blocks[::-1])
 

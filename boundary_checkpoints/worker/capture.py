@@ -70,7 +70,7 @@ class CaptureCopyWorkerMixin:
     def compile_or_warm_up_model(self, *args, **kwargs):
         # The KV cache exists (initialize_from_config ran). Compile the copy kernel first: vLLM's
         # warm-up ends by arming its JIT monitor, which reports any compile after it as "during
-        # inference" (the H200 logs of session 14 showed this warm-up's own two variants there).
+        # inference" (otherwise this warm-up's own two variants are reported there).
         self._copier().warm_up()
         return super().compile_or_warm_up_model(*args, **kwargs)
 

@@ -1,0 +1,91 @@
+"""Does the plugin keep every hit stock vLLM would give? Stock and plugin on the same traffic.
+
+Contract
+--------
+Runs one multi-turn workload through vLLM's real scheduler and KV cache manager twice, over the
+shadow runner of ``tests/shadow_engine.py`` (no model; deterministic), once stock (``aligned``)
+and once with the plugin (``request_boundaries``), on a small pool (``--blocks`` blocks of 16
+tokens) so that retention competes with vLLM's own cached blocks. ``--conversations``
+conversations share a ``--system``-token prefix; each of ``--turns`` turns adds 20-120 user
+tokens; turns run one request at a time in a seeded order (so both schedulers see the same
+requests in the same order and nothing depends on timing), each answering 8 tokens. For each pool
+size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
+tokens fell below stock's for the same request. ``--without-grid-blocks`` runs the plugin with
+its bundles holding no block-grid hit (contract 7 of ``core/scheduler.py``): the comparison that
+shows what those blocks are for.
+
+    .venv/bin/python benchmarks/superset_check.py --blocks 80,120,200,400 --seeds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from shadow_engine import Driver, build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
+
+
+def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> list[int]:
+    """Cached tokens of each request of the seeded workload, in the order they ran."""
+    rng = random.Random(seed)
+    scheduler, worker = build_scheduler(
+        model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
+        max_num_batched_tokens=256, max_model_len=4096,
+    )  # fmt: skip
+    driver = Driver(scheduler, worker)
+    system = tokens(rng, args.system)
+    history = {c: system + tokens(rng, rng.randint(20, 120)) for c in range(args.conversations)}
+    order = [c for _ in range(args.turns) for c in rng.sample(range(args.conversations), args.conversations)]
+    cached = []
+    for conversation in order:
+        request = make_request(history[conversation], max_tokens=8)
+        [answer] = driver.run([request])
+        cached.append(driver.cached_tokens.get(request.request_id, 0))
+        history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(20, 120))
+    return cached
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", default="80,120,200,400", help="pool sizes in blocks of 16 tokens (default 80,120,200,400)")
+    parser.add_argument("--seeds", type=int, default=6, help="workloads per pool size (default 6)")
+    parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
+    parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
+    parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
+    parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
+    parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
+    args = parser.parse_args(argv)
+    if args.without_grid_blocks:
+        from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
+
+        BoundaryCheckpointMixin._grid_blocks = lambda self, request, num_tokens, plan: ()
+    model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="bc-superset-")))
+    rows = []
+    for blocks in (int(b) for b in args.blocks.split(",")):
+        for seed in range(args.seeds):
+            stock = cached_per_request(model_dir, "aligned", seed, blocks, args)
+            plugin = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
+            below = [i for i, (s, p) in enumerate(zip(stock, plugin, strict=True)) if p < s]
+            rows.append({"blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below})
+        subset = [r for r in rows if r["blocks"] == blocks]
+        stock_total = sum(sum(r["stock"]) for r in subset)
+        plugin_total = sum(sum(r["plugin"]) for r in subset)
+        rounds_below = sum(sum(r["plugin"]) < sum(r["stock"]) for r in subset)
+        print(f"{blocks} blocks: cached tokens plugin / stock {plugin_total / stock_total:.3f} ({plugin_total} / "
+              f"{stock_total}); workloads with fewer cached tokens than stock {rounds_below} of {len(subset)}; "
+              f"requests below stock {sum(len(r['below']) for r in subset)} of {sum(len(r['stock']) for r in subset)}",
+              flush=True)  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
