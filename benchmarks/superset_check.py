@@ -53,7 +53,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--blocks", default="80,120,200,400", help="pool sizes in 16-token blocks (default 80,120,200,400)")
+    parser.add_argument("--blocks", default="80,120,200,400", help="pool sizes in 16-token blocks")
     parser.add_argument("--seeds", type=int, default=6, help="workloads per pool size (default 6)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
