@@ -338,8 +338,8 @@ def engine_kwargs(args: argparse.Namespace, section: dict, on_cpu: bool) -> dict
 
 def engine_setup(llm, section: dict) -> dict:
     """What the engine resolved: the settings that decide how a step runs."""
-    from boundary_checkpoints.config import BoundaryConfig
     from boundary_checkpoints.prompt_capture import decide_for
+    from boundary_checkpoints.settings import BoundaryConfig
 
     config = llm.llm_engine.vllm_config
     core = llm.llm_engine.engine_core.engine_core
@@ -357,7 +357,7 @@ def engine_setup(llm, section: dict) -> dict:
         "additional_config": config.additional_config,
     }
     if section.get("policy") != STOCK_POLICY:
-        decision = decide_for(BoundaryConfig.from_additional_config(config.additional_config), config)
+        decision = decide_for(BoundaryConfig.for_engine(config), config)
         setup["prompt_capture"] = {"mode": decision.mode, "reason": decision.reason}
     return setup
 

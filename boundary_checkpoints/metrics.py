@@ -267,7 +267,7 @@ class BoundaryCheckpointStatLogger(AggregateStatLoggerBase):
     when the configured scheduler is not the plugin's."""
 
     def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
-        from boundary_checkpoints.config import extends_boundary_scheduler
+        from boundary_checkpoints.wiring import extends_boundary_scheduler
 
         self.engine_indexes = list(engine_indexes or [0])
         self.model_name = vllm_config.model_config.served_model_name

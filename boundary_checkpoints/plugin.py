@@ -3,8 +3,9 @@
 vLLM calls :func:`register` in every process it starts (API server, engine core, workers). It
 installs one config hook; whenever vLLM finalizes a ``VllmConfig``, :func:`apply_policy` reads
 ``additional_config["boundary_checkpoints"]`` (and ``VLLM_BOUNDARY_CHECKPOINTS_POLICY``), runs the
-policy gate, logs the decision once, and, when boundary retention is on, selects the plugin's
-scheduler class (sync or async, matching vLLM's own choice) and the matching worker class. A
+policy gate (``gate.py``), logs the decision once, and, when boundary retention is on, selects the
+plugin's scheduler class (sync or async, matching vLLM's own choice) and the matching worker class
+(``wiring.py``). A
 ``scheduler_cls`` the user configured that subclasses ``BoundaryCheckpointMixin`` is kept instead
 (``--scheduler-cls``; the tests load a fault-injecting one this way). ``aligned`` and every
 fallback leave the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
@@ -22,15 +23,10 @@ import os
 
 from vllm.logger import init_logger
 
-from boundary_checkpoints.config import (
-    ENV_POLICY,
-    SCHEDULER_CLASSES,
-    WORKER_CLASSES,
-    BoundaryConfig,
-    decide_policy,
-    log_decision_once,
-)
+from boundary_checkpoints.gate import decide_policy, log_decision_once
+from boundary_checkpoints.settings import ENV_POLICY, BoundaryConfig
 from boundary_checkpoints.versions import check_vllm_version, installed_vllm_version, is_supported_vllm
+from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -39,7 +35,7 @@ def apply_policy(vllm_config) -> None:
     """Gate the policy for ``vllm_config`` and install the scheduler class it needs."""
     from boundary_checkpoints.compat import interface_mismatches
 
-    config = BoundaryConfig.from_additional_config(vllm_config.additional_config)
+    config = BoundaryConfig.for_engine(vllm_config)
     mismatches = interface_mismatches() if config.policy != "aligned" else []
     decision = decide_policy(config, vllm_config, [f"installed vLLM differs from 0.32.0: {m}" for m in mismatches])
     log_decision_once(decision, logger)
@@ -86,7 +82,7 @@ def _register_unsupported(version: str) -> None:
     @functools.wraps(original)
     def post_init(self) -> None:
         original(self)
-        policy = BoundaryConfig.from_additional_config(getattr(self, "additional_config", None)).policy
+        policy = BoundaryConfig.for_engine(self).policy
         check_vllm_version(version, policy, logger)
 
     setattr(post_init, _VERSION_GATE_MARK, True)

@@ -3,7 +3,7 @@
 Loaded into a real engine only by the tests, through vLLM's ``scheduler_cls`` (``--scheduler-cls
 corrupt_restore.CorruptAsyncScheduler`` for a server whose engine-core process finds this directory
 on ``PYTHONPATH``; ``scheduler_cls=`` for an in-process ``vllm.LLM``). The plugin keeps a configured
-scheduler class that extends its mixin (``config.unsupported_reasons``), so the corruption runs
+scheduler class that extends its mixin (``gate.unsupported_reasons``), so the corruption runs
 with everything else of the plugin unchanged. Two corruptions, one per boundary kind:
 
 * prompt checkpoint: the bundle keyed ``P - 1`` holds the state after ``P`` tokens. Where the

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError
 from boundary_checkpoints.core.chat_markers import chat_markers_for, learn_markers
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
+from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
 
 QWEN3_STYLE = (
     "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"

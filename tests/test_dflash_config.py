@@ -53,7 +53,7 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.models.registry import ModelRegistry
-from boundary_checkpoints.config import unsupported_reasons, unvalidated_reasons
+from boundary_checkpoints.gate import unsupported_reasons, unvalidated_reasons
 
 target, drafters, k = sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 out = {}

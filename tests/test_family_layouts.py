@@ -17,7 +17,6 @@ import pytest
 import torch
 from shadow_engine import build_scheduler
 
-from boundary_checkpoints.config import BoundaryConfigError
 from boundary_checkpoints.core.boundaries import GroupKind
 from boundary_checkpoints.core.layout import (
     CPU_MAMBA2_REASON,
@@ -26,6 +25,7 @@ from boundary_checkpoints.core.layout import (
     ring_span_at_boundary,
     tail_ring_slots,
 )
+from boundary_checkpoints.settings import BoundaryConfigError
 
 BF16, F32 = torch.bfloat16, torch.float32
 GLM_BLOCK, KIMI_BLOCK, NEMOTRON_BLOCK = 256, 128, 272

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import transformers  # a plain import: a broken install fails this module, it is never skipped
 
-from boundary_checkpoints.config import BoundaryConfig, BoundaryConfigError, decide_policy, unsupported_reasons
+from boundary_checkpoints.gate import decide_policy, unsupported_reasons
+from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three pro
 two cold controls; every phase one shared batch):
 
 1. policy ``request_boundaries``, explicitly: these tests are what validates a layout, so they do
-   not depend on ``auto``'s list (``config.unvalidated_reasons``). For Nemotron-H, Kimi-Linear
+   not depend on ``auto``'s list (``gate.unvalidated_reasons``). For Nemotron-H, Kimi-Linear
    and GLM (not the MTP cases) the engine's scheduler is first re-classed to its decode-path
    class (``decode_path_control.install``, same instance) and the scenario adds a last phase, the
    decode-path cold controls (``run_probes(decode_spans=...)``: each continuation cold with
@@ -43,7 +43,7 @@ GLM-5.3-Flash under MTP runs on ``glm5_next_mtp_planted`` (the tiny GLM plus one
 GPU, 1.000 tokens per drafting step), with the plugin restoring GLM's
 indexer tail ring with speculative lookahead (vLLM sizes it for a pool plus the drafts: ``ring/8
 p4``, docs/notes/model-families.md §10); on a GPU the planted GLM passes at k = 1 (1.988 tokens
-per drafting step) and once crashed the engine at k = 3 (``config.FAILED_ON_GPU``).
+per drafting step) and once crashed the engine at k = 3 (``support.FAILED_ON_GPU``).
 
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
@@ -437,7 +437,7 @@ else:
 def check_glm_mtp_refused(k: int) -> None:
     """On a platform whose indexer needs uniform decode rows (e.g. Hopper), an explicit
     ``request_boundaries`` for GLM under MTP is refused at startup with the pooled-indexer reason
-    (``config.speculative_reasons``), read from the real model config (index_kpool)."""
+    (``gate.speculative_reasons``), read from the real model config (index_kpool)."""
     import subprocess
     import sys
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from boundary_checkpoints.config import BoundaryConfig
 from boundary_checkpoints.prompt_capture import (
     AUTO,
     CUDA_IN_STEP_CAVEAT,
@@ -17,6 +16,7 @@ from boundary_checkpoints.prompt_capture import (
     decide,
     decide_for,
 )
+from boundary_checkpoints.settings import BoundaryConfig
 
 SUPPORTED = dict(platform="cuda", gdn_prefill_backend="triton", architectures=("Qwen3NextForCausalLM",),
                  speculative=False, micro_batching=False)  # fmt: skip

@@ -36,6 +36,7 @@ from test_scheduler_spec import (
     published,
 )
 
+from boundary_checkpoints.core import capture as capture_module
 from boundary_checkpoints.core import scheduler as scheduler_module
 from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE, GroupKind, first_window_page
 
@@ -261,7 +262,7 @@ def test_a_hole_let_through_is_a_wrong_draft(model_dir, drafter, monkeypatch):
     """Negative control: the same hole, with a plan that lets it into the bundle (the window page
     listed as a null block): the resend's drafter finds that page empty."""
     scheduler, worker, driver = engine(model_dir, drafter, 2, "one")
-    plan_bundle = scheduler_module.plan_bundle
+    plan_bundle = capture_module.plan_bundle
 
     def leaky_plan(geometries, request_blocks, num_tokens, null_block, state_end=None):
         plan = plan_bundle(geometries, request_blocks, num_tokens, null_block, state_end)
@@ -270,7 +271,7 @@ def test_a_hole_let_through_is_a_wrong_draft(model_dir, drafter, monkeypatch):
         shared[WINDOW_GROUP] = (*shared[WINDOW_GROUP][:first], null_block, *shared[WINDOW_GROUP][first + 1:])
         return type(plan)(plan.num_tokens, tuple(shared), plan.sources)
 
-    monkeypatch.setattr(scheduler_module, "plan_bundle", leaky_plan)
+    monkeypatch.setattr(capture_module, "plan_bundle", leaky_plan)
     prompt = tokens(random.Random(4), 70)
     driver.run([make_request(prompt, max_tokens=1, salt="s")])
     with pytest.raises(ShadowMismatch, match=f"draft context row {69 - WINDOW + 1} of group {WINDOW_GROUP} is wrong"):

@@ -18,10 +18,10 @@ import pytest
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
 
-from boundary_checkpoints.config import BoundaryConfigError
 from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.boundaries import GroupKind
 from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.settings import BoundaryConfigError
 
 KPOOL = 4
 RING = 3  # the ring group's index: attention, two recurrent groups, ring

@@ -9,7 +9,7 @@ import pytest
 import vllm
 
 from boundary_checkpoints import plugin, versions
-from boundary_checkpoints.config import CONFIG_KEY, ENV_POLICY
+from boundary_checkpoints.settings import CONFIG_KEY, ENV_POLICY
 from boundary_checkpoints.versions import (
     SUPPORTED_VLLM_VERSIONS,
     UnsupportedVLLMVersionError,

@@ -85,7 +85,7 @@ NOISE_BOUND = 0.1
 parting from the cold control a near-tie (the cold run's top-2 gap there). Two correct runs of the
 tiny random-weight model differ by a few hundredths; a restore wrong by one token of state moved the
 first token's logprobs by 0.7-1.5 on the CPU engine (``bench/probes.py``, negative controls)."""
-STATS_LOG_INTERVAL_S = 30.0  # the plugin's default stats_log_interval_s (config.BoundaryConfig)
+STATS_LOG_INTERVAL_S = 30.0  # the plugin's default stats_log_interval_s (settings.BoundaryConfig)
 
 
 @dataclass

@@ -10,7 +10,7 @@ prefixes whose token ``N`` is the one it was computed with (the next-token guard
 target's hidden states at that row alone, so their rows below ``N`` depend on the first ``N``
 tokens only: no guard, and a next turn whose token ``N`` differs restores the whole boundary.
 Without speculative decoding there are no draft rows: False. A method not listed here is refused by
-the gate (``config.speculative_reasons``) before any scheduler asks.
+the gate (``gate.speculative_reasons``) before any scheduler asks.
 """
 
 from __future__ import annotations

@@ -58,10 +58,10 @@ class CaptureCopyWorkerMixin:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         from boundary_checkpoints.compat import platform_is_cpu
-        from boundary_checkpoints.config import BoundaryConfig
         from boundary_checkpoints.prompt_capture import IN_STEP, decide_for
+        from boundary_checkpoints.settings import BoundaryConfig
 
-        config = BoundaryConfig.from_additional_config(self.vllm_config.additional_config)
+        config = BoundaryConfig.for_engine(self.vllm_config)
         if decide_for(config, self.vllm_config).mode == IN_STEP:
             from boundary_checkpoints.worker.gdn_split import install
 

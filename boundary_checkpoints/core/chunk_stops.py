@@ -1,0 +1,127 @@
+"""Where the boundary scheduler ends prefill chunks: the instruction boundary, the ``P - 1`` stop
+and the indexer pool grid (contracts 1, 10 and 11 in ``docs/design.md``).
+
+Contract: :class:`ChunkStopMixin` narrows vLLM's own ``_mamba_block_aligned_split`` chunk, never
+widens it; a step is cut only while it prefills (:func:`is_prefill_step`). It reads the
+scheduler's state that ``BoundaryCheckpointMixin.__init__`` sets.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints.compat import (
+    Request,
+)
+from boundary_checkpoints.core.boundaries import (
+    prompt_boundary,
+)
+from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+def request_is_eligible(request: Request) -> bool:
+    """Requests whose prefix is fully described by token ids, salt and LoRA identity."""
+    return (
+        request.sampling_params is not None
+        and request.prompt_embeds is None
+        and not request.mm_features
+        and request.num_prompt_tokens > 0
+    )
+
+
+def is_prefill_step(request: Request, start: int) -> bool:
+    """Whether a step from ``start`` prefills (vLLM's own test for splitting: the prompt, or output
+    tokens a resumed request replays); a decode step keeps its drafts (contract 11)."""
+    return start < max(request.num_prompt_tokens, request.num_tokens - 1)
+
+
+class ChunkStopMixin:
+    """Chunk stops of the boundary scheduler (module docstring)."""
+
+    def _instruction_target(self, request: Request) -> int | None:
+        """The request's instruction boundary N_i (a valid explicit value, else the end of its leading
+        system block by the chat template's markers), or None; validated and counted once."""
+        request_id = request.request_id
+        if request_id in self._instruction_targets:
+            return self._instruction_targets[request_id]
+        extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
+        target, reason = instruction_boundary(extra_args, request.num_prompt_tokens)
+        if reason:
+            self._count_instruction(f"instruction_ignored_{reason}")
+            logger.warning(
+                "boundary_checkpoints: request %s: instruction boundary %r ignored (%s; prompt of %d tokens)",
+                request_id, extra_args.get(INSTRUCTION_TOKENS_KEY), reason,
+                request.num_prompt_tokens,
+            )
+        if target is None and self._chat_markers.markers is not None:
+            target = self._chat_markers.markers.boundary(request.prompt_token_ids)
+            if target is not None:
+                self._count_instruction("instruction_from_template")
+        if target is not None:
+            self._count_instruction("instruction_requests")
+        self._instruction_targets[request_id] = target
+        return target
+
+    def _count_instruction(self, name: str) -> None:
+        self._instruction_counts[name] = self._instruction_counts.get(name, 0) + 1
+
+    # ---- chunk stop -----------------------------------------------------------------------
+    def _mamba_block_aligned_split(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        num_new_tokens = super()._mamba_block_aligned_split(
+            request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+        )
+        if not self.boundaries_active:
+            return num_new_tokens
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if not is_prefill_step(request, start):
+            return num_new_tokens  # a decode step: no stop applies (and this schedule() cut none)
+        cut = self._boundary_split(request, start, num_new_tokens)
+        if cut < num_new_tokens and not is_prefill_step(request, start + num_new_tokens):
+            self._cut_prefill_ends[request.request_id] = start + cut  # vLLM's chunk reached the prefill's end
+        else:
+            self._cut_prefill_ends.pop(request.request_id, None)
+        return cut
+
+    def _boundary_split(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """The plugin's chunk stops (contract 1) applied to vLLM's prefill chunk ``[start, start +
+        num_new_tokens)``: the number of tokens to schedule."""
+        if self._kpool and start % self._kpool:  # a prefill step (the caller's fast path took decodes)
+            return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
+        if not request_is_eligible(request):
+            return num_new_tokens
+        instruction = self._instruction_target(request)
+        if instruction is not None and start < instruction < start + num_new_tokens:
+            key = self._key(request, instruction)
+            if key is not None and key not in self.checkpoint_store and not any(p.key == key for p in self._pending):
+                self._count_instruction("instruction_stops")
+                return instruction - start
+        if not self._prompt_captures_on:
+            return num_new_tokens
+        stop = prompt_boundary(request.num_prompt_tokens)
+        if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
+            return num_new_tokens
+        if self._captures_in_step(request, start, start + num_new_tokens):
+            return num_new_tokens
+        self._stopped_at[request.request_id] = stop  # counted once the step is scheduled
+        return stop - start
+
+    def _keeps_prompt_checkpoint(self, request: Request, start: int) -> bool:
+        """Whether a prefill step from ``start`` that crosses ``P - 1`` keeps the prompt checkpoint
+        (``prompt_checkpoint_min_tokens``)."""
+        return prompt_boundary(request.num_prompt_tokens) - start >= self.boundary_config.prompt_checkpoint_min_tokens
+
+    def _captures_in_step(self, request: Request, start: int, end: int) -> bool:
+        """Whether the prefill step ``[start, end)`` that crosses ``P - 1`` takes the prompt
+        checkpoint inside itself rather than stopping there (contract 1): in-step capture is on,
+        the step ends at ``P``, and the part before ``P - 1`` would run as a prefill row of its
+        own (a first chunk, or two tokens or more), as it does after the stop."""
+        stop = prompt_boundary(request.num_prompt_tokens)
+        return self._prompt_in_step and end == request.num_prompt_tokens and (start == 0 or stop - start >= 2)

@@ -1,0 +1,84 @@
+"""The KV cache manager and coordinator subclasses the boundary scheduler installs on vLLM's.
+
+Contract: :class:`PressureRelievingKVCacheManager` evicts retained checkpoints (through the
+scheduler's ``relieve_pressure``) before it refuses an allocation; :func:`recording_coordinator_class`
+makes a coordinator remember its last block count and count a chunk the plugin cut short as if the
+prefill ended there. Both are installed by re-classing vLLM's own instances (see ``compat``).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from boundary_checkpoints.compat import KVCacheManager, RequestStatus
+
+_RECORDING_COORDINATORS: dict[type, type] = {}
+
+
+def recording_coordinator_class(cls: type) -> type:
+    """``cls`` (a KV cache coordinator class) with a ``get_num_blocks_to_allocate`` that keeps its
+    last answer in ``last_num_blocks_to_allocate`` and, for a request whose chunk the plugin cut
+    short of the prefill's end (``cut_prefill_ends``: request id -> the cut chunk's end, set by the
+    scheduler for the ``schedule()`` in progress), counts that step's blocks as if the prefill
+    ended there; one class per coordinator type. The scheduler re-classes vLLM's coordinator to it
+    (see compat: KV cache coordinator).
+
+    Why the cut end: under vLLM's default sparse retention a recurrent group whose kernels export
+    a block-boundary state from inside a chunk (KDA, Mamba2: ``num_prefill_checkpoint_blocks``)
+    reserves the block for that state only on the chunk that reaches the prefill's end, while the
+    worker exports it from any chunk (``compute_mamba_prefill_checkpoints`` knows no prefill end).
+    A prefill cut at ``P - 1`` would leave the state of the last block boundary, which stock
+    caches for the next prompt sharing the prefix, unreserved (written into the null block): the
+    cut chunk is the last one that can hold it, so it is the prefill's end for that count."""
+    if cls not in _RECORDING_COORDINATORS:
+        count_blocks = cls.get_num_blocks_to_allocate
+
+        def get_num_blocks_to_allocate(self, *args, **kwargs):
+            cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
+            if cut_end is not None and not kwargs.get("apply_admission_cap") and kwargs.get("prefill_end", 0) > cut_end:
+                kwargs["prefill_end"] = cut_end
+            self.last_num_blocks_to_allocate = count_blocks(self, *args, **kwargs)
+            return self.last_num_blocks_to_allocate
+
+        # Single inheritance with no new slots keeps the instance layout, so __class__ can change.
+        _RECORDING_COORDINATORS[cls] = type(
+            f"Recording{cls.__name__}",
+            (cls,),
+            {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None,
+             "cut_prefill_ends": MappingProxyType({})},  # the scheduler sets its own dict
+        )
+    return _RECORDING_COORDINATORS[cls]
+
+
+class PressureRelievingKVCacheManager(KVCacheManager):
+    """KVCacheManager that evicts retained checkpoints before refusing an allocation.
+
+    After a refused allocation it computes the shortfall (blocks vLLM asked for, plus the
+    watermark and reservation it applied, minus the free blocks) and asks ``relieve_pressure``
+    to free that many; it retries after every eviction, so it stops as soon as the allocation
+    fits. vLLM's deliberate "not in this step" answer (more blocks than the whole pool, used to
+    defer a recurrent hit on a block cached in the same step) is no shortage and evicts nothing.
+    """
+
+    relieve_pressure: Any = None  # (shortfall) -> bool (True: a bundle was evicted), set by the scheduler
+
+    def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
+        while True:
+            blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+            if blocks is not None or self.relieve_pressure is None:
+                return blocks
+            shortfall = self.shortfall(request, kwargs)
+            if shortfall is None or not self.relieve_pressure(shortfall):
+                return None
+
+    def shortfall(self, request, kwargs) -> int | None:
+        """Blocks missing for the allocation just refused; None if freeing blocks cannot help."""
+        needed = self.coordinator.last_num_blocks_to_allocate
+        if needed is None or needed > self.block_pool.num_gpu_blocks:
+            return None
+        waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if waiting and kwargs.get("has_scheduled_reqs", True):
+            needed += self.watermark_blocks
+        needed += kwargs.get("reserved_blocks", 0)
+        return max(needed - self.block_pool.get_num_free_blocks(), 1)

@@ -1,0 +1,132 @@
+"""Restore: the longest retained or readable pending bundle a request shares (contract 6 in
+``docs/design.md``).
+
+Contract: :class:`RestoreMixin` answers vLLM's ``_get_local_prefix_cache_hit`` with the longest of
+vLLM's own block-grid hit, the store's hit and a scheduled pending bundle, gives every KV group the
+same ``N``, pins the hit for the ``schedule()`` that looked it up, and counts each request's
+lookup once, as a hit or as a miss with a reason.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints.compat import (
+    KVCacheBlocks,
+    Request,
+)
+from boundary_checkpoints.core.boundaries import (
+    INSTRUCTION,
+)
+from boundary_checkpoints.core.chunk_stops import request_is_eligible
+from boundary_checkpoints.core.keys import parent_of
+from boundary_checkpoints.core.store import Checkpoint
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+class RestoreMixin:
+    """Restore side of the boundary scheduler (module docstring)."""
+
+    # ---- restore --------------------------------------------------------------------------
+    def _get_local_prefix_cache_hit(self, request: Request):
+        blocks, num_hit, shared_boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        if not self.boundaries_active:
+            return blocks, num_hit, shared_boundary, diverged
+        if not request_is_eligible(request):
+            self._count_lookup(request, None, "ineligible")
+            return blocks, num_hit, shared_boundary, diverged
+        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            self._count_lookup(request, None, "cache_bypassed")
+            return blocks, num_hit, shared_boundary, diverged
+        root = self._root(request)
+
+        def parents(start: int):
+            return parent_of(start, request.block_hashes, self.hash_block_size, root)
+
+        hit = self.checkpoint_store.lookup(request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size)
+        pending = self._scheduled_pending_hit(request)
+        if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
+            hit = pending
+        # A longer bundle the next-token guard refused (MTP), classified once per request.
+        counting = request.request_id not in self._counted_requests
+        refused = self._guard_refusal(request, parents) if counting and self._next_token_guard else None
+        if hit is None or hit.num_tokens <= num_hit:
+            # A request that waits for room is looked up every step; classify its miss once (the
+            # classification records a regret, see CheckpointStore.miss_reason).
+            if counting:
+                if refused is not None and refused.num_tokens > num_hit:
+                    reason = "draft_next_token"
+                elif hit is not None:
+                    reason = "block_grid_as_long"
+                else:
+                    reason = self.checkpoint_store.miss_reason(
+                        request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+                    )
+                self._count_lookup(request, None, reason, num_hit)
+            self._restored_from.pop(request.request_id, None)
+            return blocks, num_hit, shared_boundary, diverged
+        if refused is not None and refused.num_tokens > hit.num_tokens:
+            self.checkpoint_store.counters.draft_next_token_fallbacks += 1
+            logger.debug(
+                "boundary_checkpoints: request %s restores %s checkpoint at %d tokens, not the %s checkpoint "
+                "at %d tokens: its MTP draft row was computed from next token %s, this prompt has %d there",
+                request.request_id, hit.kind, hit.num_tokens, refused.kind, refused.num_tokens,
+                refused.next_token, request.all_token_ids[refused.num_tokens],
+            )
+        self._count_lookup(request, hit, "", num_hit)
+        self._restored_from[request.request_id] = hit
+        pins = hit.distinct_blocks()
+        self._block_pool.touch(pins)
+        self._lookup_pins.extend(pins)
+        logger.debug(
+            "boundary_checkpoints: request %s restores %s checkpoint at %d tokens (stock hit %d)",
+            request.request_id, hit.kind, hit.num_tokens, num_hit,
+        )
+        if self._ring_groups:
+            self._ring_restores[request.request_id] = hit
+        blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
+        return KVCacheBlocks(blocks), hit.num_tokens, 0, False
+
+    def _count_lookup(self, request: Request, hit: Checkpoint | None, reason: str, num_hit: int = 0) -> None:
+        """Count a request's first lookup as a hit, or as a miss with ``reason``."""
+        if request.request_id in self._counted_requests:
+            return
+        self._counted_requests.add(request.request_id)
+        self.checkpoint_store.record_lookup(hit, reason)
+        if hit is not None and hit.kind == INSTRUCTION:
+            self._count_instruction("instruction_hits")
+        if hit is None:
+            logger.debug(
+                "boundary_checkpoints: request %s (%d tokens) restores no checkpoint: %s (block-grid hit %d)",
+                request.request_id, request.num_tokens, reason, num_hit,
+            )
+
+    def _scheduled_pending_hit(self, request: Request, guarded: bool = True) -> Checkpoint | None:
+        """Longest pending bundle a restore may already read (contract 6), or None; ``guarded=False``:
+        also one the next-token guard refuses."""
+        best: Checkpoint | None = None
+        for pending in self._pending:
+            num_tokens = pending.key.num_tokens
+            if pending.ready_seq is None or pending.in_flight is not None or pending.request_id in self._tainted:
+                continue
+            if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
+                continue
+            if (best is None or num_tokens > best.num_tokens) and self._key(request, num_tokens) == pending.key:
+                if not guarded or pending.checkpoint.serves(request.all_token_ids):
+                    best = pending.checkpoint
+        return best
+
+    def _guard_refusal(self, request: Request, parents) -> Checkpoint | None:
+        """The longest bundle (retained, or pending and readable) that holds a prefix of ``request``
+        if the next-token guard refuses it (its MTP draft row ``N - 1`` was computed from another
+        token ``N``), else None. The lookup restored a shorter prefix instead, or none: the caller
+        counts it (``draft_next_token_fallbacks``, or the miss reason ``draft_next_token``)."""
+        found = (
+            self.checkpoint_store.refused_by_guard(
+                request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
+            ),
+            self._scheduled_pending_hit(request, guarded=False),
+        )
+        longest = max((c for c in found if c is not None), key=lambda c: c.num_tokens, default=None)
+        return longest if longest is not None and not longest.serves(request.all_token_ids) else None

@@ -1,0 +1,217 @@
+"""The plugin's settings: the ``"boundary_checkpoints"`` section of vLLM's ``additional_config``.
+
+Contract
+--------
+* ``BoundaryConfig.from_additional_config(additional_config, env)`` reads the ``"boundary_checkpoints"``
+  section of vLLM's ``additional_config`` (``--additional-config '{"boundary_checkpoints": {...}}'``).
+  A missing section (or ``None``) gives the defaults. Anything else that is not exactly right (a section
+  that is not a dict, an unknown key, a value of the wrong type, a number out of range, an unknown
+  policy) raises ``BoundaryConfigError`` whose message names the offending key (for example
+  ``boundary_checkpoints.policy``) and what is allowed. ``bool`` is never accepted as a number. A
+  non-empty ``VLLM_BOUNDARY_CHECKPOINTS_POLICY`` environment variable overrides the policy and is
+  validated the same way; a bad value is reported under the variable's name.
+* ``BoundaryConfig.for_engine(vllm_config)`` is the same for an engine's ``VllmConfig``: the one
+  place every process (plugin hook, scheduler, worker) parses its settings.
+
+This module decides nothing (the policy gate is :mod:`boundary_checkpoints.gate`) and imports
+nothing of vLLM or of the plugin's scheduler, worker or metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from boundary_checkpoints.prompt_capture import PROMPT_CAPTURES
+
+POLICIES = ("auto", "aligned", "request_boundaries")
+CONFIG_KEY = "boundary_checkpoints"
+ENV_POLICY = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
+
+
+class BoundaryConfigError(ValueError):
+    """Invalid plugin configuration, or ``request_boundaries`` asked for on an unsupported layout."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Field validation (shared by the dataclass and the parser)
+# ---------------------------------------------------------------------------------------------------
+
+
+def qualified(key: str) -> str:
+    """``key`` as error messages name it: ``boundary_checkpoints.<key>``."""
+    return f"{CONFIG_KEY}.{key}"
+
+
+def _check_policy(value: Any, name: str) -> str:
+    allowed = ", ".join(POLICIES)
+    if not isinstance(value, str):
+        raise BoundaryConfigError(
+            f"{name} must be a string, one of: {allowed} (got {type(value).__name__} {value!r})"
+        )
+    if value not in POLICIES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {value!r})")
+    return value
+
+
+def _check_number(value: Any, name: str, range_text: str) -> float:
+    # bool is an int subclass; True/False as a fraction or interval is always a mistake.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BoundaryConfigError(
+            f"{name} must be a number {range_text} (got {type(value).__name__} {value!r})"
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise BoundaryConfigError(f"{name} must be a finite number {range_text} (got {value!r})")
+    return number
+
+
+def _check_fraction(value: Any, name: str) -> float:
+    range_text = "in (0, 1]"
+    number = _check_number(value, name, range_text)
+    if not 0.0 < number <= 1.0:
+        raise BoundaryConfigError(f"{name} must be a number {range_text} (got {value!r})")
+    return number
+
+
+def _check_interval(value: Any, name: str) -> float:
+    range_text = ">= 0 (0 disables the stats log line)"
+    number = _check_number(value, name, range_text)
+    if number < 0.0:
+        raise BoundaryConfigError(f"{name} must be a number {range_text} (got {value!r})")
+    return number
+
+
+def _check_token_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BoundaryConfigError(f"{name} must be an integer >= 0 (got {type(value).__name__} {value!r})")
+    return value
+
+
+def _check_prompt_capture(value: Any, name: str) -> str:
+    allowed = ", ".join(PROMPT_CAPTURES)
+    if not isinstance(value, str) or value not in PROMPT_CAPTURES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
+    return value
+
+
+CHAT_INSTRUCTION_BOUNDARIES = ("auto", "off")
+
+
+def _check_chat_instruction(value: Any, name: str) -> str:
+    allowed = ", ".join(CHAT_INSTRUCTION_BOUNDARIES)
+    if not isinstance(value, str) or value not in CHAT_INSTRUCTION_BOUNDARIES:
+        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
+    return value
+
+
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise BoundaryConfigError(f"{name} must be true or false (got {type(value).__name__} {value!r})")
+    return value
+
+
+_FIELD_CHECKS = {
+    "policy": _check_policy,
+    "prompt_checkpoints": _check_flag,
+    "prompt_checkpoint_min_tokens": _check_token_count,
+    "prompt_capture": _check_prompt_capture,
+    "max_retained_fraction": _check_fraction,
+    "stats_log_interval_s": _check_interval,
+    "chat_instruction_boundary": _check_chat_instruction,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# BoundaryConfig
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BoundaryConfig:
+    """Validated plugin settings. Construction validates every field (numbers are stored as float)."""
+
+    policy: str = "auto"
+    max_retained_fraction: float = 0.25
+    """Share of the KV block pool that retained checkpoints may hold, in (0, 1]."""
+    stats_log_interval_s: float = 30.0
+    """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
+    prompt_checkpoints: bool = True
+    """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. Where
+    the prompt is captured in step (``prompt_capture``) this costs no extra step; otherwise one engine step per prompt
+    (the prefill stops at ``P - 1``; the last token runs in the next step). False: no prompt
+    checkpoint; response checkpoints (the next turn of a conversation) are unaffected; a resend
+    restores only from an older checkpoint or the stock block grid."""
+    prompt_capture: str = "auto"
+    """How the prompt checkpoint is taken (``prompt_capture.py``): ``in_step`` computes the whole
+    prompt in one step and splits its last token off inside each Gated DeltaNet layer, where the
+    engine supports it (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next / Qwen3.5;
+    no speculative decoding), and otherwise stops the prefill at ``P - 1`` (the startup log line
+    says which and why); ``auto`` (default) is ``in_step`` where that is validated (the CPU engine)
+    and the stop elsewhere; ``stop`` always stops at ``P - 1``."""
+    prompt_checkpoint_min_tokens: int = 0
+    """With ``prompt_checkpoints``, take the prompt checkpoint (stop at ``P - 1``, or capture it in
+    the step) only when the step that reaches the end of the prompt computes at least this many
+    tokens (counted from where that step starts: the restore point of a short prompt, the last
+    chunk boundary of a long one). A shorter tail is computed in one step either way, so a stop
+    would add a step to this prompt to save a resend little: the resend then recomputes that tail
+    (fewer than this many tokens) from the earlier checkpoint or cached block it starts from. 0
+    (default): every prompt keeps one."""
+    chat_instruction_boundary: str = "auto"
+    """``auto``: the engine learns the chat template's block markers once at startup
+    (``core/chat_markers.py``) and gives a request with no explicit instruction boundary the end of
+    its leading system/developer block(s), when its prompt starts with one; the startup line says
+    whether the markers were learned and why not. ``off``: only explicit values."""
+
+    def __post_init__(self) -> None:
+        for key, check in _FIELD_CHECKS.items():
+            object.__setattr__(self, key, check(getattr(self, key), qualified(key)))
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> BoundaryConfig:
+        """Parse ``additional_config[CONFIG_KEY]``; a non-empty ``ENV_POLICY`` in ``env`` (default
+        ``os.environ``) overrides the policy. Raises ``BoundaryConfigError`` naming the bad key."""
+        section = _read_section(additional_config)
+        allowed_keys = tuple(f.name for f in fields(cls))
+        for key in section:
+            if key not in allowed_keys:
+                raise BoundaryConfigError(
+                    f"{qualified(str(key))} is not a known key; allowed keys: "
+                    f"{', '.join(allowed_keys)}"
+                )
+        values = dict(section)
+        env_policy = (os.environ if env is None else env).get(ENV_POLICY)
+        if env_policy:
+            values["policy"] = _check_policy(env_policy, f"environment variable {ENV_POLICY}")
+        return cls(**values)
+
+    @classmethod
+    def for_engine(cls, vllm_config: Any, env: Mapping[str, str] | None = None) -> BoundaryConfig:
+        """The settings of the engine configured by ``vllm_config`` (a ``VllmConfig``-like object:
+        its ``additional_config``, missing or ``None`` for the defaults); the plugin, the scheduler
+        and the worker all read theirs here."""
+        return cls.from_additional_config(getattr(vllm_config, "additional_config", None), env)
+
+
+def _read_section(additional_config: Any) -> Mapping[str, Any]:
+    if additional_config is None:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        raise BoundaryConfigError(
+            f"additional_config must be a dict to hold the {CONFIG_KEY!r} section "
+            f"(got {type(additional_config).__name__})"
+        )
+    section = additional_config.get(CONFIG_KEY)
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise BoundaryConfigError(
+            f"{CONFIG_KEY} must be a dict with keys "
+            f"{', '.join(_FIELD_CHECKS)} (got {type(section).__name__} {section!r})"
+        )
+    return section

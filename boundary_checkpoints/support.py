@@ -1,0 +1,65 @@
+"""The support matrix: which model families and features boundary retention is validated on, which
+it refuses, and why. Data and lookups only.
+
+Contract
+--------
+* Nothing here decides a policy or reads a ``VllmConfig``: :mod:`boundary_checkpoints.gate` turns
+  these tables into reasons. Reasons are stated as they stand now; the measurements behind them are
+  listed in ``docs/compatibility.md`` and ``docs/results/``.
+* Imports nothing (not vLLM, not the plugin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# ---- refused (the gate's unsupported reasons) ------------------------------------------------
+
+# Speculative decoding methods boundary retention works with: single-module MTP and DFlash (other
+# methods -- EAGLE, ngram, draft models -- are not run with the plugin).
+SUPPORTED_SPECULATIVE_METHODS = ("mtp", "dflash")
+# DFlash drafters whose KV cache the plugin's notes cover (docs/notes/spec-decode.md §11): vLLM's
+# Qwen3 DFlash and DFlash2 classes. Other architectures under method "dflash" (LiLiCorr, Laguna,
+# Muse Glimmer) are other speculators or models, not read.
+SUPPORTED_DFLASH_ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# Parallel layouts that are refused: (``parallel_config`` attribute, label) for a size above 1.
+UNSUPPORTED_PARALLEL_SIZES = (
+    ("pipeline_parallel_size", "pipeline parallel"),
+    ("data_parallel_size", "data parallel"),
+    ("prefill_context_parallel_size", "prefill context parallel"),
+)
+
+# ---- validated (anything supported but not listed here is the gate's unvalidated tier) --------
+
+# Model architectures whose boundaries are validated end to end on a GPU (docs/compatibility.md).
+VALIDATED_ARCHITECTURES = (
+    "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
+)  # fmt: skip
+# Supported speculative methods validated on a GPU with drafts accepted, each with the largest k
+# validated (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).
+VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
+# Of the validated architectures, the ones validated under speculative decoding with drafts
+# accepted. GLM-5.3-Flash under MTP passes only with every draft rejected (a random MTP layer),
+# which does not validate it.
+VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# Unvalidated speculative combinations known to fail on a GPU, cause not known: (architecture,
+# method, smallest k the note covers) -> what happens, added to the reason ``auto`` falls back with
+# and to the decision line of an explicit ``request_boundaries``. GLM-5.3-Flash under MTP passes at
+# k = 1 with drafts accepted; the note covers k = 2 (not run) and k = 3.
+FAILED_ON_GPU = {
+    ("Glm5NextForCausalLM", "mtp", 2): (
+        "on a GPU k = 3 with drafts accepted took the engine down once in its first batch (a "
+        "device-side index assert; k = 1 passes; the same traffic runs without a crash under "
+        "CUDA_LAUNCH_BLOCKING=1, stock and plugin alike, so the cause is not known)"
+    ),
+}
+
+
+def failures_on_gpu(architectures: Iterable[str], method: str | None, k: int) -> list[str]:
+    """The :data:`FAILED_ON_GPU` notes for any of ``architectures`` under ``method`` with ``k``
+    drafts, in table order."""
+    architectures = list(architectures)
+    return [
+        what for (arch, failed_method, smallest), what in FAILED_ON_GPU.items()
+        if arch in architectures and failed_method == method and k >= smallest
+    ]  # fmt: skip
