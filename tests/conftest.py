@@ -1,4 +1,7 @@
-"""Shared pytest set-up: offline, CPU-engine environment and the tiny hybrid model.
+"""Shared pytest set-up: offline, CPU-engine environment, the tiny hybrid model and the fixtures
+more than one test module uses. Helpers that are plain functions live in modules next to the tests
+(``servers``: the server-fixture factory; ``prompts``: prompts for the tiny vocabulary;
+``shadow_engine``, ``engine_script``, ``http_stub``, ...).
 
 The environment is set at import time, before any test module imports vLLM, so that in-process
 engines and the servers the tests start (they inherit ``os.environ``) never reach the Hugging Face
@@ -46,3 +49,30 @@ def model_dir(tmp_path_factory) -> Path:
     from shadow_engine import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (word-level, with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="module")
+def weights(dirs):
+    """The ``model.safetensors`` tensors of each model directory of the module's own ``dirs``
+    fixture (name -> directory)."""
+    from safetensors.torch import load_file
+
+    return {name: load_file(str(path / "model.safetensors")) for name, path in dirs.items()}
+
+
+@pytest.fixture
+def quiet_vllm(monkeypatch):
+    """vLLM logs every scheduler it builds at INFO; hundreds of examples would drown the output.
+
+    Every ``VllmConfig`` re-applies vLLM's logging configuration from the environment. Modules
+    that build schedulers by the hundred use it: ``pytestmark = pytest.mark.usefixtures("quiet_vllm")``.
+    """
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")

@@ -58,7 +58,7 @@ def test_negative_control_a_bundle_without_its_grid_blocks_loses_the_stock_hit(m
     assert cached < grid
 
 
-def test_grid_blocks_count_toward_the_budget_and_leave_with_the_bundle(model_dir):
+def test_grid_blocks_are_held_outside_the_budget_and_leave_with_the_bundle(model_dir):
     scheduler, worker = build_scheduler(model_dir, num_blocks=96)
     driver = Driver(scheduler, worker)
     pool = scheduler.kv_cache_manager.block_pool
@@ -67,7 +67,8 @@ def test_grid_blocks_count_toward_the_budget_and_leave_with_the_bundle(model_dir
     store = scheduler.checkpoint_store
     grid = [block for checkpoint in store.checkpoints() for group in checkpoint.grid_blocks for block in group]
     assert grid and all(block.ref_cnt >= 1 for block in grid)
-    assert store.retained_blocks == len({b.block_id for c in store.checkpoints() for b in c.distinct_blocks()})
+    assert store.retained_blocks == len({b.block_id for c in store.checkpoints() for b in c.budget_blocks()})
+    assert not {b.block_id for b in grid} & {b.block_id for c in store.checkpoints() for b in c.budget_blocks()}
     assert {b.block_id for b in grid} <= {b.block_id for c in store.checkpoints() for b in c.distinct_blocks()}
     store.retire(first.request_id)
     assert all(block.ref_cnt == 0 for block in grid)

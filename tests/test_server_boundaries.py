@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs
+from prompts import token_ids
 from results_out import save_json
+from servers import BLOCK, tiny_server
 
 from boundary_checkpoints.bench.client import complete
 from boundary_checkpoints.bench.probes import (
@@ -34,11 +36,10 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
-from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 256  # the CPU engine's block size for the tiny model
 LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 77, 3 * BLOCK]
 CONVERSATIONS = 8
 MAX_TOKENS = 24
@@ -49,7 +50,7 @@ CORRUPT = "corrupt"  # the negative-control run: request_boundaries with the cor
 
 def conversation(base_url: str, index: int, run: str) -> ProbeRow:
     rng = random.Random(index)
-    prompt = [rng.randrange(4, 1024) for _ in range(LENGTHS[index % len(LENGTHS)])]
+    prompt = token_ids(rng, LENGTHS[index % len(LENGTHS)])
 
     def send(ids, salt) -> Answer:
         out = complete(base_url, ids, max_tokens=MAX_TOKENS, cache_salt=salt, logprobs=TOP_LOGPROBS,
@@ -58,30 +59,30 @@ def conversation(base_url: str, index: int, run: str) -> ProbeRow:
 
     producer = send(prompt, run)
     resend = send(prompt, run)
-    continuation = prompt + producer.tokens + [rng.randrange(4, 1024) for _ in range(NEW_TOKENS)]
+    continuation = prompt + producer.tokens + token_ids(rng, NEW_TOKENS)
     restored = send(continuation, run)
     cold = send(continuation, f"{run}-cold-{index}")
     cold_again = send(continuation, f"{run}-cold-again-{index}")
     return ProbeRow(len(prompt), producer, resend, restored, cold, cold_again)
 
 
-def run_server(model_dir: Path, log_dir: Path, run: str) -> list[ProbeRow]:
+def run_server(model_dir: Path, tmp_path_factory, run: str) -> list[ProbeRow]:
     policy = "request_boundaries" if run == CORRUPT else run
     extra_args: list[str] = []
     env = {}
     if run == CORRUPT:  # the engine-core process imports the scheduler from tests/ (PYTHONPATH)
         extra_args = ["--scheduler-cls", "corrupt_restore.CorruptScheduler"]  # CPU: no async scheduling
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    with RunningServer(model_dir, log_dir / f"{run}.log", additional_config=policy_config(policy), timeout=300,
-                       extra_args=extra_args, env=env) as server:  # fmt: skip
+    with tiny_server(model_dir, tmp_path_factory, f"server_boundaries_{run}", additional_config=policy_config(policy),
+                     extra_args=extra_args, env=env) as server:  # fmt: skip
         with ThreadPoolExecutor(CONVERSATIONS) as pool:
             return list(pool.map(lambda i: conversation(server.base_url, i, f"run-{run}"), range(CONVERSATIONS)))
 
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("server_boundaries")
-    rows = {run: run_server(tiny_model_dir, log_dir, run) for run in ("request_boundaries", "aligned", CORRUPT)}
+    runs = ("request_boundaries", "aligned", CORRUPT)
+    rows = {run: run_server(tiny_model_dir, tmp_path_factory, run) for run in runs}
     bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
     save_json("cpu-server-probes.json",
               {"bounds": bounds.as_dict(), **{run: [r.as_dict() for r in rs] for run, rs in rows.items()}})  # fmt: skip

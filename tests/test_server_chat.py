@@ -28,11 +28,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
+from prompts import common_prefix, render_ids, words
+from servers import server_fixture
 
 from boundary_checkpoints.bench.client import Completion, chat, complete
 from boundary_checkpoints.bench.probes import same_greedy_output
-from boundary_checkpoints.bench.server import RunningServer, policy_config
-from boundary_checkpoints.fixtures.tiny_models import BOS_ID, EOS_ID, FIRST_PLAIN_ID, PAD_ID, UNK_ID, VOCAB_SIZE
+from boundary_checkpoints.bench.server import policy_config
+from boundary_checkpoints.fixtures.tiny_models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 pytestmark = pytest.mark.slow
 
@@ -51,30 +53,11 @@ DROP_ASSISTANT_TEMPLATE = (
 )
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / f"server_chat_{POLICY}.log"
-    with RunningServer(
-        tiny_model_dir,
-        log_path,
-        additional_config=policy_config(POLICY),
-        extra_args=["--trust-request-chat-template"],  # the non-prefix template is sent per request
-        timeout=300,
-    ) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-def render_ids(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
-    """The prompt ids the server renders for ``messages`` (template text, then tokens)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=template)
-    return tokenizer.encode(text, add_special_tokens=False)
+server = server_fixture(
+    f"server_chat_{POLICY}",
+    additional_config=policy_config(POLICY),
+    extra_args=["--trust-request-chat-template"],  # the non-prefix template is sent per request
+)
 
 
 def rerendered_answer_ids(tokenizer, out: Completion) -> list[int]:
@@ -84,14 +67,6 @@ def rerendered_answer_ids(tokenizer, out: Completion) -> list[int]:
     if out.finish_reason == "stop" and out.stop_reason is None:  # stopped on EOS
         ids.append(EOS_ID)
     return ids
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE)}" for _ in range(n))
 
 
 @dataclass
@@ -178,7 +153,7 @@ def _eos_after(words_of_turn: Callable[[int], int]) -> Callable[[int], dict]:
     return lambda turn: dict(logit_bias=dict(NO_SPECIALS, **FORCE_EOS), min_tokens=words_of_turn(turn))
 
 
-def test_chat_turns_resume_at_response_boundary(server, tokenizer):
+def test_chat_turns_resume_at_response_boundary(server, tiny_tokenizer):
     sessions = [
         # Every answer runs to max_tokens; a system prompt pushes the prompts past the 256 block.
         ChatSession("length", seed=1, system_words=300, request_args=lambda t: dict(logit_bias=NO_SPECIALS)),
@@ -200,7 +175,7 @@ def test_chat_turns_resume_at_response_boundary(server, tokenizer):
             request_args=lambda t: dict(skip_special_tokens=False, logit_bias={str(BOS_ID): 100} if t == 2 else None),
         ),
     ]
-    run_round_robin(sessions, server.base_url, tokenizer)
+    run_round_robin(sessions, server.base_url, tiny_tokenizer)
     print("\n" + report(sessions))
     for s in sessions:
         assert s.turns[0].cached == 0, s.name  # a fresh salt: nothing to resume from
@@ -216,7 +191,7 @@ def test_chat_turns_resume_at_response_boundary(server, tokenizer):
     assert sessions[1].turns[1].boundary == sessions[1].turns[0].prompt_tokens
 
 
-def test_skipped_special_tokens_only_hit_less(server, tokenizer):
+def test_skipped_special_tokens_only_hit_less(server, tiny_tokenizer):
     """Without ``logit_bias`` an answer may carry a special token the server drops from the
     content; the next turn then shares less with the checkpointed tokens and must hit less, never
     more. Turn 2 is forced to consist of ``<unk>`` only (its content is empty)."""
@@ -225,7 +200,7 @@ def test_skipped_special_tokens_only_hit_less(server, tokenizer):
         return dict(logit_bias={str(UNK_ID): 100}) if turn == 2 else {}
 
     session = ChatSession("skipped", seed=5, system_words=80, request_args=args, cold_controls=True)
-    run_round_robin([session], server.base_url, tokenizer)
+    run_round_robin([session], server.base_url, tiny_tokenizer)
     print("\n" + report([session]))
     lossy_turns = 0
     for prev, t in zip(session.turns, session.turns[1:]):
@@ -242,7 +217,7 @@ def test_skipped_special_tokens_only_hit_less(server, tokenizer):
     assert set(session.turns[1].out.token_ids) == {UNK_ID}
 
 
-def test_template_that_drops_earlier_answers_hits_less(server, tokenizer):
+def test_template_that_drops_earlier_answers_hits_less(server, tiny_tokenizer):
     """A request-level template that renders earlier assistant messages without their content:
     the previous answer is not a prefix of the next prompt, so no turn can resume at its response
     boundary; it resumes earlier (at most where the renderings part), and answers as a cold run."""
@@ -254,7 +229,7 @@ def test_template_that_drops_earlier_answers_hits_less(server, tokenizer):
         template=DROP_ASSISTANT_TEMPLATE,
         cold_controls=True,
     )
-    run_round_robin([session], server.base_url, tokenizer, turns=4)
+    run_round_robin([session], server.base_url, tiny_tokenizer, turns=4)
     print("\n" + report([session]))
     for prev, t in zip(session.turns, session.turns[1:]):
         where = f"turn {t.turn}"
@@ -265,14 +240,14 @@ def test_template_that_drops_earlier_answers_hits_less(server, tokenizer):
         assert verdict != "different", f"{where}: {detail}"
 
 
-def test_text_prompt_resend_and_continuation(server, tokenizer):
+def test_text_prompt_resend_and_continuation(server, tiny_tokenizer):
     """``/v1/completions`` with a text prompt: the exact resend resumes at P - 1, and the prompt
     text + answer text + new words resumes at the committed boundary (P + answer - 1)."""
     rng = random.Random(21)
     text = words(rng, 300)
     args = dict(max_tokens=MAX_TOKENS, cache_salt="text-prompt", ignore_eos=False, logit_bias=NO_SPECIALS)
     first = complete(server.base_url, text, **args)
-    n_prompt = len(tokenizer.encode(text, add_special_tokens=False))
+    n_prompt = len(tiny_tokenizer.encode(text, add_special_tokens=False))
     assert first.prompt_tokens == n_prompt == 300 and first.cached_tokens == 0
     resend = complete(server.base_url, text, **args)
     assert resend.cached_tokens == n_prompt - 1

@@ -16,10 +16,9 @@ import urllib.error
 import uuid
 
 import pytest
-from test_server_chat import render_ids, tokenizer  # noqa: F401 (a fixture)
-from test_server_instruction import BLOCK, first_turns, get_json, words
+from prompts import render_ids, words
+from servers import BLOCK, first_turns, get_json, tiny_server
 
-from boundary_checkpoints.bench.server import RunningServer
 from boundary_checkpoints.frontend.plugin import STATS_PATH
 
 pytestmark = pytest.mark.slow
@@ -27,24 +26,23 @@ pytestmark = pytest.mark.slow
 CONVERSATIONS = 5
 
 
-def chat_server(tiny_model_dir, tmp_path_factory, chat_instruction_boundary: str) -> RunningServer:
-    log_path = tmp_path_factory.mktemp("server") / f"server_chat_instruction_{chat_instruction_boundary}.log"
+def chat_server(tiny_model_dir, tmp_path_factory, chat_instruction_boundary: str):
     section = {"policy": "request_boundaries", "chat_instruction_boundary": chat_instruction_boundary}
-    return RunningServer(tiny_model_dir, log_path, additional_config={"boundary_checkpoints": section},
-                         unset_env=("VLLM_PLUGINS",), timeout=300)  # fmt: skip
+    return tiny_server(tiny_model_dir, tmp_path_factory, f"server_chat_instruction_{chat_instruction_boundary}",
+                       additional_config={"boundary_checkpoints": section}, unset_env=("VLLM_PLUGINS",))  # fmt: skip
 
 
 def test_chat_first_turns_restore_at_the_system_block_without_vllm_plugins(
-    tiny_model_dir, tmp_path_factory, tokenizer  # noqa: F811
+    tiny_model_dir, tmp_path_factory, tiny_tokenizer
 ):
     rng = random.Random(33)
     system = words(rng, 97)
     users = [words(rng, 20 + i) for i in range(CONVERSATIONS)]
     # The expected N: the system message rendered alone, a token prefix of every full prompt.
-    alone_text = tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
-    alone = tokenizer.encode(alone_text, add_special_tokens=False)
+    alone_text = tiny_tokenizer.apply_chat_template([{"role": "system", "content": system}], tokenize=False)
+    alone = tiny_tokenizer.encode(alone_text, add_special_tokens=False)
     for user in users:
-        full = render_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
+        full = render_ids(tiny_tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": user}])
         assert full[: len(alone)] == alone and len(alone) < len(full)
     n = len(alone)
     assert 0 < n < BLOCK

@@ -6,35 +6,23 @@ One server per module (startup dominates: 20-45 s on a 2-core machine). Token-ID
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from prompts import seeded_ids
+from servers import server_fixture
 
 from boundary_checkpoints.bench.client import complete, stream_complete
-from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
 POLICY = "request_boundaries"  # the plugin's server; test_server_boundaries.py compares with stock
 MAX_TOKENS = 16
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / f"server_{POLICY}.log"
-    with RunningServer(
-        tiny_model_dir, log_path, additional_config=policy_config(POLICY), timeout=300
-    ) as running:
-        yield running
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 1024) for _ in range(n)]
+server = server_fixture(f"server_{POLICY}", additional_config=policy_config(POLICY))
 
 
 def test_token_prompt_cached_tokens_and_salt_isolation(server):
-    prompt = _prompt(600, seed=1234)
+    prompt = seeded_ids(600, seed=1234)
     first = complete(server.base_url, prompt, max_tokens=MAX_TOKENS, cache_salt="salt-a")
     assert first.prompt_tokens == 600
     assert len(first.token_ids) == MAX_TOKENS
@@ -51,7 +39,7 @@ def test_token_prompt_cached_tokens_and_salt_isolation(server):
 
 
 def test_streaming_reports_usage_ttft_and_same_tokens(server):
-    prompt = _prompt(300, seed=99)
+    prompt = seeded_ids(300, seed=99)
     plain = complete(server.base_url, prompt, max_tokens=MAX_TOKENS, cache_salt="stream-a")
     streamed = stream_complete(server.base_url, prompt, max_tokens=MAX_TOKENS, cache_salt="stream-b")
     assert streamed.token_ids == plain.token_ids

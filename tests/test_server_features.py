@@ -18,48 +18,29 @@ that extra step (one CPU server with the plugin for the whole module):
 from __future__ import annotations
 
 import math
-import random
-import uuid
 
 import pytest
+from prompts import seeded_ids
+from servers import BLOCK, cached_tokens, new_salt, server_fixture
 
 from boundary_checkpoints.bench.client import complete, complete_json
-from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 256  # the CPU engine's block for the tiny model (attention and recurrent groups)
 MAX_TOKENS = 16
+CONFIG = policy_config("request_boundaries")
+CONFIG["boundary_checkpoints"]["prompt_capture"] = "stop"  # the partial-prefill step under test
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server_features.log"
-    config = policy_config("request_boundaries")
-    config["boundary_checkpoints"]["prompt_capture"] = "stop"  # the partial-prefill step under test
-    with RunningServer(tiny_model_dir, log_path, additional_config=config, timeout=300) as running:
-        yield running
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(4, 1024) for _ in range(n)]
-
-
-def _salt() -> str:
-    return uuid.uuid4().hex
-
-
-def _cached(payload: dict) -> int:
-    return payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+server = server_fixture("server_features", additional_config=CONFIG)
 
 
 def _three_sends(base_url: str, prompt: list[int], **kwargs):
     """First send (cold, split at P - 1), resend (restored at P - 1), same request under a cold salt."""
-    salt = _salt()
+    salt = new_salt()
     first = complete(base_url, prompt, cache_salt=salt, **kwargs)
     resend = complete(base_url, prompt, cache_salt=salt, **kwargs)
-    cold = complete(base_url, prompt, cache_salt=_salt(), **kwargs)
+    cold = complete(base_url, prompt, cache_salt=new_salt(), **kwargs)
     assert (first.cached_tokens, resend.cached_tokens, cold.cached_tokens) == (0, len(prompt) - 1, 0)
     return first, resend, cold
 
@@ -67,8 +48,8 @@ def _three_sends(base_url: str, prompt: list[int], **kwargs):
 @pytest.mark.parametrize("num_prompt_tokens", [100, 600], ids=["below-block", "above-block"])
 def test_seeded_request_survives_split_and_matches_unsplit_resend(server, num_prompt_tokens):
     assert (num_prompt_tokens < BLOCK) == (num_prompt_tokens == 100)
-    prompt = _prompt(num_prompt_tokens, seed=num_prompt_tokens)
-    salt = _salt()
+    prompt = seeded_ids(num_prompt_tokens, seed=num_prompt_tokens)
+    salt = new_salt()
     seeded = dict(max_tokens=MAX_TOKENS, temperature=0.8, seed=5)
 
     first = complete(server.base_url, prompt, cache_salt=salt, **seeded)  # split at P - 1
@@ -104,12 +85,12 @@ def test_prompt_logprobs_all_values_and_never_restored(server):
     ``skip_reading_prefix_cache`` for them; the plugin's lookup honours it), get every one of the
     P - 1 values across the P - 1 stop, and still leave a prompt checkpoint for plain requests."""
     num = 600
-    prompt = _prompt(num, seed=31)
-    salt = _salt()
+    prompt = seeded_ids(num, seed=31)
+    salt = new_salt()
     kwargs = dict(max_tokens=4, prompt_logprobs=1, return_tokens_as_token_ids=True)
     first = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
     again = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
-    assert _cached(first) == 0 and _cached(again) == 0  # never restored, not even at P - 1
+    assert cached_tokens(first) == 0 and cached_tokens(again) == 0  # never restored, not even at P - 1
 
     values = first["choices"][0]["prompt_logprobs"]
     assert len(values) == num and values[0] is None
@@ -125,7 +106,7 @@ def test_prompt_logprobs_all_values_and_never_restored(server):
 
     # The P - 1 stop moves no value: the prompt with one more token stops at P instead (its
     # last chunk holds position P - 1), and its first P values agree up to bf16 noise.
-    longer = complete_json(server.base_url, prompt + [prompt[0]], cache_salt=_salt(), **kwargs)
+    longer = complete_json(server.base_url, prompt + [prompt[0]], cache_salt=new_salt(), **kwargs)
     longer_values = longer["choices"][0]["prompt_logprobs"][:num]
     worst = 0.0
     for entry, other in zip(values[1:], longer_values[1:]):
@@ -136,7 +117,7 @@ def test_prompt_logprobs_all_values_and_never_restored(server):
 
 
 def test_first_token_logprobs(server):
-    prompt = _prompt(300, seed=32)
+    prompt = seeded_ids(300, seed=32)
     first, resend, cold = _three_sends(
         server.base_url, prompt, max_tokens=4, logprobs=5, return_tokens_as_token_ids=True
     )
@@ -161,9 +142,9 @@ def test_structured_output_constrains_first_token(server, num_prompt_tokens, str
     (Other grammars, e.g. a repeated regex, or this choice on the 300-token prompt, end in
     "grammar rejected tokens [0]" on this random-weight model with stock retention too.)
     """
-    prompt = _prompt(num_prompt_tokens, seed=33)
+    prompt = seeded_ids(num_prompt_tokens, seed=33)
     allowed = range(100, 400) if "choice" in structured else range(100, 200)
-    free = complete(server.base_url, prompt, max_tokens=2, cache_salt=_salt())
+    free = complete(server.base_url, prompt, max_tokens=2, cache_salt=new_salt())
     assert free.token_ids[0] not in allowed  # the grammar has something to do
     guided = dict(max_tokens=4, ignore_eos=False, structured_outputs=structured)
     first, resend, cold = _three_sends(server.base_url, prompt, **guided)
@@ -172,10 +153,10 @@ def test_structured_output_constrains_first_token(server, num_prompt_tokens, str
 
 
 def test_min_tokens_holds_back_stop_token_on_first_token(server):
-    prompt = _prompt(300, seed=34)
-    plain = complete(server.base_url, prompt, max_tokens=8, cache_salt=_salt())
+    prompt = seeded_ids(300, seed=34)
+    plain = complete(server.base_url, prompt, max_tokens=8, cache_salt=new_salt())
     stop = dict(max_tokens=8, ignore_eos=False, stop_token_ids=[plain.token_ids[0]])
-    stopped = complete(server.base_url, prompt, cache_salt=_salt(), **stop)
+    stopped = complete(server.base_url, prompt, cache_salt=new_salt(), **stop)
     assert stopped.finish_reason == "stop" and stopped.completion_tokens == 1
     first, resend, cold = _three_sends(server.base_url, prompt, min_tokens=4, **stop)
     assert first.completion_tokens >= 4
@@ -184,7 +165,7 @@ def test_min_tokens_holds_back_stop_token_on_first_token(server):
 
 
 def test_logit_bias_min_p_and_penalties(server):
-    prompt = _prompt(300, seed=35)
+    prompt = seeded_ids(300, seed=35)
     biased = dict(max_tokens=4, logit_bias={"777": 100})
     first, resend, cold = _three_sends(server.base_url, prompt, **biased)
     assert first.token_ids == resend.token_ids == cold.token_ids == [777] * 4
@@ -194,7 +175,7 @@ def test_logit_bias_min_p_and_penalties(server):
     assert first.token_ids == resend.token_ids == cold.token_ids
 
     penalties = dict(max_tokens=12, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.5)
-    unpenalized = complete(server.base_url, prompt, max_tokens=12, cache_salt=_salt())
+    unpenalized = complete(server.base_url, prompt, max_tokens=12, cache_salt=new_salt())
     first, resend, cold = _three_sends(server.base_url, prompt, **penalties)
     assert first.token_ids != unpenalized.token_ids  # the penalties change this greedy answer
     assert first.token_ids == resend.token_ids == cold.token_ids
@@ -202,12 +183,12 @@ def test_logit_bias_min_p_and_penalties(server):
 
 def test_seeded_n2_children_match_resend(server):
     """n=2 with a seed: each child draws from its own generator (seed + index)."""
-    prompt = _prompt(150, seed=36)
-    salt = _salt()
+    prompt = seeded_ids(150, seed=36)
+    salt = new_salt()
     kwargs = dict(max_tokens=8, temperature=0.8, seed=5, n=2)
     first = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
     resend = complete_json(server.base_url, prompt, cache_salt=salt, **kwargs)
-    assert _cached(first) == 0 and _cached(resend) > 0
+    assert cached_tokens(first) == 0 and cached_tokens(resend) > 0
     by_index = lambda payload: {c["index"]: c["token_ids"] for c in payload["choices"]}  # noqa: E731
     assert by_index(first) == by_index(resend)
     assert by_index(first)[0] != by_index(first)[1]

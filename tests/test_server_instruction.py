@@ -13,22 +13,21 @@ The endpoint plugin's entry point comes from the installed package metadata
 
 from __future__ import annotations
 
-import json
 import random
-import urllib.request
 import uuid
 
 import pytest
+from prompts import words
+from servers import BLOCK, first_turns, get_json, tiny_server
 
 from boundary_checkpoints.bench.client import CompletionError, chat, complete
-from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.bench.server import policy_config
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, REQUEST_FIELD
 from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.frontend.plugin import STATS_PATH
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 256  # the CPU engine's block for the tiny model
 CONVERSATIONS = 16
 SHORT_CONVERSATIONS = 8
 # A template whose system block depends on later messages (it prints the message count in every
@@ -39,10 +38,6 @@ COUNTING_TEMPLATE = (
 )
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE)}" for _ in range(n))
-
-
 @pytest.fixture(scope="module")
 def plugin_env() -> dict[str, str]:
     """vLLM loads endpoint plugins only when ``VLLM_PLUGINS`` names them (general plugins too)."""
@@ -50,26 +45,8 @@ def plugin_env() -> dict[str, str]:
 
 
 def server(tiny_model_dir, tmp_path_factory, env, policy: str, extra_args=()):
-    log_path = tmp_path_factory.mktemp("server") / f"server_instruction_{policy}.log"
-    return RunningServer(
-        tiny_model_dir, log_path, additional_config=policy_config(policy), env=env,
-        extra_args=list(extra_args), timeout=300,
-    )  # fmt: skip
-
-
-def get_json(base_url: str, path: str) -> dict:
-    with urllib.request.urlopen(f"{base_url}{path}", timeout=30) as resp:
-        return json.load(resp)
-
-
-def first_turns(base_url: str, system: str, users: list[str], salt: str) -> list[tuple[int, int | None]]:
-    """(prompt tokens, cached tokens) of each conversation's first turn, one after the other."""
-    results = []
-    for user in users:
-        out = chat(base_url, [{"role": "system", "content": system}, {"role": "user", "content": user}],
-                   max_tokens=4, cache_salt=salt)  # fmt: skip
-        results.append((out.prompt_tokens, out.cached_tokens))
-    return results
+    return tiny_server(tiny_model_dir, tmp_path_factory, f"server_instruction_{policy}",
+                       additional_config=policy_config(policy), env=env, extra_args=extra_args)  # fmt: skip
 
 
 def test_chat_conversations_restore_at_the_shared_system_prompt(tiny_model_dir, tmp_path_factory, plugin_env):

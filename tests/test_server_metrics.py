@@ -14,27 +14,19 @@ from pathlib import Path
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from prompts import token_ids
+from servers import server_fixture
 
 from boundary_checkpoints.bench.client import complete
-from boundary_checkpoints.bench.server import RunningServer, policy_config
+from boundary_checkpoints.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
 MODEL_NAME = "tiny-metrics"
 MAX_TOKENS = 16
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("metrics")
-    with RunningServer(
-        tiny_model_dir,
-        root / "server.log",
-        additional_config=policy_config("request_boundaries"),
-        served_model_name=MODEL_NAME,
-        timeout=300,
-    ) as running:
-        yield running
+server = server_fixture("server_metrics", additional_config=policy_config("request_boundaries"),
+                        served_model_name=MODEL_NAME)  # fmt: skip
 
 
 def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
@@ -51,19 +43,16 @@ def value(metrics, name: str, **labels) -> float | None:
     return metrics.get((name, tuple(sorted(labels.items()))))
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 1024) for _ in range(n)]
-
-
 def test_metrics_count_hits_by_kind_misses_by_reason_and_restored_tokens(server):
     rng = random.Random(7)
-    prompt = _ids(rng, 600)
+    prompt = token_ids(rng, 600)
     args = {"max_tokens": MAX_TOKENS, "cache_salt": "metrics", "model": MODEL_NAME}
     first = complete(server.base_url, prompt, **args)  # no_checkpoint miss: nothing retained yet
     resend = complete(server.base_url, prompt, **args)  # prompt-kind hit at P - 1
-    continuation = complete(server.base_url, prompt + first.token_ids + _ids(rng, 40), **args)  # response kind
-    unrelated = complete(server.base_url, _ids(random.Random(8), 500), max_tokens=MAX_TOKENS, cache_salt="other",
-                         model=MODEL_NAME)
+    continuation = complete(server.base_url, prompt + first.token_ids + token_ids(rng, 40), **args)  # response kind
+    unrelated = complete(
+        server.base_url, token_ids(random.Random(8), 500), max_tokens=MAX_TOKENS, cache_salt="other", model=MODEL_NAME
+    )
     responses = [first, resend, continuation, unrelated]
     assert resend.cached_tokens == 599
     assert continuation.cached_tokens == 600 + MAX_TOKENS - 1

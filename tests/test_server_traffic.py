@@ -29,58 +29,34 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from prompts import word_ids
+from prompts import words as _words  # the tests name their answer texts' words ``words``
+from servers import cached_tokens, new_salt, server_fixture
 
 from boundary_checkpoints.bench.client import build_request, complete, complete_json, iter_sse_events
-from boundary_checkpoints.bench.server import RunningServer, is_healthy
+from boundary_checkpoints.bench.server import is_healthy
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 256  # the CPU engine's block for the tiny model
-FIRST_WORD_ID = 8  # ids 8..1023 are the words w8..w1023 of the tiny word-level tokenizer
-VOCAB = 1024
 CONFIG = {"boundary_checkpoints": {"policy": "request_boundaries", "stats_log_interval_s": 1}}
 MAX_MODEL_LEN = 40_960  # the tiny model's max_position_embeddings: room for 300 + ABORTED_MAX_TOKENS
 STATS_RE = re.compile(r"boundary_checkpoints: (hits=\d+.*)$")
 RESET_RE = re.compile(r"prefix cache reset dropped (\d+) checkpoints and (\d+) pending captures")
 
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("server") / "server_traffic.log"
-    with RunningServer(
-        tiny_model_dir,
-        log_path,
-        additional_config=CONFIG,
-        env={"VLLM_SERVER_DEV_MODE": "1"},
-        # "Added request" lines (see _send_together); room for ABORTED_MAX_TOKENS
-        extra_args=["--enable-log-requests", "--max-model-len", str(MAX_MODEL_LEN)],
-        timeout=300,
-    ) as running:
-        yield running
+server = server_fixture(
+    "server_traffic",
+    additional_config=CONFIG,
+    env={"VLLM_SERVER_DEV_MODE": "1"},
+    # "Added request" lines (see _send_together); room for ABORTED_MAX_TOKENS
+    extra_args=["--enable-log-requests", "--max-model-len", str(MAX_MODEL_LEN)],
+)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-
-
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(FIRST_WORD_ID, VOCAB) for _ in range(n)]
-
-
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{t}" for t in _ids(rng, n))
-
-
-def _salt() -> str:
-    return uuid.uuid4().hex
-
-
-def _cached(payload: dict) -> int:
-    return payload["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def _choices(payload: dict) -> list[dict]:
@@ -124,7 +100,7 @@ def _wait_for_counter(server, name: str, minimum: int, rng: random.Random) -> di
     the line is logged), or after 60 s; the caller asserts."""
     deadline = time.monotonic() + 60
     while _last_stats(server).get(name, 0) < minimum and time.monotonic() < deadline:
-        complete(server.base_url, _ids(rng, 20), cache_salt=_salt(), max_tokens=2)
+        complete(server.base_url, word_ids(rng, 20), cache_salt=new_salt(), max_tokens=2)
         time.sleep(0.5)
     return _last_stats(server)
 
@@ -213,7 +189,7 @@ def _start_long_requests(
     They stream the first token at once and then every ``LONG_STREAM_INTERVAL`` tokens (the
     request's ``stream_interval``), which keeps the frontend's work per engine step small, so that
     control calls are not held up behind the streams."""
-    requests = [StreamingRequest(base_url, _ids(rng, 300), max_tokens=max_tokens, cache_salt=_salt(),
+    requests = [StreamingRequest(base_url, word_ids(rng, 300), max_tokens=max_tokens, cache_salt=new_salt(),
                                  stream_interval=LONG_STREAM_INTERVAL)
                 for _ in range(count)]  # fmt: skip
     for r in requests:
@@ -261,7 +237,7 @@ def _join(requests: list[StreamingRequest]) -> None:
 
 def _retained_prompt(base_url: str, rng: random.Random) -> tuple[list[int], str]:
     """A prompt whose P - 1 checkpoint is retained right now (its resend hit it)."""
-    prompt, salt = _ids(rng, 300), _salt()
+    prompt, salt = word_ids(rng, 300), new_salt()
     assert complete(base_url, prompt, cache_salt=salt, max_tokens=2).cached_tokens == 0
     assert complete(base_url, prompt, cache_salt=salt, max_tokens=2).cached_tokens == len(prompt) - 1
     return prompt, salt
@@ -307,8 +283,8 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     """
     base = server.base_url
     rng = random.Random(1000 + early_child)
-    turn1 = _ids(rng, 300)
-    new2 = _ids(rng, 40)
+    turn1 = word_ids(rng, 300)
+    new2 = word_ids(rng, 40)
     branch_kwargs = dict(n=2, temperature=1.0, max_tokens=12)
 
     def conversation(salt: str, **turn2_kwargs) -> tuple[list[int], list[int], dict]:
@@ -318,7 +294,7 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
 
     # Probe under its own salt: the two seeded answers, and a stop token for the early child.
     for seed in range(7, 40):
-        _, _, probe = conversation(_salt(), seed=seed)
+        _, _, probe = conversation(new_salt(), seed=seed)
         answers = [c["token_ids"] for c in _choices(probe)]
         stop_at = _pick_stop(answers[early_child], answers[1 - early_child])
         if answers[0] != answers[1] and stop_at is not None:
@@ -327,14 +303,14 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
         pytest.fail("no seed gave two different answers with a usable stop token")
     stop_token = answers[early_child][stop_at]
 
-    salt = _salt()
+    salt = new_salt()
     answer1, turn2, payload = conversation(salt, seed=seed, stop_token_ids=[stop_token])
     # Turn 2 resumed from turn 1's response. vLLM hands the engine the n = 2 children as two
     # requests; one admitted a step after its sibling restores the sibling's prompt checkpoint
     # (P2 - 1), which in-step capture makes restorable as soon as the sibling's step is scheduled.
     # (Siblings admitted together, the case of the lineage fix, are checked on vLLM's scheduler by
     # test_scheduler_real_traffic.py::test_every_live_branch_keeps_its_latest_turn in both modes.)
-    assert _cached(payload) in (len(turn1) + len(answer1) - 1, len(turn2) - 1)
+    assert cached_tokens(payload) in (len(turn1) + len(answer1) - 1, len(turn2) - 1)
     choices = _choices(payload)
     assert len(choices) == 2
     early, late = choices[early_child], choices[1 - early_child]
@@ -348,19 +324,19 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     # Each branch's next turn, one after the other.
     turn3s = []
     for branch in branches:
-        turn3 = turn2 + branch + _ids(rng, 30)
+        turn3 = turn2 + branch + word_ids(rng, 30)
         reply = complete(base, turn3, cache_salt=salt, max_tokens=8)
         assert reply.cached_tokens == len(turn2) + len(branch) - 1
         turn3s.append((turn3, reply.token_ids))
 
     # Two edits of branch 0's turn 3, in flight together; each continues on its own.
     turn3, answer3 = turn3s[0]
-    edits = [turn3 + answer3 + _ids(rng, 20) for _ in range(2)]
+    edits = [turn3 + answer3 + word_ids(rng, 20) for _ in range(2)]
     replies = _send_together(server, [dict(prompt_ids=p, cache_salt=salt, max_tokens=8) for p in edits])
     for reply in replies:
         assert reply.cached_tokens == len(turn3) + len(answer3) - 1
     for edit, reply in zip(edits, replies):
-        nxt = complete(base, edit + reply.token_ids + _ids(rng, 10), cache_salt=salt, max_tokens=4)
+        nxt = complete(base, edit + reply.token_ids + word_ids(rng, 10), cache_salt=salt, max_tokens=4)
         assert nxt.cached_tokens == len(edit) + len(reply.token_ids) - 1
     print(
         f"[branches early_child={early_child}] seed={seed} stop at index {stop_at}; "
@@ -378,18 +354,18 @@ def test_stop_token_answer_keeps_its_response_boundary(server):
     exactly at P + len(answer) - 1."""
     base = server.base_url
     rng = random.Random(2000)
-    prompt = _ids(rng, 300)
-    probe = complete(base, prompt, cache_salt=_salt(), max_tokens=12)
+    prompt = word_ids(rng, 300)
+    probe = complete(base, prompt, cache_salt=new_salt(), max_tokens=12)
     stop_at = next(i for i in range(3, len(probe.token_ids)) if probe.token_ids[i] not in probe.token_ids[:i])
     stop_token = probe.token_ids[stop_at]
 
-    salt = _salt()
+    salt = new_salt()
     answer = complete(base, prompt, cache_salt=salt, max_tokens=12, stop_token_ids=[stop_token])
     assert answer.cached_tokens == 0
     assert answer.token_ids == probe.token_ids[: stop_at + 1]  # ends at (and includes) the stop token
     assert (answer.finish_reason, answer.stop_reason) == ("stop", stop_token)
 
-    nxt = complete(base, prompt + answer.token_ids + _ids(rng, 30), cache_salt=salt, max_tokens=4)
+    nxt = complete(base, prompt + answer.token_ids + word_ids(rng, 30), cache_salt=salt, max_tokens=4)
     assert nxt.cached_tokens == len(prompt) + len(answer.token_ids) - 1
     print(f"[stop token] index {stop_at}, answer {len(answer.token_ids)} tokens, next turn cached={nxt.cached_tokens}")
 
@@ -411,7 +387,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     rng = random.Random(3000)
     for _ in range(20):  # a prompt whose greedy answer is plain words with a clean stop word at 3
         prompt = _words(rng, 300)
-        probe = complete_json(base, prompt, cache_salt=_salt(), max_tokens=12)["choices"][0]
+        probe = complete_json(base, prompt, cache_salt=new_salt(), max_tokens=12)["choices"][0]
         words = probe["text"].split()
         if len(words) != len(probe["token_ids"]) or len(words) < 4:
             continue
@@ -422,12 +398,12 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
         pytest.fail("no prompt gave a plain-word greedy answer with a clean stop word at index 3")
     stop_word = words[3]
 
-    salt = _salt()
+    salt = new_salt()
     # The engine is still generating when the frontend's abort arrives.
     payload = complete_json(base, prompt, cache_salt=salt, max_tokens=ABORTED_MAX_TOKENS, stop=[stop_word])
     choice = payload["choices"][0]
     num_prompt = len(choice["prompt_token_ids"])
-    assert num_prompt == 300 and _cached(payload) == 0
+    assert num_prompt == 300 and cached_tokens(payload) == 0
     assert choice["text"].split() == words[:3]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop_word)
 
@@ -435,8 +411,8 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     nxt = complete_json(base, nxt_prompt, cache_salt=salt, max_tokens=4)
     assert len(nxt["choices"][0]["prompt_token_ids"]) == num_prompt + 3 + 20
     response_boundary = num_prompt + 3  # where a kept response checkpoint would have restored
-    assert _cached(nxt) == num_prompt - 1  # the prompt checkpoint, not the response boundary
-    cost = response_boundary - _cached(nxt)
+    assert cached_tokens(nxt) == num_prompt - 1  # the prompt checkpoint, not the response boundary
+    cost = response_boundary - cached_tokens(nxt)
     assert cost == 4
 
     # The plugin counted the aborted response (counters line, logged every second while busy).
@@ -444,7 +420,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     assert stats.get("responses_aborted", 0) >= 1, stats
     print(
         f"[stop string] stop word {stop_word!r}; answer tokens returned {len(choice['token_ids'])}; "
-        f"next turn P={num_prompt + 23} cached={_cached(nxt)} response boundary={response_boundary} "
+        f"next turn P={num_prompt + 23} cached={cached_tokens(nxt)} response boundary={response_boundary} "
         f"cost={cost}; counters: {stats}"
     )
 
@@ -473,7 +449,7 @@ def test_reset_prefix_cache_while_requests_run(server):
         churn_rng = random.Random(4001)
         while not stop_churn.is_set():
             try:
-                complete(base, _ids(churn_rng, 40), cache_salt=_salt(), max_tokens=2)
+                complete(base, word_ids(churn_rng, 40), cache_salt=new_salt(), max_tokens=2)
             except Exception as err:  # noqa: BLE001
                 churn_errors.append(repr(err))
 

@@ -209,7 +209,7 @@ class CaptureMixin:
         if adopt:
             destinations = tuple(plan.sources)  # the bundle's own reference on each source
         else:
-            shared = {b.block_id for group in (*plan.shared, *grid) for b in group if not b.is_null}
+            shared = {b.block_id for group in plan.shared for b in group if not b.is_null}
             refusal = self.checkpoint_store.refusal(shared, len(sources), kind in LASTING_KINDS)
             if refusal is not None:  # refused before it takes blocks from vLLM's free queue
                 counters = self.checkpoint_store.counters

@@ -23,7 +23,9 @@ Contract
   counted as ``refused_protected``). *Lasting* bundles (kind :data:`INSTRUCTION`: a shared
   system prompt, restored by many conversations) come after every other bundle in eviction order
   (budget and pressure alike), least recently used first among themselves. The retained budget
-  counts distinct blocks. A newcomer that alone exceeds the budget is refused without evicting
+  counts the distinct blocks of the bundles' groups; a bundle's grid blocks (vLLM's own block-grid
+  hit below its boundary, :attr:`Checkpoint.grid_blocks`) are held and released with it but not
+  counted, since stock's cache would hold them as well. A newcomer that alone exceeds the budget is refused without evicting
   anything; otherwise bundles go in eviction order until the budget holds (the newcomer itself
   only once every other bundle left is lasting and it is not). Pressure relief
   (:meth:`evict_to_free`) evicts only bundles that give at least one block back to the pool
@@ -94,6 +96,16 @@ class Checkpoint:
         """True unless the bundle's draft rows depend on a token ``N`` that ``tokens`` lack."""
         end = self.num_tokens
         return self.next_token is None or (end < len(tokens) and tokens[end] == self.next_token)
+
+    def budget_blocks(self) -> list[BlockLike]:
+        """The blocks the retained budget counts: every non-null block of the groups once (the grid
+        blocks are vLLM's own cache, held with the bundle but not counted)."""
+        seen: dict[int, BlockLike] = {}
+        for blocks in self.group_blocks:
+            for block in blocks:
+                if not block.is_null:
+                    seen.setdefault(block.block_id, block)
+        return list(seen.values())
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
@@ -193,6 +205,7 @@ class CheckpointStore:
             raise ValueError("max_blocks must be >= 0")
         self._by_parent: dict[tuple[Hashable, int], dict[tuple[int, ...], Checkpoint]] = {}
         self._block_users: dict[int, int] = {}  # retained block id -> bundles holding it
+        self._budget_users: dict[int, int] = {}  # the same for the blocks the budget counts
         self._blocks: dict[int, tuple[BlockLike, int]] = {}  # retained block id -> (block, bytes)
         self._bytes = 0  # sum of the retained blocks' bytes (read every engine step)
         self._count = 0  # retained bundles
@@ -206,7 +219,8 @@ class CheckpointStore:
 
     @property
     def retained_blocks(self) -> int:
-        return len(self._block_users)
+        """Blocks the retained budget counts (:meth:`Checkpoint.budget_blocks`)."""
+        return len(self._budget_users)
 
     @property
     def retained_bytes(self) -> int:
@@ -300,6 +314,8 @@ class CheckpointStore:
             if block_id not in self._blocks:
                 self._bytes += sized[1]
             self._blocks[block_id] = sized
+        for block in checkpoint.budget_blocks():
+            self._budget_users[block.block_id] = self._budget_users.get(block.block_id, 0) + 1
         self.policy.add(checkpoint)
         self.counters.published += 1
         self._enforce_budget(keep=checkpoint)
@@ -359,7 +375,7 @@ class CheckpointStore:
         decides only whether a capture is taken, never what a restore reads."""
         if len(block_ids) + num_private > self.max_blocks:
             return "oversize"
-        excess = self.retained_blocks + num_private + len(block_ids - self._block_users.keys()) - self.max_blocks
+        excess = self.retained_blocks + num_private + len(block_ids - self._budget_users.keys()) - self.max_blocks
         released: dict[int, int] = {}
         for victim in self.policy.in_order():
             if excess <= 0:
@@ -368,10 +384,10 @@ class CheckpointStore:
                 return None  # only lasting bundles left: publication decides (it may evict the newcomer)
             if self._protected_from(victim, lasting, publications_ahead=1):
                 return "protected"  # as at the newcomer's publication, which advances the clock
-            for block in victim.distinct_blocks():
+            for block in victim.budget_blocks():
                 block_id = block.block_id
                 released[block_id] = released.get(block_id, 0) + 1
-                if released[block_id] == self._block_users[block_id] and block_id not in block_ids:
+                if released[block_id] == self._budget_users[block_id] and block_id not in block_ids:
                     excess -= 1
         return None if excess <= 0 else "protected"
 
@@ -445,7 +461,7 @@ class CheckpointStore:
 
     # ---- internals -----------------------------------------------------------------------
     def _enforce_budget(self, keep: Checkpoint) -> None:
-        if len(keep.distinct_blocks()) > self.max_blocks:
+        if len(keep.budget_blocks()) > self.max_blocks:
             # The newcomer alone exceeds the budget: refuse it, keep everything older.
             self._drop(keep)
             self.counters.refused_oversize += 1
@@ -495,6 +511,12 @@ class CheckpointStore:
         if not tails:
             del self._by_parent[(key.parent, key.start)]
         self.policy.remove(checkpoint)
+        for block in checkpoint.budget_blocks():
+            users = self._budget_users[block.block_id] - 1
+            if users:
+                self._budget_users[block.block_id] = users
+            else:
+                del self._budget_users[block.block_id]
         blocks = checkpoint.distinct_blocks()
         for block in blocks:
             users = self._block_users[block.block_id] - 1

@@ -1,4 +1,5 @@
-"""BoundaryConfig parsing and the policy gate, on SimpleNamespace fakes of VllmConfig."""
+"""The policy gate (``gate.py``) on SimpleNamespace fakes of VllmConfig, its log line, and the
+plugin applying it (``plugin.apply_policy``)."""
 
 from __future__ import annotations
 
@@ -8,176 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from boundary_checkpoints import config as bc_config
-from boundary_checkpoints.config import (
-    CONFIG_KEY,
-    ENV_POLICY,
-    POLICIES,
-    BoundaryConfig,
-    BoundaryConfigError,
+from boundary_checkpoints import gate as bc_gate
+from boundary_checkpoints.gate import (
     GateDecision,
     decide_policy,
     log_decision_once,
     unsupported_reasons,
 )
-
-NO_ENV: dict[str, str] = {}
-
-
-def parse(section, env=NO_ENV) -> BoundaryConfig:
-    return BoundaryConfig.from_additional_config({CONFIG_KEY: section}, env=env)
-
-
-# --------------------------------------------------------------------------------------------------
-# Parsing
-# --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("additional_config", [None, {}, {"other_plugin": {"x": 1}}, {CONFIG_KEY: {}}])
-def test_defaults(additional_config):
-    cfg = BoundaryConfig.from_additional_config(additional_config, env=NO_ENV)
-    assert cfg == BoundaryConfig()
-    assert (cfg.policy, cfg.max_retained_fraction, cfg.stats_log_interval_s) == ("auto", 0.25, 30.0)
-    assert cfg.prompt_checkpoints is True
-    assert cfg.prompt_checkpoint_min_tokens == 0
-    assert cfg.prompt_capture == "auto"
-
-
-def test_public_constants():
-    assert POLICIES == ("auto", "aligned", "request_boundaries")
-    assert CONFIG_KEY == "boundary_checkpoints"
-    assert ENV_POLICY == "VLLM_BOUNDARY_CHECKPOINTS_POLICY"
-    assert issubclass(BoundaryConfigError, ValueError)
-
-
-def test_all_fields_parsed():
-    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0,
-                 "prompt_checkpoints": False, "prompt_checkpoint_min_tokens": 512, "prompt_capture": "stop"})
-    assert cfg.prompt_checkpoints is False
-    assert cfg.prompt_capture == "stop"
-    assert cfg.prompt_checkpoint_min_tokens == 512
-    assert cfg.policy == "request_boundaries"
-    assert cfg.max_retained_fraction == 1.0 and isinstance(cfg.max_retained_fraction, float)
-    assert cfg.stats_log_interval_s == 0.0 and isinstance(cfg.stats_log_interval_s, float)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_accepted(policy):
-    assert parse({"policy": policy}).policy == policy
-
-
-BAD_VALUES = [
-    ("policy", "fast", "auto, aligned, request_boundaries"),
-    ("policy", "AUTO", "auto, aligned, request_boundaries"),
-    ("policy", 1, "auto, aligned, request_boundaries"),
-    ("policy", None, "auto, aligned, request_boundaries"),
-    ("max_retained_fraction", 0, "(0, 1]"),
-    ("max_retained_fraction", 0.0, "(0, 1]"),
-    ("max_retained_fraction", -0.1, "(0, 1]"),
-    ("max_retained_fraction", 1.5, "(0, 1]"),
-    ("max_retained_fraction", float("nan"), "(0, 1]"),
-    ("max_retained_fraction", True, "(0, 1]"),
-    ("max_retained_fraction", "0.5", "(0, 1]"),
-    ("max_retained_fraction", None, "(0, 1]"),
-    ("stats_log_interval_s", -1, ">= 0"),
-    ("stats_log_interval_s", float("inf"), ">= 0"),
-    ("stats_log_interval_s", False, ">= 0"),
-    ("stats_log_interval_s", "30", ">= 0"),
-    ("stats_log_interval_s", [30], ">= 0"),
-    ("prompt_checkpoints", 1, "true or false"),
-    ("prompt_checkpoints", "false", "true or false"),
-    ("prompt_checkpoints", None, "true or false"),
-    ("prompt_checkpoint_min_tokens", -1, "integer >= 0"),
-    ("prompt_checkpoint_min_tokens", 1.5, "integer >= 0"),
-    ("prompt_checkpoint_min_tokens", True, "integer >= 0"),
-    ("prompt_checkpoint_min_tokens", "512", "integer >= 0"),
-    ("prompt_capture", "always", "auto, in_step, stop"),
-    ("prompt_capture", True, "auto, in_step, stop"),
-    ("prompt_capture", None, "auto, in_step, stop"),
-]
-
-
-@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES)
-def test_bad_value_names_key_and_allowed(key, value, allowed):
-    with pytest.raises(BoundaryConfigError) as info:
-        parse({key: value})
-    message = str(info.value)
-    assert f"boundary_checkpoints.{key}" in message
-    assert allowed in message
-
-
-@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES)
-def test_direct_construction_validates_too(key, value, allowed):
-    with pytest.raises(BoundaryConfigError, match=rf"boundary_checkpoints\.{key}"):
-        BoundaryConfig(**{key: value})
-
-
-def test_unknown_key_names_key_and_lists_allowed():
-    with pytest.raises(BoundaryConfigError) as info:
-        parse({"policy": "auto", "max_retained_fractoin": 0.5})
-    message = str(info.value)
-    assert "boundary_checkpoints.max_retained_fractoin" in message
-    for key in ("policy", "max_retained_fraction", "stats_log_interval_s"):
-        assert key in message
-
-
-@pytest.mark.parametrize("section", ["auto", ["policy"], 3, True])
-def test_non_dict_section_rejected(section):
-    with pytest.raises(BoundaryConfigError, match="boundary_checkpoints must be a dict"):
-        parse(section)
-
-
-def test_non_dict_additional_config_rejected():
-    with pytest.raises(BoundaryConfigError, match="additional_config must be a dict"):
-        BoundaryConfig.from_additional_config("boundary_checkpoints", env=NO_ENV)
-
-
-def test_config_is_frozen():
-    cfg = BoundaryConfig()
-    with pytest.raises(AttributeError):
-        cfg.policy = "aligned"  # type: ignore[misc]
-
-
-# --------------------------------------------------------------------------------------------------
-# Environment override
-# --------------------------------------------------------------------------------------------------
-
-
-def test_env_overrides_section_policy():
-    env = {ENV_POLICY: "aligned"}
-    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 0.5}, env=env)
-    assert cfg.policy == "aligned"
-    assert cfg.max_retained_fraction == 0.5
-
-
-def test_env_applies_without_section():
-    assert BoundaryConfig.from_additional_config(None, env={ENV_POLICY: "request_boundaries"}).policy == (
-        "request_boundaries"
-    )
-
-
-def test_empty_env_is_ignored():
-    assert parse({"policy": "aligned"}, env={ENV_POLICY: ""}).policy == "aligned"
-
-
-@pytest.mark.parametrize("value", ["bogus", "Aligned", " auto"])
-def test_bad_env_value_names_env_var(value):
-    with pytest.raises(BoundaryConfigError) as info:
-        parse({"policy": "auto"}, env={ENV_POLICY: value})
-    message = str(info.value)
-    assert ENV_POLICY in message
-    assert "auto, aligned, request_boundaries" in message
-
-
-def test_env_defaults_to_os_environ(monkeypatch):
-    monkeypatch.setenv(ENV_POLICY, "aligned")
-    assert BoundaryConfig.from_additional_config(None).policy == "aligned"
-    monkeypatch.setenv(ENV_POLICY, "nope")
-    with pytest.raises(BoundaryConfigError, match=ENV_POLICY):
-        BoundaryConfig.from_additional_config(None)
-    monkeypatch.delenv(ENV_POLICY)
-    assert BoundaryConfig.from_additional_config(None).policy == "auto"
-
+from boundary_checkpoints.settings import CONFIG_KEY, BoundaryConfig, BoundaryConfigError
+from boundary_checkpoints.wiring import extends_boundary_scheduler
 
 # --------------------------------------------------------------------------------------------------
 # The gate
@@ -377,7 +217,7 @@ def test_summary_stays_one_line_for_multiline_reasons():
 
 @pytest.fixture
 def fresh_log_memory(monkeypatch):
-    monkeypatch.setattr(bc_config, "_logged_summaries", set())
+    monkeypatch.setattr(bc_gate, "_logged_summaries", set())
 
 
 class RecordingLogger:
@@ -485,7 +325,7 @@ def test_a_custom_scheduler_extending_the_mixin_is_kept():
     plugin.apply_policy(cfg)
     assert cfg.scheduler_config.scheduler_cls is Custom
     assert cfg.parallel_config.worker_cls == "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
-    assert bc_config.extends_boundary_scheduler(f"{BoundaryScheduler.__module__}.BoundaryScheduler")
+    assert extends_boundary_scheduler(f"{BoundaryScheduler.__module__}.BoundaryScheduler")
     foreign = supported_fake(scheduler_config=SimpleNamespace(scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler"))
     assert any("custom scheduler class" in r for r in unsupported_reasons(foreign))
     assert any("custom scheduler class" in r for r in unsupported_reasons(supported_fake(
@@ -736,3 +576,43 @@ def test_the_indexer_predicate_reads_vllms_own_split_rule():
 
     assert indexer_requires_uniform_decode_rows(1, False) is True
     assert indexer_requires_uniform_decode_rows(3, False) is False
+
+
+# --------------------------------------------------------------------------------------------------
+# The layout gate (what the scheduler learns once the KV cache exists)
+# --------------------------------------------------------------------------------------------------
+
+PLUGIN_WORKER = "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
+
+
+def test_layout_without_reasons_runs_under_every_policy():
+    for policy in ("auto", "request_boundaries"):
+        assert bc_gate.decide_layout(
+            BoundaryConfig(policy=policy), [], block_aligned=True, worker_cls=PLUGIN_WORKER, logger=RecordingLogger()
+        )
+
+
+def test_layout_reasons_come_in_order_after_the_described_ones():
+    assert bc_gate.layout_reasons(["a group"], block_aligned=False, worker_cls="x.Worker") == [
+        "a group",
+        "recurrent state is not kept block-aligned by this scheduler",
+        "worker class x.Worker does not apply capture copies",
+    ]
+    assert bc_gate.layout_reasons([], block_aligned=True, worker_cls=PLUGIN_WORKER) == []
+
+
+def test_an_unsupported_layout_falls_back_under_auto_and_is_refused_under_request_boundaries():
+    logger = RecordingLogger()
+    assert not bc_gate.decide_layout(
+        BoundaryConfig(policy="auto"), ["a group"], block_aligned=True, worker_cls=PLUGIN_WORKER, logger=logger
+    )
+    assert logger.calls == [
+        ("warning", "boundary_checkpoints: KV cache layout not supported: a group -> falling back to aligned retention")
+    ]
+    with pytest.raises(BoundaryConfigError) as info:
+        bc_gate.decide_layout(
+            BoundaryConfig(policy="request_boundaries"), [], block_aligned=True, worker_cls="x.Worker", logger=logger
+        )
+    assert str(info.value) == (
+        "boundary_checkpoints: KV cache layout not supported: worker class x.Worker does not apply capture copies"
+    )
