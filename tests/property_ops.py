@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from prompts import common_prefix  # noqa: F401 (re-exported: the property tests import it from here)
 from shadow_engine import EMPTY_STATE, advance, sample
 
 
@@ -34,15 +35,6 @@ def pick_tracked(tracked: list, which: int):
     """The earlier request an operation's ``which`` picks (modulo how many there are), or None
     when there is none yet (a stream's first prompts may all have been too long for its pool)."""
     return tracked[which % len(tracked)] if tracked else None
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

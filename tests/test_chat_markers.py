@@ -10,6 +10,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from prompts import words
 
 from boundary_checkpoints.core.chat_markers import chat_markers_for, learn_markers
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
@@ -49,13 +50,6 @@ NO_MARKERS = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }}\n{% endf
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
-
-@pytest.fixture(scope="module")
 def bpe_tokenizer():
     """A small byte-level BPE tokenizer with Qwen's pre-tokenizer split and ChatML specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -81,10 +75,6 @@ def bpe_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
     tokenizer.chat_template = QWEN3_STYLE
     return tokenizer
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(f"w{rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE)}" for _ in range(n))
 
 
 def prose(rng: random.Random, n: int) -> str:

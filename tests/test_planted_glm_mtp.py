@@ -42,13 +42,6 @@ def dirs(tmp_path_factory):
             "planted": tm.make_tiny_model(root / "planted", family=FAMILY)}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def weights(dirs):
-    from safetensors.torch import load_file
-
-    return {name: load_file(str(path / "model.safetensors")) for name, path in dirs.items()}
-
-
 def rms_norm(x, weight, eps=1e-5):
     """vLLM's ``RMSNorm`` (GLM's ``rms_norm_eps`` 1e-5): scales by ``weight``."""
     import torch

@@ -27,13 +27,6 @@ def dirs(tmp_path_factory):
     return {"base": tm.make_tiny_model(root / "base"), "planted": tm.make_tiny_model(root / "planted", family=FAMILY)}
 
 
-@pytest.fixture(scope="module")
-def weights(dirs):
-    from safetensors.torch import load_file
-
-    return {name: load_file(str(path / "model.safetensors")) for name, path in dirs.items()}
-
-
 def rms_norm(x, weight, eps=1e-6):
     """Qwen3-Next's RMSNorm: scales by ``1 + weight``."""
     import torch

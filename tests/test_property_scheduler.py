@@ -62,6 +62,8 @@ from property_ops import (
 )
 from shadow_engine import Driver, build_scheduler, make_request
 
+pytestmark = pytest.mark.usefixtures("quiet_vllm")  # conftest: vLLM's INFO lines off
+
 BLOCK = 16
 SALTS = (None, "a", "b")
 MAX_PROMPT = 240  # a continuation chain stops growing here, so one request always fits the pool
@@ -342,15 +344,6 @@ class Stream:
 
 
 # ---- the tests --------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def quiet_vllm(monkeypatch):
-    """vLLM logs every scheduler it builds at INFO; hundreds of examples would drown the output.
-
-    Every ``VllmConfig`` re-applies vLLM's logging configuration from the environment.
-    """
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def test_reference_output_honours_stops_and_max_tokens():
     prompt = random_tokens(0, 20)
     full = reference_output(prompt, 10)

@@ -66,6 +66,8 @@ from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.keys import make_key, root_discriminator
 from boundary_checkpoints.core.scheduler import BoundaryScheduler
 
+pytestmark = pytest.mark.usefixtures("quiet_vllm")  # conftest: vLLM's INFO lines off
+
 BLOCK = 16
 SALTS = (None, "a")
 SEED = int(os.environ.get("BC_PROPERTY_SEED", "20261201"))  # another seed explores other examples
@@ -429,11 +431,6 @@ def play_conversation(model_dir, k, script, ops, scheduler_cls=None, exact: bool
 
 
 # ---- the tests --------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def quiet_vllm(monkeypatch):
-    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 SETTINGS = dict(
     deadline=None,
     database=None,

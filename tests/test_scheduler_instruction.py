@@ -12,21 +12,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, make_request, write_model_dir
+from shadow_engine import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 from boundary_checkpoints.core.store import INSTRUCTION
 
 SYSTEM = 37  # not a multiple of the 16-token block: stock retention keeps 32 of it
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 1000) for _ in range(n)]
 
 
 def with_instruction(prompt: list[int], n: object, **kwargs):
