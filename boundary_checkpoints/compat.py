@@ -245,6 +245,21 @@ def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
     return list(rows[index])
 
 
+def single_type_managers(kv_cache_manager) -> list:
+    """The per-KV-group managers of vLLM's coordinator, in group order."""
+    return list(kv_cache_manager.coordinator.single_type_managers)
+
+
+def request_blocks(kv_cache_manager, request_id: str) -> list[list]:
+    """Per KV group, the blocks vLLM's manager holds for ``request_id`` (``req_to_blocks``)."""
+    return [manager.req_to_blocks.get(request_id, []) for manager in single_type_managers(kv_cache_manager)]
+
+
+def watermark_blocks(kv_cache_manager) -> int:
+    """The free blocks vLLM keeps back when it admits a waiting request."""
+    return kv_cache_manager.watermark_blocks
+
+
 def block_grid_hit(kv_cache_manager, block_hashes, max_tokens: int) -> tuple[tuple[list, ...], int]:
     """The hit vLLM's own prefix cache gives a prompt with ``block_hashes`` of at most ``max_tokens``
     tokens, without taking it: ``(blocks per KV group, hit length)`` from the coordinator's

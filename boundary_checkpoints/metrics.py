@@ -29,18 +29,22 @@ so a delta is counted once wherever it lands. The metrics are registered in
 ``log_engine_initialized`` because vLLM's Prometheus logger, built after this one, unregisters
 every collector whose name starts with ``vllm:``.
 
-Metric names: see :data:`COUNTER_HELP`, :data:`GAUGE_HELP` (and README "Metrics").
+Metric names: see :data:`COUNTER_HELP`, :data:`GAUGE_HELP` (and README "Metrics"), built from the
+fields of ``StoreCounters`` and ``ReportedGauges`` (``core/store.py``), where each series' name and
+help text are kept; label values are ``core/kinds.py``'s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, fields
 from typing import Any
 
 from vllm.logger import init_logger
 
 from boundary_checkpoints.compat import AggregateStatLoggerBase
+from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
+from boundary_checkpoints.core.store import ReportedGauges, StoreCounters
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -49,72 +53,50 @@ STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"
 CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
 PAYLOAD_PREFIX = "boundary_checkpoints:"
 
-# Values sent as they are (gauges); every other counter travels as a delta.
-GAUGE_KEYS = ("checkpoints_retained", "blocks_retained", "bytes_retained", "captures_pending")
+# ---- the tables, built from the fields of StoreCounters and ReportedGauges (core/store.py) ---------
+METRIC_PREFIX = "vllm:boundary_checkpoint_"
 
-HITS = "vllm:boundary_checkpoint_hits"
-MISSES = "vllm:boundary_checkpoint_misses"
-EVICTIONS = "vllm:boundary_checkpoint_evictions"
 
+def _metric(spec: Field) -> str:
+    return spec.metadata["metric"] or METRIC_PREFIX + spec.name
+
+
+_EXPORTED = {spec.name: spec for spec in fields(StoreCounters) if "help" in spec.metadata}
+_LABEL_PARTS = [spec for spec in fields(StoreCounters) if "of" in spec.metadata]
+
+# Prometheus counter -> (help, its label names after model_name and engine).
 COUNTER_HELP: dict[str, tuple[str, tuple[str, ...]]] = {
-    HITS: ("Lookups that restored a boundary checkpoint, by the checkpoint's kind.", ("kind",)),
-    MISSES: ("Eligible lookups that restored no boundary checkpoint, by reason.", ("reason",)),
-    "vllm:boundary_checkpoint_restored_tokens": ("Prompt tokens restored from boundary checkpoints.", ()),
-    EVICTIONS: ("Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: "
-                "an allocation did not fit).", ("cause",)),
-    "vllm:boundary_checkpoint_refused_oversize": ("Checkpoints not retained: alone larger than the budget.", ()),
-    "vllm:boundary_checkpoint_refused_protected": ("Checkpoints not retained: the bundle they would evict is "
-                                                   "likely reused sooner.", ()),
-    "vllm:boundary_checkpoint_captures_published": ("Checkpoints published into the store.", ()),
-    "vllm:boundary_checkpoint_captures_dropped": ("Planned captures dropped (no free blocks, no plan).", ()),
-    "vllm:boundary_checkpoint_responses_aborted": ("Responses aborted after generating: no checkpoint.", ()),
-    "vllm:boundary_checkpoint_responses_spec_in_flight": ("Responses finished with a speculative step in flight "
-                                                          "that left no exact state: no checkpoint.", ()),
-    "vllm:boundary_checkpoint_draft_next_token_fallbacks": ("Hits on a shorter prefix than a checkpoint whose MTP "
-                                                            "draft row was computed from another next token.", ()),
-    "vllm:boundary_checkpoint_capture_steps": ("Engine steps that carried capture copies.", ()),
-    "vllm:boundary_checkpoint_capture_copies": ("Block copies run for captures.", ()),
-    "vllm:boundary_checkpoint_capture_copy_bytes": ("Bytes copied for captures.", ()),
-    "vllm:boundary_checkpoint_prompt_stops": ("Prefill chunks the plugin ended at P - 1: the last prompt token "
-                                              "ran in an engine step of its own.", ()),
-    "vllm:boundary_checkpoint_prompt_captures_in_step": ("Prompt checkpoints taken inside the step that "
-                                                         "computed the prompt (no P - 1 stop).", ()),
-}  # fmt: skip
-GAUGE_HELP: dict[str, str] = {
-    "vllm:boundary_checkpoints_retained": "Boundary checkpoints retained.",
-    "vllm:boundary_checkpoint_retained_blocks": "KV cache blocks held by retained boundary checkpoints.",
-    "vllm:boundary_checkpoint_retained_bytes": "Bytes of KV cache held by retained boundary checkpoints.",
-    "vllm:boundary_checkpoint_captures_pending": "Captures planned and not yet published.",
+    _metric(spec): (spec.metadata["help"], (spec.metadata["label"],) if spec.metadata["label"] else ())
+    for spec in _EXPORTED.values()
 }
-
-# Payload key -> (metric, label value) for the counters with one fixed series.
+# Payload key -> (metric, label values) for the counters with one fixed series.
 _COUNTER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "tokens_restored": ("vllm:boundary_checkpoint_restored_tokens", ()),
-    "evictions_budget": (EVICTIONS, ("budget",)),
-    "evictions_pressure": (EVICTIONS, ("pressure",)),
-    "refused_oversize": ("vllm:boundary_checkpoint_refused_oversize", ()),
-    "refused_protected": ("vllm:boundary_checkpoint_refused_protected", ()),
-    "published": ("vllm:boundary_checkpoint_captures_published", ()),
-    "captures_dropped": ("vllm:boundary_checkpoint_captures_dropped", ()),
-    "responses_aborted": ("vllm:boundary_checkpoint_responses_aborted", ()),
-    "responses_spec_in_flight": ("vllm:boundary_checkpoint_responses_spec_in_flight", ()),
-    "draft_next_token_fallbacks": ("vllm:boundary_checkpoint_draft_next_token_fallbacks", ()),
-    "capture_steps": ("vllm:boundary_checkpoint_capture_steps", ()),
-    "capture_copies": ("vllm:boundary_checkpoint_capture_copies", ()),
-    "capture_copy_bytes": ("vllm:boundary_checkpoint_capture_copy_bytes", ()),
-    "prompt_stops": ("vllm:boundary_checkpoint_prompt_stops", ()),
-    "prompt_captures_in_step": ("vllm:boundary_checkpoint_prompt_captures_in_step", ()),
+    **{name: (_metric(spec), ()) for name, spec in _EXPORTED.items() if not spec.metadata["label"]},
+    **{spec.name: (_metric(_EXPORTED[spec.metadata["of"]]), (spec.metadata["value"],))
+       for spec in _LABEL_PARTS if "value" in spec.metadata},
+}  # fmt: skip
+# Payload key prefix -> the labelled counter whose label value follows it (``hit_<kind>``, ...).
+_LABELLED_PREFIXES: dict[str, str] = {
+    spec.metadata["prefix"]: _metric(_EXPORTED[spec.metadata["of"]])
+    for spec in _LABEL_PARTS
+    if "prefix" in spec.metadata
 }
-_GAUGE_KEYS: dict[str, str] = {
-    "checkpoints_retained": "vllm:boundary_checkpoints_retained",
-    "blocks_retained": "vllm:boundary_checkpoint_retained_blocks",
-    "bytes_retained": "vllm:boundary_checkpoint_retained_bytes",
-    "captures_pending": "vllm:boundary_checkpoint_captures_pending",
-}
-# Series shown (at 0) from startup; other kinds and reasons appear when first counted.
-KNOWN_KINDS = ("prompt", "response", "instruction")
-KNOWN_MISS_REASONS = ("no_checkpoint", "diverged", "evicted", "block_grid_as_long", "ineligible", "cache_bypassed")
-KNOWN_EVICTION_CAUSES = ("budget", "pressure")
+GAUGE_HELP: dict[str, str] = {_metric(spec): spec.metadata["help"] for spec in fields(ReportedGauges)}
+# Payload key -> gauge. Values sent as they are (gauges); every other counter travels as a delta.
+_GAUGE_KEYS: dict[str, str] = {spec.name: _metric(spec) for spec in fields(ReportedGauges)}
+GAUGE_KEYS = tuple(_GAUGE_KEYS)
+
+HITS = _metric(_EXPORTED["hits"])
+MISSES = _metric(_EXPORTED["misses"])
+EVICTIONS = _metric(_EXPORTED["evictions"])
+
+# Series shown (at 0) from startup; other kinds and reasons appear when first counted
+# (draft_next_token under speculative decoding only, unknown never expected).
+KNOWN_KINDS = tuple(kind.value for kind in CheckpointKind)
+KNOWN_MISS_REASONS = tuple(
+    reason.value for reason in MissReason if reason not in (MissReason.DRAFT_NEXT_TOKEN, MissReason.UNKNOWN)
+)
+KNOWN_EVICTION_CAUSES = tuple(labels[0] for metric, labels in _COUNTER_KEYS.values() if metric == EVICTIONS)
 
 
 @dataclass(frozen=True)
@@ -140,10 +122,11 @@ def to_samples(payload: Mapping[str, int]) -> list[Sample]:
         elif name in _COUNTER_KEYS:
             metric, labels = _COUNTER_KEYS[name]
             samples.append(Sample(metric, labels, value, "counter"))
-        elif name.startswith("hit_"):
-            samples.append(Sample(HITS, (name[len("hit_"):],), value, "counter"))
-        elif name.startswith("miss_"):
-            samples.append(Sample(MISSES, (name[len("miss_"):],), value, "counter"))
+        else:
+            for prefix, metric in _LABELLED_PREFIXES.items():
+                if name.startswith(prefix):
+                    samples.append(Sample(metric, (name[len(prefix):],), value, "counter"))
+                    break
     return samples
 
 

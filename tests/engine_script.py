@@ -12,8 +12,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 RESULT_PREFIX = "RESULT "
+TESTS_DIR = str(Path(__file__).resolve().parent)  # a script's argument: it puts tests/ on sys.path
 
 
 def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[dict, str]:
@@ -25,3 +27,12 @@ def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[di
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(lines[-1][len(RESULT_PREFIX):]), result.stdout + result.stderr
+
+
+def probe_rows(info: dict, runs: tuple[str, ...] | None = None) -> dict:
+    """Each run's probe rows (``bench.probes.ProbeRow``) from a script's RESULT object whose runs
+    carry ``"rows"``: ``runs`` names them, or every entry of ``info`` is one."""
+    from boundary_checkpoints.bench.probes import ProbeRow
+
+    runs = tuple(info) if runs is None else runs
+    return {run: [ProbeRow.from_dict(row) for row in info[run]["rows"]] for run in runs}

@@ -32,12 +32,10 @@ tokens; the plugin's run, then the corrupted one. ``BC_RESULTS_DIR`` (if set) re
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from corrupt_restore import corrupted_pairs
 from decode_path_control import span_failures
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
 from boundary_checkpoints.bench.probes import ProbeRow, first_token_deviation
@@ -101,8 +99,8 @@ def deviations(rows: list[ProbeRow]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), str(Path(__file__).resolve().parent), timeout=600)
-    rows = {run: [ProbeRow.from_dict(row) for row in info[run]["rows"]] for run in ("request_boundaries", "corrupt")}
+    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), TESTS_DIR, timeout=600)
+    rows = probe_rows(info, ("request_boundaries", "corrupt"))
     table = {run: deviations(r) for run, r in rows.items()}
     for run, lines in table.items():
         print(f"{run}: " + "; ".join(

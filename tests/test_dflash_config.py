@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, run_engine_script
 
 from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
 from boundary_checkpoints.fixtures.families import FAMILIES
@@ -106,8 +106,7 @@ def drafters(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
 @pytest.fixture(scope="module")
 def checked(drafters) -> dict:
     target, paths = drafters
-    tests_dir = str(Path(__file__).resolve().parent)
-    argv = (tests_dir, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K))
+    argv = (TESTS_DIR, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K))
     info, _ = run_engine_script(SCRIPT, *argv, timeout=600)
     return info
 

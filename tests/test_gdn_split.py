@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, run_engine_script
 from results_out import save_json
 
 SCRIPT = r"""
@@ -41,7 +41,6 @@ llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", 
                                                                                  "prompt_capture": "in_step"}})
 print("RESULT " + json.dumps(llm.collective_rpc(compare)[0]))
 """
-TESTS_DIR = str(Path(__file__).resolve().parent)
 
 
 def run_compare(model_dir: Path, **engine_args) -> dict:

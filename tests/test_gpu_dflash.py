@@ -45,12 +45,10 @@ import re
 from pathlib import Path
 
 import pytest
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance
 from results_out import results_dir, save_json
 from test_gpu_spec_families import CASE_TIMEOUT_S, SCRIPT, bounds_for, check_corrupted_run, check_plugin_run, make_case
-
-from boundary_checkpoints.bench.probes import ProbeRow
 
 pytestmark = pytest.mark.gpu
 
@@ -91,12 +89,11 @@ def run_dflash_case(variant: str, drafter_dir: Path):
     speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
     case = make_case(K, (WINDOW + 1, 150), engine={"speculative_config": speculative}, planted_seed=PLANTED_SEED)
     case["torch_vocab_topk"] = TORCH_VOCAB_TOPK[variant]
-    tests_dir = str(Path(__file__).resolve().parent)
-    info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
+    info, log = run_engine_script(SCRIPT, str(model), TESTS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
         (out / f"gpu-dflash-{variant}.log").write_text(log)
-    rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
+    rows = probe_rows(info)
     bounds = bounds_for(rows, K)
     save_json(f"gpu-dflash-{variant}.json", {"variant": variant, "k": K, "bounds": bounds.as_dict(), **info})
     return info, rows, bounds, log

@@ -22,14 +22,12 @@ receives ``gpu-in-step-probes.json``. About two engine starts and three short sc
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from corrupt_restore import corrupted_pairs
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
-from boundary_checkpoints.bench.probes import ProbeRow, calibrate, probe_failures, reference_pairs, state_failures
+from boundary_checkpoints.bench.probes import calibrate, probe_failures, reference_pairs, state_failures
 
 pytestmark = pytest.mark.gpu
 
@@ -85,9 +83,8 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), str(Path(__file__).resolve().parent), timeout=600)
-    rows = {run: [ProbeRow.from_dict(row) for row in info[run]["rows"]] for run in ("request_boundaries", "corrupt",
-                                                                                      "aligned")}  # fmt: skip
+    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), TESTS_DIR, timeout=600)
+    rows = probe_rows(info, ("request_boundaries", "corrupt", "aligned"))
     bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
     save_json("gpu-in-step-probes.json", {"bounds": bounds.as_dict(), **info})
     return info, rows, bounds

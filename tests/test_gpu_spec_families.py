@@ -67,12 +67,11 @@ it under the 10-minute command limit).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
 from decode_path_control import span_failures
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance, unserved_responses
 from results_out import results_dir, save_json
 
@@ -264,12 +263,11 @@ def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str,
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     case = make_case(k, extra_lengths, planted_seed=0 if family == MTP_FAMILY else None, decode_path=decode_path)
-    tests_dir = str(Path(__file__).resolve().parent)
-    info, log = run_engine_script(SCRIPT, str(model), tests_dir, json.dumps(case), timeout=CASE_TIMEOUT_S)
+    info, log = run_engine_script(SCRIPT, str(model), TESTS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
         (out / f"gpu-spec-{name}.log").write_text(log)  # the engines' own log (block sizes, backends)
-    rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
+    rows = probe_rows(info)
     bounds = bounds_for(rows, k)
     save_json(f"gpu-spec-{name}.json", {"family": family, "k": k, "bounds": bounds.as_dict(), **info})
     return info, rows, bounds

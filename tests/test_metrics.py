@@ -151,3 +151,30 @@ def test_pyproject_declares_the_stat_logger_entry_point():
     }
     # Same name as the general plugin, so VLLM_PLUGINS selects both or neither.
     assert set(groups["vllm.general_plugins"]) == set(groups["vllm.stat_logger_plugins"])
+
+
+def test_tables_come_from_the_counter_fields_and_kinds():
+    """Every exported ``StoreCounters`` field is a series and every ``ReportedGauges`` field a gauge
+    (``core/store.py``: a counter is added there, with its help text); label values are
+    ``core/kinds.py``'s, whose values the series' labels and the docs name."""
+    from dataclasses import fields
+
+    from boundary_checkpoints import metrics
+    from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
+    from boundary_checkpoints.core.store import ReportedGauges
+
+    exported = [f for f in fields(StoreCounters) if "help" in f.metadata]
+    assert len(COUNTER_HELP) == len(exported) == 16
+    assert all(help_text for help_text, _ in COUNTER_HELP.values())
+    assert set(metrics.GAUGE_KEYS) == {f.name for f in fields(ReportedGauges)} and len(GAUGE_HELP) == 4
+    assert [k.value for k in CheckpointKind] == ["prompt", "response", "instruction"] == list(metrics.KNOWN_KINDS)
+    assert [r.value for r in MissReason] == ["no_checkpoint", "diverged", "evicted", "block_grid_as_long",
+                                             "ineligible", "cache_bypassed", "draft_next_token", "unknown"]  # fmt: skip
+    assert metrics.KNOWN_EVICTION_CAUSES == ("budget", "pressure")
+    counters = StoreCounters()
+    counters.hits_by_kind[CheckpointKind.INSTRUCTION] = 1
+    counters.misses_by_reason[MissReason.DRAFT_NEXT_TOKEN] = 2
+    assert set(to_samples(counters.as_dict())) == {
+        Sample("vllm:boundary_checkpoint_hits", ("instruction",), 1, "counter"),
+        Sample("vllm:boundary_checkpoint_misses", ("draft_next_token",), 2, "counter"),
+    }

@@ -21,10 +21,9 @@ About 40 s (one vLLM import, three small drafters).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, run_engine_script
 
 from boundary_checkpoints.fixtures import tiny_models as tm
 from boundary_checkpoints.fixtures.dflash import MASK_TOKEN_ID, PLANTED_DRAFTS, write_dflash_drafter
@@ -159,8 +158,7 @@ def drafted(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("planted_dflash")
     target = tm.make_tiny_model(root / "target", family=TARGET, seed=SEED)
     paths = {name: write_dflash_drafter(root / name, target, window=WINDOW, **kw) for name, kw in DRAFTERS.items()}
-    tests_dir = str(Path(__file__).resolve().parent)
-    argv = (tests_dir, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K), str(MASK_TOKEN_ID),
+    argv = (TESTS_DIR, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K), str(MASK_TOKEN_ID),
             json.dumps(CONTEXTS), str(CONTEXT_ROWS))  # fmt: skip
     info, _ = run_engine_script(SCRIPT, *argv, timeout=600)
     return info

@@ -15,15 +15,12 @@ is unsupported). Each engine's scheduler records the prefill chunks that ended a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from corrupt_restore import corrupted_pairs
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
 from boundary_checkpoints.bench.probes import (
-    ProbeRow,
     calibrate,
     count_failures,
     probe_failures,
@@ -73,8 +70,8 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), str(Path(__file__).resolve().parent))
-    rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
+    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), TESTS_DIR)
+    rows = probe_rows(info)
     bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
     save_json("cpu-engine-probes.json", {"bounds": bounds.as_dict(), **info})
     return info, rows, bounds

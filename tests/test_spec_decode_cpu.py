@@ -29,16 +29,13 @@ at 64 (docs/notes/spec-decode.md, "CPU feasibility").
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
-from engine_script import run_engine_script
+from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance
 from results_out import save_json
 
 from boundary_checkpoints.bench.probes import (
-    ProbeRow,
     calibrate,
     mtp_reference_pairs,
     probe_failures,
@@ -130,9 +127,8 @@ def runs(tmp_path_factory):
     from boundary_checkpoints.fixtures.tiny_models import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("mtp") / f"tiny_{FAMILY}", family=FAMILY)
-    tests_dir = str(Path(__file__).resolve().parent)
-    info, _ = run_engine_script(SCRIPT, str(model), tests_dir, str(K), str(MAX_TOKENS), str(list(LENGTHS)))
-    rows = {run: [ProbeRow.from_dict(row) for row in data["rows"]] for run, data in info.items()}
+    info, _ = run_engine_script(SCRIPT, str(model), TESTS_DIR, str(K), str(MAX_TOKENS), str(list(LENGTHS)))
+    rows = probe_rows(info)
     pairs = mtp_reference_pairs(rows["request_boundaries"], rows["aligned"])
     bounds = calibrate(pairs, reference_floor=PADDED_ROW_REFERENCE)
     save_json("cpu-mtp-probes.json", {"bounds": bounds.as_dict(), **info})

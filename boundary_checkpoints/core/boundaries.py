@@ -61,11 +61,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from boundary_checkpoints.core.store import INSTRUCTION as INSTRUCTION  # defined there: eviction orders by kind
+from boundary_checkpoints.core.kinds import CheckpointKind
 from boundary_checkpoints.core.store import BlockLike
 
-PROMPT = "prompt"
-RESPONSE = "response"
+PROMPT = CheckpointKind.PROMPT
+RESPONSE = CheckpointKind.RESPONSE
+INSTRUCTION = CheckpointKind.INSTRUCTION
 
 
 class GroupKind(Enum):

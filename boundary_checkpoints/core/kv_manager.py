@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from boundary_checkpoints.compat import KVCacheManager, RequestStatus
+from boundary_checkpoints.compat import KVCacheManager, RequestStatus, watermark_blocks
 
 _RECORDING_COORDINATORS: dict[type, type] = {}
 
@@ -79,6 +79,6 @@ class PressureRelievingKVCacheManager(KVCacheManager):
             return None
         waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if waiting and kwargs.get("has_scheduled_reqs", True):
-            needed += self.watermark_blocks
+            needed += watermark_blocks(self)
         needed += kwargs.get("reserved_blocks", 0)
         return max(needed - self.block_pool.get_num_free_blocks(), 1)

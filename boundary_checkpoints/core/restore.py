@@ -20,6 +20,7 @@ from boundary_checkpoints.core.boundaries import (
 )
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
 from boundary_checkpoints.core.keys import parent_of
+from boundary_checkpoints.core.kinds import MissReason
 from boundary_checkpoints.core.store import Checkpoint
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -34,10 +35,10 @@ class RestoreMixin:
         if not self.boundaries_active:
             return blocks, num_hit, shared_boundary, diverged
         if not request_is_eligible(request):
-            self._count_lookup(request, None, "ineligible")
+            self._count_lookup(request, None, MissReason.INELIGIBLE)
             return blocks, num_hit, shared_boundary, diverged
         if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
-            self._count_lookup(request, None, "cache_bypassed")
+            self._count_lookup(request, None, MissReason.CACHE_BYPASSED)
             return blocks, num_hit, shared_boundary, diverged
         root = self._root(request)
 
@@ -56,9 +57,9 @@ class RestoreMixin:
             # classification records a regret, see CheckpointStore.miss_reason).
             if counting:
                 if refused is not None and refused.num_tokens > num_hit:
-                    reason = "draft_next_token"
+                    reason = MissReason.DRAFT_NEXT_TOKEN
                 elif hit is not None:
-                    reason = "block_grid_as_long"
+                    reason = MissReason.BLOCK_GRID_AS_LONG
                 else:
                     reason = self.checkpoint_store.miss_reason(
                         request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
@@ -74,7 +75,7 @@ class RestoreMixin:
                 request.request_id, hit.kind, hit.num_tokens, refused.kind, refused.num_tokens,
                 refused.next_token, request.all_token_ids[refused.num_tokens],
             )
-        self._count_lookup(request, hit, "", num_hit)
+        self._count_lookup(request, hit, None, num_hit)
         self._restored_from[request.request_id] = hit
         pins = hit.distinct_blocks()
         self._block_pool.touch(pins)
@@ -88,7 +89,9 @@ class RestoreMixin:
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
 
-    def _count_lookup(self, request: Request, hit: Checkpoint | None, reason: str, num_hit: int = 0) -> None:
+    def _count_lookup(
+        self, request: Request, hit: Checkpoint | None, reason: MissReason | None, num_hit: int = 0
+    ) -> None:
         """Count a request's first lookup as a hit, or as a miss with ``reason``."""
         if request.request_id in self._counted_requests:
             return

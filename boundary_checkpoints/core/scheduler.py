@@ -22,6 +22,9 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
     platform_is_cpu,
+    reclass_instance,
+    request_blocks,
+    single_type_managers,
 )
 from boundary_checkpoints.core.boundaries import (
     RESPONSE,
@@ -62,7 +65,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.boundary_config = BoundaryConfig.for_engine(self.vllm_config)
-        managers = self.kv_cache_manager.coordinator.single_type_managers
+        managers = single_type_managers(self.kv_cache_manager)
         kpool = getattr(self.vllm_config.model_config.hf_text_config, "index_kpool", None)
         geometries, reasons = describe_layout(
             self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool, num_spec_tokens=self.num_spec_tokens
@@ -106,9 +109,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
         self._last_stats_log = time.monotonic()
-        self.kv_cache_manager.__class__ = PressureRelievingKVCacheManager
+        reclass_instance(self.kv_cache_manager, PressureRelievingKVCacheManager)
         coordinator = self.kv_cache_manager.coordinator
-        coordinator.__class__ = recording_coordinator_class(type(coordinator))
+        reclass_instance(coordinator, recording_coordinator_class(type(coordinator)))
         coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         logger.info(
@@ -134,8 +137,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         )
 
     def _request_blocks(self, request_id: str):
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        return [manager.req_to_blocks.get(request_id, []) for manager in managers]
+        return request_blocks(self.kv_cache_manager, request_id)
 
     # ---- step boundaries ------------------------------------------------------------------
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
@@ -164,7 +166,6 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
 
     def _copy_restored_rings(self, output: SchedulerOutput) -> None:
         """Append the ring copy of every request this step admits from a checkpoint (item 11)."""
-        managers = self.kv_cache_manager.coordinator.single_type_managers
         copies = list(output.kv_cache_block_copies or ())
         for request_id, hit in self._ring_restores.items():
             request = self.requests.get(request_id)
@@ -175,7 +176,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
                 continue  # admitted from another hit
             for g in self._ring_groups:
                 [source] = hit.group_blocks[g]
-                [destination] = managers[g].req_to_blocks[request_id]
+                [destination] = request_blocks(self.kv_cache_manager, request_id)[g]
                 copies.append(KVCacheBlockCopy(source.block_id, destination.block_id))
         self._ring_restores = {}
         output.kv_cache_block_copies = copies or None

@@ -25,9 +25,9 @@ Contract
   (budget and pressure alike), least recently used first among themselves. The retained budget
   counts the distinct blocks of the bundles' groups; a bundle's grid blocks (vLLM's own block-grid
   hit below its boundary, :attr:`Checkpoint.grid_blocks`) are held and released with it but not
-  counted, since stock's cache would hold them as well. A newcomer that alone exceeds the budget is refused without evicting
-  anything; otherwise bundles go in eviction order until the budget holds (the newcomer itself
-  only once every other bundle left is lasting and it is not). Pressure relief
+  counted, since stock's cache would hold them as well. A newcomer that alone exceeds the budget
+  is refused without evicting anything; otherwise bundles go in eviction order until the budget
+  holds (the newcomer itself only once every other bundle left is lasting and it is not). Pressure relief
   (:meth:`evict_to_free`) evicts only bundles that give at least one block back to the pool
   (``is_free(block)`` after the release), one at a time, so the caller can stop as soon as its
   allocation fits.
@@ -46,13 +46,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 from boundary_checkpoints.core.keys import CheckpointKey
+from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 from boundary_checkpoints.core.reuse import ReuseTracker
 
-INSTRUCTION = "instruction"  # kind of a bundle at a request's instruction boundary (core/instruction.py)
+INSTRUCTION = CheckpointKind.INSTRUCTION  # kind of a bundle at a request's instruction boundary
 LASTING_KINDS = frozenset({INSTRUCTION})  # evicted after every other kind, never retired by lineage
 
 
@@ -64,7 +65,7 @@ class BlockLike(Protocol):
 @dataclass(eq=False)
 class Checkpoint:
     key: CheckpointKey
-    kind: str
+    kind: CheckpointKind
     group_blocks: tuple[tuple[BlockLike, ...], ...]
     page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
     producer: str = ""  # id of the request that produced it
@@ -127,39 +128,112 @@ class Checkpoint:
         return seen
 
 
+# ---- counters and what metrics.py exports of them ----------------------------------------------
+# ``metrics.py`` builds its Prometheus tables from these fields' metadata, so a counter or gauge is
+# added (or documented) in one place: its field here.
+
+
+def exported(help: str, *, metric: str = "", label: str = "") -> Any:
+    """A counter exported as the Prometheus counter ``metric`` (default
+    ``vllm:boundary_checkpoint_<field name>``) with ``help``. With ``label``, the series are broken
+    down by that label, their values counted in the fields :func:`label_value` / :func:`label_values`
+    tie to it; the field itself is then the total of all values (not a series)."""
+    return field(default=0, metadata={"help": help, "metric": metric, "label": label})
+
+
+def label_value(total: str, value: str) -> Any:
+    """A counter exported as the ``value`` series of the labelled counter ``total``."""
+    return field(default=0, metadata={"of": total, "value": value})
+
+
+def label_values(total: str, prefix: str) -> Any:
+    """Counts by label value of the labelled counter ``total``; flat (``as_dict``, the step payload)
+    as ``<prefix><value>``."""
+    return field(default_factory=dict, metadata={"of": total, "prefix": prefix})
+
+
+def gauge(help: str, *, metric: str = "") -> Any:
+    """A value reported as it is each step and exported as the Prometheus gauge ``metric`` (default
+    ``vllm:boundary_checkpoint_<field name>``) with ``help``."""
+    return field(default=0, metadata={"help": help, "metric": metric})
+
+
 @dataclass
 class StoreCounters:
-    hits: int = 0
-    misses: int = 0
-    tokens_restored: int = 0
-    published: int = 0
+    """What the store and the scheduler count. A plain ``int`` field is counted and logged (the
+    stats line) only; :func:`exported`, :func:`label_value` and :func:`label_values` fields are also
+    Prometheus counters."""
+
+    hits: int = exported("Lookups that restored a boundary checkpoint, by the checkpoint's kind.", label="kind")
+    misses: int = exported("Eligible lookups that restored no boundary checkpoint, by reason.", label="reason")
+    tokens_restored: int = exported(
+        "Prompt tokens restored from boundary checkpoints.", metric="vllm:boundary_checkpoint_restored_tokens"
+    )
+    published: int = exported(
+        "Checkpoints published into the store.", metric="vllm:boundary_checkpoint_captures_published"
+    )
     duplicates: int = 0
-    evictions: int = 0  # all causes: the two below
-    evictions_budget: int = 0  # the retained share would exceed max_retained_fraction
-    evictions_pressure: int = 0  # an allocation did not fit in the free pool
-    refused_oversize: int = 0  # a newcomer alone larger than the budget
-    refused_protected: int = 0  # a newcomer refused: the bundle it would evict is likely reused soon
+    evictions: int = exported(
+        "Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: an allocation did not fit).",
+        label="cause",
+    )  # all causes: the two below
+    evictions_budget: int = label_value("evictions", "budget")  # the retained share would exceed max_retained_fraction
+    evictions_pressure: int = label_value("evictions", "pressure")  # an allocation did not fit in the free pool
+    # a newcomer alone larger than the budget
+    refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
+    # a newcomer refused: the bundle it would evict is likely reused soon
+    refused_protected: int = exported(
+        "Checkpoints not retained: the bundle they would evict is likely reused sooner."
+    )
     superseded: int = 0
-    captures_dropped: int = 0
-    responses_aborted: int = 0  # finished aborted after generating: no response checkpoint
-    responses_spec_in_flight: int = 0  # finished with a speculative step in flight that left no exact state
+    captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")
+    # finished aborted after generating: no response checkpoint
+    responses_aborted: int = exported("Responses aborted after generating: no checkpoint.")
+    responses_spec_in_flight: int = exported(
+        "Responses finished with a speculative step in flight that left no exact state: no checkpoint."
+    )
     # Hits on a shorter prefix than a (retained or pending) bundle holds: its MTP draft row was
     # computed from another next token (the guard refused it; a hit is still counted by kind).
-    draft_next_token_fallbacks: int = 0
-    capture_steps: int = 0  # steps that carried capture copies
-    capture_copies: int = 0  # block copies those steps ran for captures
-    capture_copy_bytes: int = 0  # bytes those copies moved
-    prompt_stops: int = 0  # prefill chunks the plugin ended at P - 1: the last prompt token then runs alone
-    prompt_captures_in_step: int = 0  # prompt checkpoints taken inside the step that computed the prompt
-    misses_by_reason: dict[str, int] = field(default_factory=dict)
-    hits_by_kind: dict[str, int] = field(default_factory=dict)  # by the restored checkpoint's kind
+    draft_next_token_fallbacks: int = exported(
+        "Hits on a shorter prefix than a checkpoint whose MTP draft row was computed from another next token."
+    )
+    capture_steps: int = exported("Engine steps that carried capture copies.")
+    capture_copies: int = exported("Block copies run for captures.")  # by those steps
+    capture_copy_bytes: int = exported("Bytes copied for captures.")  # moved by those copies
+    prompt_stops: int = exported(
+        "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
+    )
+    prompt_captures_in_step: int = exported(
+        "Prompt checkpoints taken inside the step that computed the prompt (no P - 1 stop)."
+    )
+    # by the restored checkpoint's kind, and by miss reason (core/kinds.py)
+    hits_by_kind: dict[CheckpointKind, int] = label_values("hits", "hit_")
+    misses_by_reason: dict[MissReason, int] = label_values("misses", "miss_")
 
     def as_dict(self) -> dict[str, int]:
-        """Flat counters; hits by kind as ``hit_<kind>``, misses by reason as ``miss_<reason>``."""
-        flat = {name: value for name, value in self.__dict__.items() if not isinstance(value, dict)}
-        flat.update({f"hit_{kind}": n for kind, n in sorted(self.hits_by_kind.items())})
-        flat.update({f"miss_{reason}": n for reason, n in sorted(self.misses_by_reason.items())})
+        """Flat counters; the counts by label value under their prefix: hits by kind as
+        ``hit_<kind>``, misses by reason as ``miss_<reason>``."""
+        flat = {f.name: getattr(self, f.name) for f in fields(self) if "prefix" not in f.metadata}
+        for f in fields(self):
+            if "prefix" in f.metadata:
+                prefix = f.metadata["prefix"]
+                flat.update({f"{prefix}{value}": n for value, n in sorted(getattr(self, f.name).items())})
         return flat
+
+
+@dataclass
+class ReportedGauges:
+    """The values the scheduler reports with its counters each step (``boundary_stats``), as they
+    are rather than as deltas; each is a Prometheus gauge."""
+
+    checkpoints_retained: int = gauge("Boundary checkpoints retained.", metric="vllm:boundary_checkpoints_retained")
+    blocks_retained: int = gauge(
+        "KV cache blocks held by retained boundary checkpoints.", metric="vllm:boundary_checkpoint_retained_blocks"
+    )
+    bytes_retained: int = gauge(
+        "Bytes of KV cache held by retained boundary checkpoints.", metric="vllm:boundary_checkpoint_retained_bytes"
+    )
+    captures_pending: int = gauge("Captures planned and not yet published.")
 
 
 class LruEvictionPolicy:
@@ -356,7 +430,7 @@ class CheckpointStore:
             checkpoint.demoted = True
             self.policy.demote(checkpoint)
 
-    def make_lasting(self, key: CheckpointKey, kind: str = INSTRUCTION) -> bool:
+    def make_lasting(self, key: CheckpointKey, kind: CheckpointKind = INSTRUCTION) -> bool:
         """Give the retained bundle at ``key`` the lasting ``kind`` (a prompt checkpoint that is
         also an instruction boundary); False if none is retained."""
         checkpoint = self._retained_at(key)
@@ -421,7 +495,7 @@ class CheckpointStore:
         max_tokens: int,
         parents: Callable[[int], Hashable | None],
         hash_block_size: int,
-    ) -> str:
+    ) -> MissReason:
         """Why :meth:`lookup` found nothing for ``tokens``: ``evicted`` when a bundle evicted
         earlier would have served them (a regret: its reuse distance is recorded, see
         ``core/reuse.py``); ``draft_next_token`` when a retained bundle holds their prefix but
@@ -431,24 +505,24 @@ class CheckpointStore:
         answer, a shorter prompt); else
         ``no_checkpoint``."""
         if max_tokens <= 0:
-            return "no_checkpoint"
+            return MissReason.NO_CHECKPOINT
         if self.reuse.regret(tokens, max_tokens, parents, hash_block_size):
-            return "evicted"
+            return MissReason.EVICTED
         if self._longest(tokens, max_tokens, parents, hash_block_size, guarded=False) is not None:
-            return "draft_next_token"
+            return MissReason.DRAFT_NEXT_TOKEN
         for start in range(0, (max_tokens - 1) // hash_block_size * hash_block_size + 1, hash_block_size):
             parent = parents(start)
             tails = self._by_parent.get((parent, start)) if parent is not None else None
             if not tails:
                 continue
             if start > 0 or any(tail[:1] == tuple(tokens[:1]) for tail in tails):
-                return "diverged"
-        return "no_checkpoint"
+                return MissReason.DIVERGED
+        return MissReason.NO_CHECKPOINT
 
-    def record_lookup(self, hit: Checkpoint | None, reason: str = "") -> None:
+    def record_lookup(self, hit: Checkpoint | None, reason: MissReason | None = None) -> None:
         if hit is None:
             self.counters.misses += 1
-            reason = reason or "unknown"
+            reason = reason or MissReason.UNKNOWN
             self.counters.misses_by_reason[reason] = self.counters.misses_by_reason.get(reason, 0) + 1
         else:
             self.counters.hits += 1

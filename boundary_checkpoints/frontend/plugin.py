@@ -38,7 +38,7 @@ class BoundaryEndpointPlugin:
         app.add_api_route(STATS_PATH, stats, methods=["GET"])
 
     async def init_state(self, engine_client, state, args) -> None:
-        from boundary_checkpoints.compat import frontend_interface_mismatches, openai_serving_classes
+        from boundary_checkpoints.compat import frontend_interface_mismatches, openai_serving_classes, reclass_instance
 
         mismatches = frontend_interface_mismatches()
         if mismatches:
@@ -64,5 +64,5 @@ class BoundaryEndpointPlugin:
                     "validated there", attr, type(serving).__name__, stock.__name__,
                 )
                 continue
-            serving.__class__ = ours  # a subclass with no new state: vLLM's handler, extended
+            reclass_instance(serving, ours)  # a subclass with no new state: vLLM's handler, extended
         logger.info("boundary_checkpoints: frontend validates and computes instruction boundaries")
