@@ -43,8 +43,8 @@ from typing import Any
 from vllm.logger import init_logger
 
 from boundary_checkpoints.compat import AggregateStatLoggerBase
+from boundary_checkpoints.core.checkpoint import ReportedGauges, StoreCounters
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
-from boundary_checkpoints.core.store import ReportedGauges, StoreCounters
 
 logger = init_logger(f"vllm.{__name__}")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from boundary_checkpoints.core.store import StoreCounters
+from boundary_checkpoints.core.checkpoint import StoreCounters
 from boundary_checkpoints.metrics import (
     CARRIER_FIELD,
     COUNTER_HELP,
@@ -160,8 +160,8 @@ def test_tables_come_from_the_counter_fields_and_kinds():
     from dataclasses import fields
 
     from boundary_checkpoints import metrics
+    from boundary_checkpoints.core.checkpoint import ReportedGauges
     from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
-    from boundary_checkpoints.core.store import ReportedGauges
 
     exported = [f for f in fields(StoreCounters) if "help" in f.metadata]
     assert len(COUNTER_HELP) == len(exported) == 16

@@ -272,7 +272,7 @@ class Stream:
     # -- invariants --
     def check(self) -> None:
         stats = self.scheduler.boundary_stats()
-        assert stats["blocks_retained"] <= self.budget, stats
+        assert self.scheduler.checkpoint_store.budgeted_blocks <= self.budget, stats
         store = self.scheduler.checkpoint_store
         bundles = store.checkpoints()
         sizes = {block_id: size for c in bundles for block_id, size in c.block_bytes().items()}

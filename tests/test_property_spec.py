@@ -305,7 +305,7 @@ class SpecStream:
 
     # -- invariants --
     def check(self) -> None:
-        assert self.scheduler.boundary_stats()["blocks_retained"] <= self.budget
+        assert self.scheduler.checkpoint_store.budgeted_blocks <= self.budget
         for t in self.tracked:
             rid, out = t.request.request_id, list(t.request.output_token_ids)
             if t.request.is_finished() and not t.aborted:

@@ -67,7 +67,8 @@ def test_grid_blocks_are_held_outside_the_budget_and_leave_with_the_bundle(model
     store = scheduler.checkpoint_store
     grid = [block for checkpoint in store.checkpoints() for group in checkpoint.grid_blocks for block in group]
     assert grid and all(block.ref_cnt >= 1 for block in grid)
-    assert store.retained_blocks == len({b.block_id for c in store.checkpoints() for b in c.budget_blocks()})
+    assert store.budgeted_blocks == len({b.block_id for c in store.checkpoints() for b in c.budget_blocks()})
+    assert store.retained_blocks == len({b.block_id for c in store.checkpoints() for b in c.distinct_blocks()})
     assert not {b.block_id for b in grid} & {b.block_id for c in store.checkpoints() for b in c.budget_blocks()}
     assert {b.block_id for b in grid} <= {b.block_id for c in store.checkpoints() for b in c.distinct_blocks()}
     store.retire(first.request_id)

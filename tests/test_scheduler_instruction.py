@@ -14,8 +14,8 @@ import random
 import pytest
 from shadow_engine import Driver, build_scheduler, make_request, tokens
 
+from boundary_checkpoints.core.checkpoint import INSTRUCTION
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
-from boundary_checkpoints.core.store import INSTRUCTION
 
 SYSTEM = 37  # not a multiple of the 16-token block: stock retention keeps 32 of it
 
@@ -168,8 +168,9 @@ class Block:
 
 
 def test_store_evicts_other_kinds_before_instruction_bundles_and_lineage_skips_them():
+    from boundary_checkpoints.core.checkpoint import Checkpoint
     from boundary_checkpoints.core.keys import CheckpointKey
-    from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+    from boundary_checkpoints.core.store import CheckpointStore
 
     released: list[int] = []
     store = CheckpointStore(release=lambda blocks: released.extend(b.block_id for b in blocks), max_blocks=3)
@@ -200,8 +201,9 @@ def test_refusal_predicts_what_publication_refuses(seed):
     that protect some of them: a predicted refusal is always a refusal (no bundle the budget would
     keep is skipped), and a refusal it did not predict is only the newcomer evicted by the budget
     behind lasting bundles (the one case it leaves to publication)."""
+    from boundary_checkpoints.core.checkpoint import Checkpoint
     from boundary_checkpoints.core.keys import CheckpointKey
-    from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+    from boundary_checkpoints.core.store import CheckpointStore
 
     rng = random.Random(seed)
     store = CheckpointStore(release=lambda blocks: None, max_blocks=8)
@@ -235,8 +237,9 @@ def test_a_demoted_prompt_bundle_goes_first_and_without_protection():
     """Once a request's response bundle is retained, the scheduler demotes its prompt bundle
     (``CheckpointStore.demote``): under a full budget a newcomer evicts it instead of being
     refused for it, and the response bundle stays."""
+    from boundary_checkpoints.core.checkpoint import Checkpoint
     from boundary_checkpoints.core.keys import CheckpointKey
-    from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+    from boundary_checkpoints.core.store import CheckpointStore
 
     def bundle(n: int, kind: str, producer: str, ids: tuple[int, ...]) -> Checkpoint:
         return Checkpoint(CheckpointKey(("root", None, None), 0, (n,)), kind, (tuple(Block(i) for i in ids),),

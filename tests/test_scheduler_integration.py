@@ -187,7 +187,7 @@ def test_eviction_under_pressure_never_starves_requests_and_leaks_nothing(model_
         driver.run(batch)
     stats = scheduler.boundary_stats()
     assert stats["evictions_pressure"] > 0
-    assert stats["blocks_retained"] <= 36  # max_retained_fraction 0.75 of 48
+    assert scheduler.checkpoint_store.budgeted_blocks <= 36  # max_retained_fraction 0.75 of 48
     scheduler.checkpoint_store.clear()
     assert free_blocks(scheduler) == total
 
@@ -198,7 +198,7 @@ def test_retention_budget_is_respected(model_dir):
     rng = random.Random(6)
     for i in range(10):
         driver.run([make_request(tokens(rng, 40), max_tokens=3, salt=str(i))])
-        assert scheduler.boundary_stats()["blocks_retained"] <= 20
+        assert scheduler.checkpoint_store.budgeted_blocks <= 20
     assert scheduler.boundary_stats()["evictions"] > 0
 
 

@@ -61,8 +61,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from boundary_checkpoints.core.checkpoint import BlockLike
 from boundary_checkpoints.core.kinds import CheckpointKind
-from boundary_checkpoints.core.store import BlockLike
 
 PROMPT = CheckpointKind.PROMPT
 RESPONSE = CheckpointKind.RESPONSE

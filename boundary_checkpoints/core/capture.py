@@ -32,10 +32,10 @@ from boundary_checkpoints.core.boundaries import (
     response_boundary,
     speculative_response_boundary,
 )
+from boundary_checkpoints.core.checkpoint import LASTING_KINDS, Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
-from boundary_checkpoints.core.store import LASTING_KINDS, Checkpoint
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 

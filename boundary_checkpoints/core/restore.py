@@ -18,10 +18,10 @@ from boundary_checkpoints.compat import (
 from boundary_checkpoints.core.boundaries import (
     INSTRUCTION,
 )
+from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
 from boundary_checkpoints.core.keys import parent_of
 from boundary_checkpoints.core.kinds import MissReason
-from boundary_checkpoints.core.store import Checkpoint
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 

@@ -32,6 +32,7 @@ from boundary_checkpoints.core.boundaries import (
 )
 from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, StepRecord
 from boundary_checkpoints.core.chat_markers import chat_markers_for
+from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
@@ -39,7 +40,7 @@ from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR
-from boundary_checkpoints.core.store import Checkpoint, CheckpointStore
+from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
 from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for

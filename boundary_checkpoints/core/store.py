@@ -46,194 +46,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from dataclasses import dataclass, field
 
+from boundary_checkpoints.core.checkpoint import INSTRUCTION, BlockLike, Checkpoint, StoreCounters
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 from boundary_checkpoints.core.reuse import ReuseTracker
-
-INSTRUCTION = CheckpointKind.INSTRUCTION  # kind of a bundle at a request's instruction boundary
-LASTING_KINDS = frozenset({INSTRUCTION})  # evicted after every other kind, never retired by lineage
-
-
-class BlockLike(Protocol):
-    block_id: int
-    is_null: bool
-
-
-@dataclass(eq=False)
-class Checkpoint:
-    key: CheckpointKey
-    kind: CheckpointKind
-    group_blocks: tuple[tuple[BlockLike, ...], ...]
-    page_bytes: tuple[int, ...] = ()  # bytes of one block of each group, for accounting
-    producer: str = ""  # id of the request that produced it
-    owners: set[str] = field(default_factory=set)  # turns that keep it alive (lineage)
-    published_at: int = 0  # publication count when retained (core/reuse.py); 0: not published yet
-    next_token: int | None = None  # token N its draft rows depend on (None: no such dependence)
-    # Evicted first and never protected (:meth:`CheckpointStore.demote`): a prompt bundle whose
-    # request's response bundle is retained.
-    demoted: bool = False
-    # Per KV group, the blocks of vLLM's own block-grid hit below the boundary that the bundle does
-    # not hold already (the recurrent states on the block grid): kept alive with the bundle and
-    # released with it, so a request that loses the bundle still finds the hit stock would give.
-    # Never restored from.
-    grid_blocks: tuple[tuple[BlockLike, ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.producer:
-            self.owners.add(self.producer)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.key.num_tokens
-
-    @property
-    def lasting(self) -> bool:
-        return self.kind in LASTING_KINDS
-
-    def serves(self, tokens: Sequence[int]) -> bool:
-        """True unless the bundle's draft rows depend on a token ``N`` that ``tokens`` lack."""
-        end = self.num_tokens
-        return self.next_token is None or (end < len(tokens) and tokens[end] == self.next_token)
-
-    def budget_blocks(self) -> list[BlockLike]:
-        """The blocks the retained budget counts: every non-null block of the groups once (the grid
-        blocks are vLLM's own cache, held with the bundle but not counted)."""
-        seen: dict[int, BlockLike] = {}
-        for blocks in self.group_blocks:
-            for block in blocks:
-                if not block.is_null:
-                    seen.setdefault(block.block_id, block)
-        return list(seen.values())
-
-    def distinct_blocks(self) -> list[BlockLike]:
-        """Every non-null block of the bundle once, in group order."""
-        return [block for block, _ in self.sized_blocks().values()]
-
-    def block_bytes(self) -> dict[int, int]:
-        """Bytes of each distinct block, by block id."""
-        return {block_id: size for block_id, (_, size) in self.sized_blocks().items()}
-
-    def sized_blocks(self) -> dict[int, tuple[BlockLike, int]]:
-        """Every non-null block of the bundle once, with its bytes, by block id (group order)."""
-        seen: dict[int, tuple[BlockLike, int]] = {}
-        for group_blocks in (self.group_blocks, self.grid_blocks):
-            for group, blocks in enumerate(group_blocks):
-                size = self.page_bytes[group] if group < len(self.page_bytes) else 0
-                for block in blocks:
-                    if not block.is_null:
-                        seen.setdefault(block.block_id, (block, size))
-        return seen
-
-
-# ---- counters and what metrics.py exports of them ----------------------------------------------
-# ``metrics.py`` builds its Prometheus tables from these fields' metadata, so a counter or gauge is
-# added (or documented) in one place: its field here.
-
-
-def exported(help: str, *, metric: str = "", label: str = "") -> Any:
-    """A counter exported as the Prometheus counter ``metric`` (default
-    ``vllm:boundary_checkpoint_<field name>``) with ``help``. With ``label``, the series are broken
-    down by that label, their values counted in the fields :func:`label_value` / :func:`label_values`
-    tie to it; the field itself is then the total of all values (not a series)."""
-    return field(default=0, metadata={"help": help, "metric": metric, "label": label})
-
-
-def label_value(total: str, value: str) -> Any:
-    """A counter exported as the ``value`` series of the labelled counter ``total``."""
-    return field(default=0, metadata={"of": total, "value": value})
-
-
-def label_values(total: str, prefix: str) -> Any:
-    """Counts by label value of the labelled counter ``total``; flat (``as_dict``, the step payload)
-    as ``<prefix><value>``."""
-    return field(default_factory=dict, metadata={"of": total, "prefix": prefix})
-
-
-def gauge(help: str, *, metric: str = "") -> Any:
-    """A value reported as it is each step and exported as the Prometheus gauge ``metric`` (default
-    ``vllm:boundary_checkpoint_<field name>``) with ``help``."""
-    return field(default=0, metadata={"help": help, "metric": metric})
-
-
-@dataclass
-class StoreCounters:
-    """What the store and the scheduler count. A plain ``int`` field is counted and logged (the
-    stats line) only; :func:`exported`, :func:`label_value` and :func:`label_values` fields are also
-    Prometheus counters."""
-
-    hits: int = exported("Lookups that restored a boundary checkpoint, by the checkpoint's kind.", label="kind")
-    misses: int = exported("Eligible lookups that restored no boundary checkpoint, by reason.", label="reason")
-    tokens_restored: int = exported(
-        "Prompt tokens restored from boundary checkpoints.", metric="vllm:boundary_checkpoint_restored_tokens"
-    )
-    published: int = exported(
-        "Checkpoints published into the store.", metric="vllm:boundary_checkpoint_captures_published"
-    )
-    duplicates: int = 0
-    evictions: int = exported(
-        "Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: an allocation did not fit).",
-        label="cause",
-    )  # all causes: the two below
-    evictions_budget: int = label_value("evictions", "budget")  # the retained share would exceed max_retained_fraction
-    evictions_pressure: int = label_value("evictions", "pressure")  # an allocation did not fit in the free pool
-    # a newcomer alone larger than the budget
-    refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
-    # a newcomer refused: the bundle it would evict is likely reused soon
-    refused_protected: int = exported(
-        "Checkpoints not retained: the bundle they would evict is likely reused sooner."
-    )
-    superseded: int = 0
-    captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")
-    # finished aborted after generating: no response checkpoint
-    responses_aborted: int = exported("Responses aborted after generating: no checkpoint.")
-    responses_spec_in_flight: int = exported(
-        "Responses finished with a speculative step in flight that left no exact state: no checkpoint."
-    )
-    # Hits on a shorter prefix than a (retained or pending) bundle holds: its MTP draft row was
-    # computed from another next token (the guard refused it; a hit is still counted by kind).
-    draft_next_token_fallbacks: int = exported(
-        "Hits on a shorter prefix than a checkpoint whose MTP draft row was computed from another next token."
-    )
-    capture_steps: int = exported("Engine steps that carried capture copies.")
-    capture_copies: int = exported("Block copies run for captures.")  # by those steps
-    capture_copy_bytes: int = exported("Bytes copied for captures.")  # moved by those copies
-    prompt_stops: int = exported(
-        "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
-    )
-    prompt_captures_in_step: int = exported(
-        "Prompt checkpoints taken inside the step that computed the prompt (no P - 1 stop)."
-    )
-    # by the restored checkpoint's kind, and by miss reason (core/kinds.py)
-    hits_by_kind: dict[CheckpointKind, int] = label_values("hits", "hit_")
-    misses_by_reason: dict[MissReason, int] = label_values("misses", "miss_")
-
-    def as_dict(self) -> dict[str, int]:
-        """Flat counters; the counts by label value under their prefix: hits by kind as
-        ``hit_<kind>``, misses by reason as ``miss_<reason>``."""
-        flat = {f.name: getattr(self, f.name) for f in fields(self) if "prefix" not in f.metadata}
-        for f in fields(self):
-            if "prefix" in f.metadata:
-                prefix = f.metadata["prefix"]
-                flat.update({f"{prefix}{value}": n for value, n in sorted(getattr(self, f.name).items())})
-        return flat
-
-
-@dataclass
-class ReportedGauges:
-    """The values the scheduler reports with its counters each step (``boundary_stats``), as they
-    are rather than as deltas; each is a Prometheus gauge."""
-
-    checkpoints_retained: int = gauge("Boundary checkpoints retained.", metric="vllm:boundary_checkpoints_retained")
-    blocks_retained: int = gauge(
-        "KV cache blocks held by retained boundary checkpoints.", metric="vllm:boundary_checkpoint_retained_blocks"
-    )
-    bytes_retained: int = gauge(
-        "Bytes of KV cache held by retained boundary checkpoints.", metric="vllm:boundary_checkpoint_retained_bytes"
-    )
-    captures_pending: int = gauge("Captures planned and not yet published.")
 
 
 class LruEvictionPolicy:
@@ -293,6 +111,11 @@ class CheckpointStore:
 
     @property
     def retained_blocks(self) -> int:
+        """Blocks the retained bundles hold, grid blocks included."""
+        return len(self._block_users)
+
+    @property
+    def budgeted_blocks(self) -> int:
         """Blocks the retained budget counts (:meth:`Checkpoint.budget_blocks`)."""
         return len(self._budget_users)
 
@@ -449,7 +272,7 @@ class CheckpointStore:
         decides only whether a capture is taken, never what a restore reads."""
         if len(block_ids) + num_private > self.max_blocks:
             return "oversize"
-        excess = self.retained_blocks + num_private + len(block_ids - self._budget_users.keys()) - self.max_blocks
+        excess = self.budgeted_blocks + num_private + len(block_ids - self._budget_users.keys()) - self.max_blocks
         released: dict[int, int] = {}
         for victim in self.policy.in_order():
             if excess <= 0:
@@ -540,7 +363,7 @@ class CheckpointStore:
             self._drop(keep)
             self.counters.refused_oversize += 1
             return
-        while self.retained_blocks > self.max_blocks:
+        while self.budgeted_blocks > self.max_blocks:
             victim = self.policy.victim()
             if victim is None:
                 return
