@@ -5,20 +5,20 @@ Path of the numbers (vLLM 0.32, no second endpoint, no vLLM function patched):
 1. Engine core. The plugin's scheduler counts into ``CheckpointStore.counters`` (``StoreCounters``)
    and, once per step, vLLM calls ``Scheduler.make_stats`` for the ``SchedulerStats`` it sends
    to the frontend. The plugin's override (``BoundaryCheckpointMixin.make_stats``) adds this
-   step's counter *deltas* (and the current gauge values) through :class:`StepCounterReporter`.
+   step's counter *deltas* (and the current gauge values) through ``core/step_report.py``.
 2. Transport. ``SchedulerStats`` rides ``EngineCoreOutputs`` through vLLM's msgpack channel,
    whose decoder is typed: it rebuilds a plain ``SchedulerStats`` and drops any field a subclass
    adds, and ``SchedulerStats`` has no field reserved for plugins (``kv_connector_stats`` and
    ``ec_connector_stats`` are handed to the configured connector's stats class, which a server
    without a connector does not have). So the payload rides the one ``dict[str, int]`` field
    whose stock readers look up only their own keys, ``num_kv_fetch_reqs_by_stage``, as
-   ``boundary_checkpoints:<counter>`` entries (:data:`CARRIER_FIELD`, :data:`PAYLOAD_PREFIX`).
+   ``boundary_checkpoints:<counter>`` entries (``core/step_report.py``).
    The engine core adds them only when the frontend will take them out again (the stat logger
-   below is installed and not filtered by ``VLLM_PLUGINS``: :func:`frontend_collects`).
+   below is installed and not filtered by ``VLLM_PLUGINS``).
 3. Frontend. ``vllm.stat_logger_plugins`` entry point ``boundary_checkpoints`` ->
    :class:`BoundaryCheckpointStatLogger`. vLLM builds plugin stat loggers before its own logging
    and Prometheus loggers and records every step into them in that order, so this logger pops
-   the ``boundary_checkpoints:`` entries (:func:`take_payload`) before vLLM's loggers read the
+   the ``boundary_checkpoints:`` entries (``take_payload``) before vLLM's loggers read the
    dict, turns them into samples (:func:`to_samples`) and applies them to ``prometheus_client``
    counters and gauges in the default registry, which vLLM's ``/metrics`` serves (also in
    multi-process mode: the gauges are ``mostrecent`` like vLLM's). Labels ``model_name`` (the
@@ -30,7 +30,7 @@ so a delta is counted once wherever it lands. The metrics are registered in
 every collector whose name starts with ``vllm:``.
 
 Metric names: see :data:`COUNTER_HELP`, :data:`GAUGE_HELP` (and README "Metrics"), built from the
-fields of ``StoreCounters`` and ``ReportedGauges`` (``core/store.py``), where each series' name and
+fields of ``StoreCounters`` and ``ReportedGauges`` (``core/checkpoint.py``), where each series' name and
 help text are kept; label values are ``core/kinds.py``'s.
 """
 
@@ -45,13 +45,10 @@ from vllm.logger import init_logger
 from boundary_checkpoints.compat import AggregateStatLoggerBase
 from boundary_checkpoints.core.checkpoint import ReportedGauges, StoreCounters
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
+from boundary_checkpoints.core.step_report import take_payload
 
 logger = init_logger(f"vllm.{__name__}")
 
-STAT_LOGGER_NAME = "boundary_checkpoints"  # entry point name; same as the general plugin's
-STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"
-CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
-PAYLOAD_PREFIX = "boundary_checkpoints:"
 
 # ---- the tables, built from the fields of StoreCounters and ReportedGauges (core/store.py) ---------
 METRIC_PREFIX = "vllm:boundary_checkpoint_"
@@ -128,74 +125,6 @@ def to_samples(payload: Mapping[str, int]) -> list[Sample]:
                     samples.append(Sample(metric, (name[len(prefix):],), value, "counter"))
                     break
     return samples
-
-
-# ---- engine core ---------------------------------------------------------------------------
-_frontend_collects: bool | None = None
-
-
-def frontend_collects() -> bool:
-    """Whether the frontend runs :class:`BoundaryCheckpointStatLogger` (its entry point is
-    installed and ``VLLM_PLUGINS`` does not leave it out); both processes share the environment.
-    Checked once per process."""
-    global _frontend_collects
-    if _frontend_collects is None:
-        from importlib.metadata import entry_points
-
-        from boundary_checkpoints.compat import allowed_vllm_plugins
-
-        allowed = allowed_vllm_plugins()
-        names = {ep.name for ep in entry_points(group=STAT_LOGGER_GROUP)}
-        _frontend_collects = STAT_LOGGER_NAME in names and (allowed is None or STAT_LOGGER_NAME in allowed)
-        if not _frontend_collects:
-            logger.info(
-                "boundary_checkpoints: stat logger entry point %s:%s not active; no /metrics series "
-                "(reinstall the package to register it)", STAT_LOGGER_GROUP, STAT_LOGGER_NAME,
-            )
-    return _frontend_collects
-
-
-class StepCounterReporter:
-    """Engine-core side: puts the counters' change since the last report (and the gauges'
-    current values) into a step's ``SchedulerStats``."""
-
-    def __init__(self, enabled: bool | None = None) -> None:
-        self._reported: dict[str, int] = {}
-        self._enabled = enabled
-
-    def payload(self, current: Mapping[str, int]) -> dict[str, int]:
-        """Gauges as they are, counters as deltas; unchanged counters are left out."""
-        out: dict[str, int] = {}
-        for name, value in current.items():
-            if name in GAUGE_KEYS:
-                out[name] = value
-                continue
-            delta = value - self._reported.get(name, 0)
-            self._reported[name] = value
-            if delta > 0:
-                out[name] = delta
-        return out
-
-    def attach(self, stats: Any, current: Mapping[str, int]) -> None:
-        if self._enabled is None:
-            self._enabled = frontend_collects()
-        if not self._enabled:
-            return
-        carrier = getattr(stats, CARRIER_FIELD, None)
-        if not isinstance(carrier, dict):
-            return
-        carrier.update({PAYLOAD_PREFIX + name: value for name, value in self.payload(current).items()})
-
-
-# ---- frontend ------------------------------------------------------------------------------
-def take_payload(scheduler_stats: Any) -> dict[str, int]:
-    """Remove the plugin's entries from ``scheduler_stats`` (so vLLM's loggers never see them)
-    and return them by counter name."""
-    carrier = getattr(scheduler_stats, CARRIER_FIELD, None)
-    if not isinstance(carrier, dict):
-        return {}
-    keys = [key for key in carrier if isinstance(key, str) and key.startswith(PAYLOAD_PREFIX)]
-    return {key[len(PAYLOAD_PREFIX):]: carrier.pop(key) for key in keys}
 
 
 _registered: list[Any] = []  # this process's collectors, unregistered before registering anew

@@ -10,15 +10,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from boundary_checkpoints.core.checkpoint import StoreCounters
+from boundary_checkpoints.core.step_report import CARRIER_FIELD, StepCounterReporter, take_payload
 from boundary_checkpoints.metrics import (
-    CARRIER_FIELD,
     COUNTER_HELP,
     GAUGE_HELP,
     BoundaryCheckpointPrometheus,
     BoundaryCheckpointStatLogger,
     Sample,
-    StepCounterReporter,
-    take_payload,
     to_samples,
 )
 

@@ -40,9 +40,9 @@ from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR
+from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
-from boundary_checkpoints.metrics import StepCounterReporter
 from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
 from boundary_checkpoints.settings import BoundaryConfig
 
