@@ -99,8 +99,14 @@ def median_ms(fn, iters: int, calls: int = 1) -> float:
 
 # (tile words, warps, programs per multiprocessor or None for one program per tile)
 SWEEP = [
-    (4096, 8, None), (8192, 8, None), (8192, 16, None), (16384, 16, None),
-    (4096, 8, 4), (4096, 8, 8), (8192, 8, 4), (8192, 16, 2),
+    (4096, 8, None),
+    (8192, 8, None),
+    (8192, 16, None),
+    (16384, 16, None),
+    (4096, 8, 4),
+    (4096, 8, 8),
+    (8192, 8, 4),
+    (8192, 16, 2),
 ]
 SWEEP_ROUNDS = 3  # variants are timed round-robin this many times; the median is reported
 
@@ -167,10 +173,14 @@ def bench(geometry: Geometry, num_blocks: int, iters: int, b2b: int, sweep: bool
         for fn, times in zip(variants, timings):
             times.append(median_ms(fn, iters, b2b))
     result["sweep"] = [
-        {"tile_words": t, "num_warps": w, "programs_per_sm": p,
-         "kernel_b2b_GBps": nbytes / statistics.median(times) / 1e6,
-         "kernel_b2b_vs_d2d": nbytes / statistics.median(times) / 1e6 / result["d2d_b2b_GBps"],
-         "rounds_GBps": [nbytes / ms / 1e6 for ms in times]}
+        {
+            "tile_words": t,
+            "num_warps": w,
+            "programs_per_sm": p,
+            "kernel_b2b_GBps": nbytes / statistics.median(times) / 1e6,
+            "kernel_b2b_vs_d2d": nbytes / statistics.median(times) / 1e6 / result["d2d_b2b_GBps"],
+            "rounds_GBps": [nbytes / ms / 1e6 for ms in times],
+        }
         for (t, w, p), times in zip(SWEEP, timings)
     ]
     return result
@@ -220,9 +230,13 @@ def main() -> None:
             f"{r['plugin_host_us']:.0f}"
         )
         if r["sweep"]:
-            print("    kernel sweep (tile words/warps/programs per SM: back-to-back / d2d): " + ", ".join(
-                f"{v['tile_words']}/{v['num_warps']}/{v['programs_per_sm'] or '-'}: {v['kernel_b2b_vs_d2d']:.2f}"
-                for v in r["sweep"]))
+            print(
+                "    kernel sweep (tile words/warps/programs per SM: back-to-back / d2d): "
+                + ", ".join(
+                    f"{v['tile_words']}/{v['num_warps']}/{v['programs_per_sm'] or '-'}: {v['kernel_b2b_vs_d2d']:.2f}"
+                    for v in r["sweep"]
+                )
+            )
     if args.out:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(0)}
         with open(args.out, "w") as f:

@@ -42,8 +42,12 @@ def engines(model: str, length: int) -> dict[str, dict]:
     return {
         "stock": dict(model=model, enable_prefix_caching=True, additional_config=policy("aligned")),
         "plugin": dict(model=model, enable_prefix_caching=True, additional_config=policy("request_boundaries")),
-        "split_at_P-1": dict(model=model, enable_prefix_caching=False, max_num_batched_tokens=length - 1,
-                             additional_config=policy("aligned")),  # fmt: skip
+        "split_at_P-1": dict(
+            model=model,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=length - 1,
+            additional_config=policy("aligned"),
+        ),  # fmt: skip
         "unsplit": dict(model=model, enable_prefix_caching=False, additional_config=policy("aligned")),
     }
 
@@ -54,7 +58,7 @@ def first_token_logprobs(config: dict, prompt: list[int]) -> dict[int, float]:
     done = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(config), json.dumps(prompt)], env=env,
                           capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return {int(t): v for t, v in json.loads(line[len("RESULT "):]).items()}
+    return {int(t): v for t, v in json.loads(line[len("RESULT ") :]).items()}
 
 
 def deviation(a: dict[int, float], b: dict[int, float]) -> float:

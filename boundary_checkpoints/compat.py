@@ -432,8 +432,11 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (Scheduler, "schedule", ()),
     (Scheduler, "update_from_output", ("scheduler_output", "model_runner_output")),
     (Scheduler, "_get_local_prefix_cache_hit", ("request",)),
-    (Scheduler, "_mamba_block_aligned_split",
-     ("request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens")),
+    (
+        Scheduler,
+        "_mamba_block_aligned_split",
+        ("request", "num_new_tokens", "num_new_local_computed_tokens", "num_external_computed_tokens"),
+    ),
     (Scheduler, "_free_request", ("request", "delay_free_blocks")),
     (Scheduler, "_preempt_request", ("request",)),
     (Scheduler, "reset_prefix_cache", ("reset_running_requests",)),

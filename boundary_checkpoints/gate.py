@@ -154,8 +154,7 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
     method = getattr(spec, "method", None)
     if method not in SUPPORTED_SPECULATIVE_METHODS:
         return [
-            f"speculative decoding method {method!r} is not supported (only single-module MTP and DFlash / "
-            "DFlash2 are)"
+            f"speculative decoding method {method!r} is not supported (only single-module MTP and DFlash / DFlash2 are)"
         ]
     reasons = []
     if method == "dflash":

@@ -122,7 +122,7 @@ def to_samples(payload: Mapping[str, int]) -> list[Sample]:
         else:
             for prefix, metric in _LABELLED_PREFIXES.items():
                 if name.startswith(prefix):
-                    samples.append(Sample(metric, (name[len(prefix):],), value, "counter"))
+                    samples.append(Sample(metric, (name[len(prefix) :],), value, "counter"))
                     break
     return samples
 

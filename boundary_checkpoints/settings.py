@@ -49,9 +49,7 @@ def qualified(key: str) -> str:
 def _check_policy(value: Any, name: str) -> str:
     allowed = ", ".join(POLICIES)
     if not isinstance(value, str):
-        raise BoundaryConfigError(
-            f"{name} must be a string, one of: {allowed} (got {type(value).__name__} {value!r})"
-        )
+        raise BoundaryConfigError(f"{name} must be a string, one of: {allowed} (got {type(value).__name__} {value!r})")
     if value not in POLICIES:
         raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {value!r})")
     return value
@@ -60,9 +58,7 @@ def _check_policy(value: Any, name: str) -> str:
 def _check_number(value: Any, name: str, range_text: str) -> float:
     # bool is an int subclass; True/False as a fraction or interval is always a mistake.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BoundaryConfigError(
-            f"{name} must be a number {range_text} (got {type(value).__name__} {value!r})"
-        )
+        raise BoundaryConfigError(f"{name} must be a number {range_text} (got {type(value).__name__} {value!r})")
     number = float(value)
     if not math.isfinite(number):
         raise BoundaryConfigError(f"{name} must be a finite number {range_text} (got {value!r})")
@@ -181,8 +177,7 @@ class BoundaryConfig:
         for key in section:
             if key not in allowed_keys:
                 raise BoundaryConfigError(
-                    f"{qualified(str(key))} is not a known key; allowed keys: "
-                    f"{', '.join(allowed_keys)}"
+                    f"{qualified(str(key))} is not a known key; allowed keys: {', '.join(allowed_keys)}"
                 )
         values = dict(section)
         env_policy = (os.environ if env is None else env).get(ENV_POLICY)

@@ -26,7 +26,7 @@ def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[di
                             timeout=timeout)  # fmt: skip
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX):]), result.stdout + result.stderr
+    return json.loads(lines[-1][len(RESULT_PREFIX) :]), result.stdout + result.stderr
 
 
 def probe_rows(info: dict, runs: tuple[str, ...] | None = None) -> dict:

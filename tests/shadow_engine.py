@@ -240,7 +240,9 @@ def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "config.json").exists():
         cfg = qwen3_next_config(
-            num_attention_heads=8, num_key_value_heads=num_kv_heads, max_position_embeddings=8192,
+            num_attention_heads=8,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=8192,
             num_nextn_predict_layers=1,  # one MTP module: spec_shadow.py's speculative layouts
         )
         cfg.architectures = ["Qwen3NextForCausalLM"]
@@ -339,13 +341,23 @@ def build_scheduler(
         cp_kv_cache_interleave_size=interleave,
         distributed_executor_backend="mp" if dcp > 1 else None,
         speculative_config=(
-            {"method": "dflash" if drafter else "mtp", "num_speculative_tokens": num_speculative_tokens,
-             **({"model": str(drafter)} if drafter else {})} if num_speculative_tokens else None
+            {
+                "method": "dflash" if drafter else "mtp",
+                "num_speculative_tokens": num_speculative_tokens,
+                **({"model": str(drafter)} if drafter else {}),
+            }
+            if num_speculative_tokens
+            else None
         ),  # fmt: skip
-        additional_config={"boundary_checkpoints": {
-            "policy": policy, "max_retained_fraction": max_retained_fraction, "prompt_checkpoints": prompt_checkpoints,
-            "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens, "prompt_capture": prompt_capture,
-        }},
+        additional_config={
+            "boundary_checkpoints": {
+                "policy": policy,
+                "max_retained_fraction": max_retained_fraction,
+                "prompt_checkpoints": prompt_checkpoints,
+                "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
+                "prompt_capture": prompt_capture,
+            }
+        },
     ).create_engine_config()
     cache = vllm_config.cache_config
     page = block_size * dcp  # the scheduler's block (a virtual page under DCP)
@@ -366,7 +378,10 @@ def build_scheduler(
             KVCacheGroupSpec(
                 [f"ssm.{g}"],
                 MambaSpec(
-                    block_size=page, shapes=((1, 1),), dtypes=(dtype,), mamba_cache_mode="align",
+                    block_size=page,
+                    shapes=((1, 1),),
+                    dtypes=(dtype,),
+                    mamba_cache_mode="align",
                     mamba_type=MambaAttentionBackendEnum.GDN_ATTN,  # Qwen3-Next's Gated DeltaNet
                     num_speculative_blocks=num_speculative_tokens,
                     num_prefill_checkpoint_blocks=int(prefill_checkpoint_alignment is not None),

@@ -164,7 +164,7 @@ class SpecShadowWorker(ShadowWorker):
         num_known = num - len(drafts)
         if start + num_known > len(req.tokens):
             raise ShadowMismatch(f"{req_id}: scheduled past its known tokens")
-        inputs = req.tokens[start:start + num_known] + drafts
+        inputs = req.tokens[start : start + num_known] + drafts
         states, chain = [], req.prefix_state(start)
         for token in inputs:
             chain = advance(chain, token)
@@ -238,7 +238,7 @@ class SpecShadowWorker(ShadowWorker):
         if num_drafts:
             for t in range(num_drafts + 1):
                 self.states[blocks[column + t]] = states[len(states) - 1 - num_drafts + t]
-            self.conv[blocks[column]] = [JUNK] * (k - num_drafts) + states[len(states) - 1 - num_drafts:]
+            self.conv[blocks[column]] = [JUNK] * (k - num_drafts) + states[len(states) - 1 - num_drafts :]
         else:
             self.states[blocks[column]] = states[-1]
             self.conv[blocks[column]] = [states[-1]] + [JUNK] * k

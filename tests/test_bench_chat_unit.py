@@ -148,18 +148,30 @@ def test_lost_hits_counts_requests_cached_below_stock():
 
 def test_no_lost_hits_and_no_stock_label():
     records = [_rec("aligned", 256, conv=c) for c in range(3)] + [
-        _rec("request_boundaries", cached, conv=c) for c, cached in enumerate((256, 300, 511))]
+        _rec("request_boundaries", cached, conv=c) for c, cached in enumerate((256, 300, 511))
+    ]
     assert stats.lost_hits(records, LABELS) == {"request_boundaries": {"requests": 0, "tokens_lost": 0, "compared": 3}}
     assert stats.lost_hits(records, ["request_boundaries", "x"]) is None
 
 
 def _level(lost, labels=LABELS):
     spread = {"median": 1.0, "p25": 1.0, "p75": 1.0, "n": 1}
-    return {"in_flight": 1, "conversations": 2, "rounds": [{"policies": {p: {"errors": 0} for p in labels}}],
-            "summary": {"policies": {p: {"requests": spread} for p in labels}, "floor": None, "ratios": {},
-                        "per_turn": {p: {"1": {"requests": 2, "prompt_tokens": 200, "boundary": 0,
-                                               "cached_tokens": 76.5, "ttft_p50_s": 0.1}} for p in labels},
-                        "lost_hits": lost, "turn1_cached_median": {"aligned": 0.0, "request_boundaries": 153.0}}}
+    return {
+        "in_flight": 1,
+        "conversations": 2,
+        "rounds": [{"policies": {p: {"errors": 0} for p in labels}}],
+        "summary": {
+            "policies": {p: {"requests": spread} for p in labels},
+            "floor": None,
+            "ratios": {},
+            "per_turn": {
+                p: {"1": {"requests": 2, "prompt_tokens": 200, "boundary": 0, "cached_tokens": 76.5, "ttft_p50_s": 0.1}}
+                for p in labels
+            },
+            "lost_hits": lost,
+            "turn1_cached_median": {"aligned": 0.0, "request_boundaries": 153.0},
+        },
+    }
 
 
 def _result(labels=LABELS, mode="chat"):
@@ -259,8 +271,13 @@ def _chat_stub(cache: bool):
             for i, tok in enumerate(answer):
                 text = f"{' ' if i else ''}w{tok}"
                 choice = {"delta": {"content": text}} if chat else {"text": text}
-                chunks.append({"choices": [{**choice, "token_ids": [tok],
-                                            "finish_reason": "length" if i == len(answer) - 1 else None}]})
+                chunks.append(
+                    {
+                        "choices": [
+                            {**choice, "token_ids": [tok], "finish_reason": "length" if i == len(answer) - 1 else None}
+                        ]
+                    }
+                )
             chunks.append({"choices": [], "usage": usage})
             for chunk in chunks if chat else chunks[1:]:
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())

@@ -191,6 +191,7 @@ def test_spreads_over_rounds_ratios_and_the_decode_target():
 
 def _result_and_level(acceptance: tuple[float, float] | None) -> tuple[dict, dict]:
     """A two-round result at one level; ``acceptance`` (stock, plugin) per round, or None."""
+
     def summary(decode: float, accepted: float | None) -> dict:
         return {"requests": 4, "errors": 0, "output_throughput_tok_s": 50.0, "decode_throughput_tok_s": decode,
                 "mean_acceptance_length": accepted, "prefill_tokens": 100, "prefill_cont_tokens": 50,

@@ -77,8 +77,9 @@ def test_conversation_boundaries_follow_previous_turn(stub_url):
 def test_table_shows_what_the_cold_comparison_measured():
     row = dict(prompt_tokens=10, boundary=0, cached_tokens=0, ttft_s=0.1, latency_s=0.2, answer_ids=[1, 2])
     results = {
-        "request_boundaries": [demo.TurnResult(turn=1, vs_cold="tie", first_token_delta=0.0021, parts_at=7,
-                                               cold_gap=0.0312, **row)],  # fmt: skip
+        "request_boundaries": [
+            demo.TurnResult(turn=1, vs_cold="tie", first_token_delta=0.0021, parts_at=7, cold_gap=0.0312, **row)
+        ],  # fmt: skip
         "aligned": [demo.TurnResult(turn=1, vs_cold="identical", first_token_delta=0.0, **row)],
     }
     table = demo.format_table(["request_boundaries", "aligned"], results)
@@ -118,8 +119,10 @@ def test_verdict_names_the_turns_that_missed_and_the_largest_delta():
     results = [_turn(1, 0, 0, 0.0), _turn(2, 431, 431, 0.01), _turn(3, 523, 256, 0.74),
                _turn(4, 615, 512, 0.02, parts_at=0, cold_gap=0.9), _turn(5, 707, 707, 0.0)]  # fmt: skip
     line = demo.verdict("plugin", results)
-    assert line.startswith("verdict (plugin): turns 3-4 did not restore at their boundary (cached/boundary "
-                           "256/523, 512/615); largest first-token delta 0.7400 (turn 3) is above bf16 noise")
+    assert line.startswith(
+        "verdict (plugin): turns 3-4 did not restore at their boundary (cached/boundary "
+        "256/523, 512/615); largest first-token delta 0.7400 (turn 3) is above bf16 noise"
+    )
     assert "off a near-tie: turn 4 at token 0 (gap 0.900)" in line
     assert line != demo.verdict("plugin", [_turn(1, 0, 0), _turn(2, 431, 431)])
     one = demo.verdict("plugin", [_turn(1, 0, 0, None), _turn(2, 431, None, None)])
@@ -131,7 +134,8 @@ def test_verdict_for_stock_counts_boundary_restores():
     results = [_turn(1, 0, 0), _turn(2, 431, 0), _turn(3, 523, 256)]
     assert demo.verdict("stock", results, expects_boundary=False).startswith(
         "verdict (stock): 0 of 2 later turns restored at their boundary (stock resumes on its block grid); "
-        "first-token deltas within bf16 noise")
+        "first-token deltas within bf16 noise"
+    )
     assert "a single turn" in demo.verdict("plugin", results[:1])
 
 
@@ -149,7 +153,7 @@ vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 4000.0
 def test_server_counters_agree_with_the_table_and_the_lagging_log_line_is_labelled():
     counters = demo.parse_checkpoint_counters(METRICS)
     assert counters == {"hits": {"prompt": 0.0, "response": 7.0}, "misses": {"no_checkpoint": 10.0, "diverged": 0.0}}
-    assert demo.parse_checkpoint_counters("vllm:prefix_cache_hits_total{engine=\"0\"} 3.0\n") is None
+    assert demo.parse_checkpoint_counters('vllm:prefix_cache_hits_total{engine="0"} 3.0\n') is None
     results = [_turn(1, 0, 0)] + [_turn(t, 300 + 92 * t, 300 + 92 * t) for t in range(2, 9)]
     line = demo.counter_line("plugin", results, counters, {"hits": 5, "misses": 8})
     first, second = line.splitlines()
@@ -190,9 +194,7 @@ def test_build_command_uses_module_form_and_policy():
     cmd = server.build_command("/m", 1234, additional_config=server.policy_config("aligned"))
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--port") + 1] == "1234"
-    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {
-        "boundary_checkpoints": {"policy": "aligned"}
-    }
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"boundary_checkpoints": {"policy": "aligned"}}
     for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"):
         assert flag in cmd
 
@@ -356,13 +358,16 @@ def test_probe_failures_accepts_a_divergence_at_a_near_tie_only():
     assert state_failures("c", row.restored, row.cold, _bounds(tie=0.01))  # 0.05 apart: not a tie
 
 
-@pytest.mark.parametrize("bad", [
-    dict(resend_cached=143),  # a resend that missed P - 1
-    dict(resend_cached=145),  # more than P - 1: not the boundary
-    dict(restored_cached=146),  # a continuation short of the committed length (147)
-    dict(restored_cached=148),  # or beyond it
-    dict(first=0.2),  # restored first-token logprobs outside the bound
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(resend_cached=143),  # a resend that missed P - 1
+        dict(resend_cached=145),  # more than P - 1: not the boundary
+        dict(restored_cached=146),  # a continuation short of the committed length (147)
+        dict(restored_cached=148),  # or beyond it
+        dict(first=0.2),  # restored first-token logprobs outside the bound
+    ],
+)
 def test_probe_failures_flags_any_inexact_row(bad):
     from boundary_checkpoints.bench.probes import probe_failures
 

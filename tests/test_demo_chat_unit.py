@@ -52,8 +52,17 @@ class _ChatStub(BaseHTTPRequestHandler):
         prompt_ids = list(range(len(prompt)))
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
                  "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-        top = [{"token": f"token_id:{t}", "logprob": -0.5, "top_logprobs": [
-            {"token": f"token_id:{t}", "logprob": -0.5}, {"token": "token_id:9", "logprob": -0.75}]} for t in ids]
+        top = [
+            {
+                "token": f"token_id:{t}",
+                "logprob": -0.5,
+                "top_logprobs": [
+                    {"token": f"token_id:{t}", "logprob": -0.5},
+                    {"token": "token_id:9", "logprob": -0.75},
+                ],
+            }
+            for t in ids
+        ]
         finish = "stop" if eos else "length"
         if not body.get("stream"):
             payload = {"prompt_token_ids": prompt_ids, "usage": usage, "choices": [{

@@ -140,7 +140,7 @@ def test_window_plan_nulls_below_the_window_and_keeps_every_page_in_it(n, first)
     blocks = [NULL] * first + live[first:]  # the producer's table: vLLM already freed the pages below f
     plan = window_plan(n, blocks)
     assert plan is not None
-    assert plan.shared[0] == (NULL,) * first + tuple(live[first:n // 4])
+    assert plan.shared[0] == (NULL,) * first + tuple(live[first : n // 4])
     assert plan.sources[0] == (live[n // 4] if n % 4 else None)
 
 

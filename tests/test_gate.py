@@ -328,8 +328,12 @@ def test_a_custom_scheduler_extending_the_mixin_is_kept():
     assert extends_boundary_scheduler(f"{BoundaryScheduler.__module__}.BoundaryScheduler")
     foreign = supported_fake(scheduler_config=SimpleNamespace(scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler"))
     assert any("custom scheduler class" in r for r in unsupported_reasons(foreign))
-    assert any("custom scheduler class" in r for r in unsupported_reasons(supported_fake(
-        scheduler_config=SimpleNamespace(scheduler_cls="no_such_module.Scheduler"))))
+    assert any(
+        "custom scheduler class" in r
+        for r in unsupported_reasons(
+            supported_fake(scheduler_config=SimpleNamespace(scheduler_cls="no_such_module.Scheduler"))
+        )
+    )
 
 
 def test_vllm_interface_mismatches_block_boundaries():
@@ -522,8 +526,16 @@ def test_dflash_drafters_above_k3_are_unvalidated(architecture, k):
         (supported_fake(speculative_config=SimpleNamespace(method="eagle3")), "method 'eagle3' is not supported"),
         (supported_fake(speculative_config=SimpleNamespace(method="ngram")), "method 'ngram' is not supported"),
     ],
-    ids=["multi_module_mtp", "dynamic", "lilicorr", "dflash_no_drafter", "dflash_adaptive", "dflash_dynamic",
-         "eagle3", "ngram"],
+    ids=[
+        "multi_module_mtp",
+        "dynamic",
+        "lilicorr",
+        "dflash_no_drafter",
+        "dflash_adaptive",
+        "dflash_dynamic",
+        "eagle3",
+        "ngram",
+    ],
 )
 def test_speculative_configs_that_cannot_work_are_refused(fake, text):
     """Refused at startup under request_boundaries, naming the reason; auto falls back with it."""

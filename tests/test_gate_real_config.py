@@ -32,13 +32,26 @@ def hybrid_dir(tmp_path_factory):
     """A tiny Qwen3-Next (3 Gated DeltaNet layers + 1 attention layer), config.json only."""
     path = tmp_path_factory.mktemp("tiny_qwen3_next")
     transformers.Qwen3NextConfig(
-        vocab_size=1024, hidden_size=256, num_hidden_layers=4, full_attention_interval=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_conv_kernel_dim=4,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[],
-        intermediate_size=512, dtype="bfloat16",
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        intermediate_size=512,
+        dtype="bfloat16",
         # Without an explicit architecture vLLM resolves Qwen3NextModel as a *pooling* model.
         architectures=["Qwen3NextForCausalLM"],
     ).save_pretrained(path)
@@ -50,8 +63,14 @@ def dense_dir(tmp_path_factory):
     """A tiny dense Qwen3 (attention only), config.json only."""
     path = tmp_path_factory.mktemp("tiny_qwen3")
     transformers.Qwen3Config(
-        vocab_size=1024, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, intermediate_size=512, dtype="bfloat16",
+        vocab_size=1024,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        dtype="bfloat16",
         architectures=["Qwen3ForCausalLM"],
     ).save_pretrained(path)
     return str(path)
@@ -59,7 +78,10 @@ def dense_dir(tmp_path_factory):
 
 def build(engine_args_cls, model_dir, **overrides):
     kwargs = dict(
-        model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=True, dtype="bfloat16",
+        model=model_dir,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        dtype="bfloat16",
         max_model_len=2048,
     )
     kwargs.update(overrides)
@@ -118,8 +140,11 @@ def with_mtp_layers(model_dir: str, tmp_path, num_mtp_layers: int) -> str:
 def test_single_module_mtp_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path, k, validated):
     """One MTP module: validated up to k = 3 (auto turns on), above it not (auto falls back);
     an explicit request_boundaries runs either way."""
-    cfg = build(engine_args_cls, with_mtp_layers(hybrid_dir, tmp_path, 1),
-                speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    cfg = build(
+        engine_args_cls,
+        with_mtp_layers(hybrid_dir, tmp_path, 1),
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+    )
     assert cfg.num_prefill_lookahead_tokens == 1
     assert unsupported_reasons(cfg) == []
     auto = decide_policy(BoundaryConfig(), cfg)
@@ -130,8 +155,11 @@ def test_single_module_mtp_on_a_real_config(engine_args_cls, hybrid_dir, tmp_pat
 
 def test_multi_module_mtp_is_refused_on_a_real_config(engine_args_cls, hybrid_dir, tmp_path):
     """Two MTP modules and k = 2: a prefill lookahead of 2, which livelocks the P - 1 stop."""
-    cfg = build(engine_args_cls, with_mtp_layers(hybrid_dir, tmp_path, 2),
-                speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    cfg = build(
+        engine_args_cls,
+        with_mtp_layers(hybrid_dir, tmp_path, 2),
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
     assert cfg.num_prefill_lookahead_tokens == 2
     with pytest.raises(BoundaryConfigError, match="multi-module MTP"):
         decide_policy(BoundaryConfig(policy="request_boundaries"), cfg)
@@ -160,9 +188,7 @@ def test_nemotron_h_is_validated(engine_args_cls, family_dir):
     cfg = build(engine_args_cls, family_dir("nemotron_h"))
     assert cfg.model_config.is_hybrid and cfg.cache_config.mamba_cache_mode == "align"
     assert unsupported_reasons(cfg) == []
-    assert decide_policy(BoundaryConfig(), cfg).summary() == (
-        "boundary_checkpoints: policy=auto -> request_boundaries"
-    )
+    assert decide_policy(BoundaryConfig(), cfg).summary() == ("boundary_checkpoints: policy=auto -> request_boundaries")
 
 
 def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_dir):

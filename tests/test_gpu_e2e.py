@@ -70,9 +70,7 @@ def probe_results(tiny_model_dir):
         bounds = calibrate(reference_pairs(results["request_boundaries"][1], results["aligned"][1]))
         payload = {p: {"setup": s, "rows": [r.as_dict() for r in rows]} for p, (s, rows) in results.items()}
         save_json("gpu-probes.json", {**payload, "bounds": bounds.as_dict()})
-        text = "\n\n".join(
-            f"## {p}\n{json.dumps(s)}\n\n{summarize(rows, bounds)}" for p, (s, rows) in results.items()
-        )
+        text = "\n\n".join(f"## {p}\n{json.dumps(s)}\n\n{summarize(rows, bounds)}" for p, (s, rows) in results.items())
         (out / "gpu-probes.md").write_text(text + "\n")
     return results
 

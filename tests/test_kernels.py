@@ -43,8 +43,13 @@ def random_caches(device: str, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     caches = []
     for shape, dtype in LAYOUTS:
-        raw = torch.randint(0, 256, (NUM_BLOCKS, *shape, torch.empty(0, dtype=dtype).element_size()),
-                            generator=generator, dtype=torch.uint8)
+        raw = torch.randint(
+            0,
+            256,
+            (NUM_BLOCKS, *shape, torch.empty(0, dtype=dtype).element_size()),
+            generator=generator,
+            dtype=torch.uint8,
+        )
         caches.append(raw.view(dtype).view(NUM_BLOCKS, *shape).to(device))
     return caches
 
@@ -141,9 +146,21 @@ def test_copy_pages_cpu_under_triton_interpreter():
     """Re-runs the CPU cases in a fresh process with TRITON_INTERPRET=1 (set before Triton loads)."""
     env = dict(os.environ, TRITON_INTERPRET="1", BC_EXPECT_TRITON="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "(test_copy_pages_cpu or many_pairs or warm_up) and not interpreter and not gpu"],  # fmt: skip
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "(test_copy_pages_cpu or many_pairs or warm_up) and not interpreter and not gpu",
+        ],  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"{len(PAIRS) + 2} passed" in result.stdout

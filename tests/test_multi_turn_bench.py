@@ -194,7 +194,7 @@ def test_prompts_across_turns_extend_the_previous_prompt_and_answer():
         previous = prompt
         prompt = wl.next_prompt(previous, answers[k - 1], plan.user_turns[k])
         assert prompt[: len(previous)] == previous
-        assert prompt[len(previous): len(previous) + 6] == answers[k - 1]
+        assert prompt[len(previous) : len(previous) + 6] == answers[k - 1]
         assert prompt[-10:] == list(plan.user_turns[k])
         boundary = wl.exact_boundary(len(previous), len(answers[k - 1]))
         assert boundary == len(previous) + 6 - 1
@@ -387,13 +387,17 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
     records = result["records"]
     for level in result["levels"]:
         assert [rd["order"] for rd in level["rounds"]] == [
-            ["aligned", "request_boundaries"], ["request_boundaries", "aligned"], ["aligned", "request_boundaries"]]
+            ["aligned", "request_boundaries"],
+            ["request_boundaries", "aligned"],
+            ["aligned", "request_boundaries"],
+        ]
         for rd in level["rounds"]:  # the order is the order the slots really ran in
             rows = [r for r in records if r["in_flight"] == level["in_flight"] and r["round"] == rd["round"]
                     and r["phase"] == "conversation"]  # fmt: skip
             first, second = rd["order"]
             assert max(r["end_s"] for r in rows if r["policy"] == first) <= min(
-                r["start_s"] for r in rows if r["policy"] == second)
+                r["start_s"] for r in rows if r["policy"] == second
+            )
         summary = level["summary"]
         ttft = summary["policies"]["request_boundaries"]["ttft_turn1_p50_s"]
         assert ttft["n"] == 3 and ttft["p25"] <= ttft["median"] <= ttft["p75"]
@@ -505,6 +509,7 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
             return 0
 
         monkeypatch.setattr(server_mod, "start_server", lambda model, log_path, **kw: Fake(model, log_path, **kw))
+
         def healthy(server, timeout):
             events.append(("healthy", server.label))
             return 0.5

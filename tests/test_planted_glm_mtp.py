@@ -94,7 +94,7 @@ def load_target(model_dir):
     for name, tensor in w.items():
         if not name.startswith("model.") or name.startswith(MTP):
             continue
-        name = name[len("model."):]
+        name = name[len("model.") :]
         for part in ("A_log", "dt_bias", "f_a_proj", "f_b_proj"):
             name = name.replace(f"self_attn.{part}", f"self_attn.forget_gate.{part}")
         if name.endswith("self_attn.q_conv1d.weight"):

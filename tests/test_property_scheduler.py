@@ -81,9 +81,7 @@ else:
 BOUNDARY_EXAMPLES = 300 if TARGET_OPS else 60
 
 
-prompt_lengths = st.one_of(
-    st.integers(1, 70), st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65])
-)
+prompt_lengths = st.one_of(st.integers(1, 70), st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65]))
 max_tokens = st.integers(1, 10)
 stops = st.one_of(st.none(), st.integers(0, 9))
 picks = st.integers(0, 1000)

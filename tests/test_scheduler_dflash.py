@@ -175,7 +175,7 @@ def test_every_group_resumes_at_the_same_token_with_private_tails(model_dir, dra
         first = first_window_page(n, size, WINDOW) if kind == "window" else 0
         assert [b.is_null for b in blocks] == [True] * first + [False] * (len(blocks) - first)
         assert [b.is_null for b in table[:first]] == [True] * first
-        assert table[first:n // size] == blocks[first:n // size]  # full pages shared by reference
+        assert table[first : n // size] == blocks[first : n // size]  # full pages shared by reference
         if n % size:
             assert table[n // size] is not blocks[n // size]  # the tail: a private copy-on-write page
     driver.finish([consumer])
@@ -268,7 +268,7 @@ def test_a_hole_let_through_is_a_wrong_draft(model_dir, drafter, monkeypatch):
         plan = plan_bundle(geometries, request_blocks, num_tokens, null_block, state_end)
         shared = list(plan.shared)
         first = first_window_page(num_tokens, BLOCK, WINDOW)
-        shared[WINDOW_GROUP] = (*shared[WINDOW_GROUP][:first], null_block, *shared[WINDOW_GROUP][first + 1:])
+        shared[WINDOW_GROUP] = (*shared[WINDOW_GROUP][:first], null_block, *shared[WINDOW_GROUP][first + 1 :])
         return type(plan)(plan.num_tokens, tuple(shared), plan.sources)
 
     monkeypatch.setattr(capture_module, "plan_bundle", leaky_plan)

@@ -27,6 +27,7 @@ def run_until(driver: Driver, condition, limit: int = 200) -> None:
 
 # ---- reset while bundles are pending ----------------------------------------------------------
 
+
 def _capture_planned(scheduler) -> bool:
     return any(p.ready_seq is None for p in scheduler._pending)
 
@@ -104,6 +105,7 @@ def test_pause_abort_then_reset_succeeds(model_dir):
 
 
 # ---- pressure --------------------------------------------------------------------------------
+
 
 def _fill_store(model_dir, conversations: int):
     scheduler, worker = build_scheduler(model_dir, num_blocks=64, max_retained_fraction=1.0)
@@ -222,6 +224,7 @@ def test_an_oversize_newcomer_is_refused_without_evicting_older_bundles(model_di
 
 # ---- branches ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("prompt_capture", ["in_step", "stop"])
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
 @pytest.mark.parametrize("lengths", [(3, 6), (6, 3)], ids=["owner-first", "owner-last"])
@@ -272,6 +275,7 @@ def test_sequential_edits_of_a_turn_each_restore(model_dir):
 
 # ---- unusable boundaries, misses --------------------------------------------------------------
 
+
 def test_no_checkpoint_at_max_model_len_minus_one(model_dir):
     scheduler, worker = build_scheduler(model_dir, max_model_len=64)
     driver = Driver(scheduler, worker)
@@ -314,6 +318,7 @@ def test_an_aborted_response_is_counted(model_dir):
 
 
 # ---- a cyclic workload larger than the budget ----------------------------------------------------
+
 
 def cyclic_exact_hits(model_dir, protect: bool, conversations: int = 12, turns: int = 5) -> tuple[int, int]:
     """Round-robin turns of ``conversations`` (each comes back after all the others), a retention

@@ -45,8 +45,16 @@ def test_public_constants():
 
 
 def test_all_fields_parsed():
-    cfg = parse({"policy": "request_boundaries", "max_retained_fraction": 1, "stats_log_interval_s": 0,
-                 "prompt_checkpoints": False, "prompt_checkpoint_min_tokens": 512, "prompt_capture": "stop"})
+    cfg = parse(
+        {
+            "policy": "request_boundaries",
+            "max_retained_fraction": 1,
+            "stats_log_interval_s": 0,
+            "prompt_checkpoints": False,
+            "prompt_checkpoint_min_tokens": 512,
+            "prompt_capture": "stop",
+        }
+    )
     assert cfg.prompt_checkpoints is False
     assert cfg.prompt_capture == "stop"
     assert cfg.prompt_checkpoint_min_tokens == 512

@@ -70,9 +70,9 @@ def test_glm5_next_mtp_is_glm5_next_plus_one_mtp_layer(family_dirs):
     assert set(base) < set(mtp) and all(torch.equal(base[name], mtp[name]) for name in base)
     extra = set(mtp) - set(base)
     assert all(name.startswith("model.layers.4.") for name in extra), sorted(extra)
-    layer3 = {name[len("model.layers.3."):] for name in base if name.startswith("model.layers.3.")}
+    layer3 = {name[len("model.layers.3.") :] for name in base if name.startswith("model.layers.3.")}
     own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "embed_tokens.weight"}
-    assert {name[len("model.layers.4."):] for name in extra} == layer3 | own
+    assert {name[len("model.layers.4.") :] for name in extra} == layer3 | own
     assert mtp["model.layers.4.eh_proj.weight"].shape == (256, 512)
     config = vllm_hf_config(family_dirs["glm5_next_mtp"])
     assert config.model_type == "glm5_next"

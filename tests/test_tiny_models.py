@@ -102,9 +102,7 @@ def test_reuses_complete_directory_and_rebuilds_other_seed(built, tmp_path):
     tm.make_tiny_model(target, seed=1)  # another seed rebuilds in place
     assert tm.read_marker(target)["seed"] == 1
     assert not tm.is_complete(target, seed=0)
-    assert (target / "model.safetensors").read_bytes() == (
-        built["c"] / "model.safetensors"
-    ).read_bytes()
+    assert (target / "model.safetensors").read_bytes() == (built["c"] / "model.safetensors").read_bytes()
 
 
 def test_truncated_file_is_not_complete(built, tmp_path):
@@ -166,8 +164,8 @@ def test_mtp_family_adds_one_mtp_layer_to_the_same_base_weights(built, tmp_path)
     extra = {name: tensor.shape for name, tensor in weights.items() if name not in base}
     assert all(name.startswith("mtp.") for name in extra)
     assert extra["mtp.fc.weight"] == (256, 512)
-    layer = {name[len("model.layers.3."):]: t.shape for name, t in base.items() if name.startswith("model.layers.3.")}
-    assert {name[len("mtp.layers.0."):]: s for name, s in extra.items() if name.startswith("mtp.layers.0.")} == layer
+    layer = {name[len("model.layers.3.") :]: t.shape for name, t in base.items() if name.startswith("model.layers.3.")}
+    assert {name[len("mtp.layers.0.") :]: s for name, s in extra.items() if name.startswith("mtp.layers.0.")} == layer
     assert {"mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"} <= set(extra)
     config = json.loads((target / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1

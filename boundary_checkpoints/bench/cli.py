@@ -90,102 +90,208 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsOnceHelpFormatter,
     )
     tgt = p.add_argument_group("target")
-    tgt.add_argument("--url", action="append", default=[],
-                     help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeatable: one per --label)")
-    tgt.add_argument("--label", action="append", default=[],
-                     help="--url: the name of each server in the report (e.g. aligned, request_boundaries)")
-    tgt.add_argument("--server-log", action="append", default=[],
-                     help="--url: each server's log (plugin stats, block size), in --url order")
+    tgt.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeatable: one per --label)",
+    )
+    tgt.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="--url: the name of each server in the report (e.g. aligned, request_boundaries)",
+    )
+    tgt.add_argument(
+        "--server-log",
+        action="append",
+        default=[],
+        help="--url: each server's log (plugin stats, block size), in --url order",
+    )
     tgt.add_argument("--launch", metavar="MODEL_DIR", help="launch vLLM servers for this model directory")
     tgt.add_argument("--model", help="served model name (--url: required; --launch: default the directory name)")
-    tgt.add_argument("--policies", default=f"{STOCK_POLICY},{PLUGIN_POLICY}",
-                     help="--launch: comma-separated policies, one server each")
-    tgt.add_argument("--variant", action="append", default=[], metavar="LABEL=JSON",
-                     help="--launch: one more server named LABEL whose boundary_checkpoints section is JSON "
-                          "(repeatable), e.g. 'no_prompt={\"policy\": \"request_boundaries\", "
-                          "\"prompt_checkpoints\": false}'")
-    tgt.add_argument("--variant-arg", action="append", default=[], metavar="LABEL=FLAGS",
-                     help="--launch: extra vLLM flags (shell-split) for the server LABEL only, after --server-arg; "
-                          "repeatable. Stock at its best setting beside the default: --variant "
-                          "'aligned_unit16={\"policy\": \"aligned\"}' --variant-arg "
-                          "'aligned_unit16=--prefix-match-unit 16'")
-    tgt.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                     help="--launch: extra vLLM flag(s), repeatable, shell-split (e.g. "
-                          "--server-arg='--load-format dummy'); later flags override the launcher's defaults")
-    tgt.add_argument("--additional-config", default=None, metavar="JSON",
-                     help="--launch: extra keys merged into every server's --additional-config")
-    tgt.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
-                     help="--launch: extra environment variable for the servers, repeatable")
+    tgt.add_argument(
+        "--policies",
+        default=f"{STOCK_POLICY},{PLUGIN_POLICY}",
+        help="--launch: comma-separated policies, one server each",
+    )
+    tgt.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="--launch: one more server named LABEL whose boundary_checkpoints section is JSON "
+        '(repeatable), e.g. \'no_prompt={"policy": "request_boundaries", '
+        '"prompt_checkpoints": false}\'',
+    )
+    tgt.add_argument(
+        "--variant-arg",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="--launch: extra vLLM flags (shell-split) for the server LABEL only, after --server-arg; "
+        "repeatable. Stock at its best setting beside the default: --variant "
+        '\'aligned_unit16={"policy": "aligned"}\' --variant-arg '
+        "'aligned_unit16=--prefix-match-unit 16'",
+    )
+    tgt.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--launch: extra vLLM flag(s), repeatable, shell-split (e.g. "
+        "--server-arg='--load-format dummy'); later flags override the launcher's defaults",
+    )
+    tgt.add_argument(
+        "--additional-config",
+        default=None,
+        metavar="JSON",
+        help="--launch: extra keys merged into every server's --additional-config",
+    )
+    tgt.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--launch: extra environment variable for the servers, repeatable",
+    )
     tgt.add_argument("--host", default="127.0.0.1", help="--launch: the address the servers listen on")
-    tgt.add_argument("--port", type=int, default=None,
-                     help="--launch: the first server's port, the others follow (default: free ports)")
-    tgt.add_argument("--relaunch", action="store_true",
-                     help="--launch: one server at a time, started and stopped around each slot "
-                          "(default: every server up at once)")
-    tgt.add_argument("--start-one-by-one", action="store_true",
-                     help="--launch: start each server once the previous one is healthy (all stay up): "
-                          "vLLM's memory profile counts what servers starting beside it take on the GPU")
-    tgt.add_argument("--startup-timeout", type=float, default=900.0,
-                     help="--launch: seconds a server may take to answer /health")
+    tgt.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="--launch: the first server's port, the others follow (default: free ports)",
+    )
+    tgt.add_argument(
+        "--relaunch",
+        action="store_true",
+        help="--launch: one server at a time, started and stopped around each slot (default: every server up at once)",
+    )
+    tgt.add_argument(
+        "--start-one-by-one",
+        action="store_true",
+        help="--launch: start each server once the previous one is healthy (all stay up): "
+        "vLLM's memory profile counts what servers starting beside it take on the GPU",
+    )
+    tgt.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="--launch: seconds a server may take to answer /health"
+    )
     tgt.add_argument("--log-dir", default=None, help="--launch: server logs (default: a new temp dir)")
-    tgt.add_argument("--stats-log-interval", type=float, default=1.0,
-                     help="plugin stats_log_interval_s (seconds between its bytes_retained lines)")
-    tgt.add_argument("--no-plugin-log-config", dest="plugin_log_config", action="store_false",
-                     help="--launch: do not route the plugin's INFO log lines into the server log")
+    tgt.add_argument(
+        "--stats-log-interval",
+        type=float,
+        default=1.0,
+        help="plugin stats_log_interval_s (seconds between its bytes_retained lines)",
+    )
+    tgt.add_argument(
+        "--no-plugin-log-config",
+        dest="plugin_log_config",
+        action="store_false",
+        help="--launch: do not route the plugin's INFO log lines into the server log",
+    )
     wl = p.add_argument_group("workload")
-    wl.add_argument("--mode", choices=MODES, default="tokens",
-                    help="tokens: /v1/completions with token-id prompts; chat: /v1/chat/completions with "
-                         "messages (a system message shared by every conversation of a slot, a user message "
-                         "per turn, each answer sent back as an assistant message)")
-    wl.add_argument("--tokenizer", metavar="DIR", default=None,
-                    help="--mode chat: draw the messages' words from DIR/tokenizer.json, one token each "
-                         "(default: --launch's model directory; without one, or a tokenizer without enough "
-                         "single-token words, the tiny model's words w8..w1023)")
-    wl.add_argument("-N", "--conversations", type=int, default=4,
-                    help="conversations per slot (at least the in-flight level)")
+    wl.add_argument(
+        "--mode",
+        choices=MODES,
+        default="tokens",
+        help="tokens: /v1/completions with token-id prompts; chat: /v1/chat/completions with "
+        "messages (a system message shared by every conversation of a slot, a user message "
+        "per turn, each answer sent back as an assistant message)",
+    )
+    wl.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        default=None,
+        help="--mode chat: draw the messages' words from DIR/tokenizer.json, one token each "
+        "(default: --launch's model directory; without one, or a tokenizer without enough "
+        "single-token words, the tiny model's words w8..w1023)",
+    )
+    wl.add_argument(
+        "-N", "--conversations", type=int, default=4, help="conversations per slot (at least the in-flight level)"
+    )
     wl.add_argument("-T", "--turns", type=int, default=4, help="turns per conversation")
-    wl.add_argument("-S", "--system-tokens", type=int, default=300,
-                    help="system-like prefix ids of each conversation's turn 1 (chat: words of the system message)")
-    wl.add_argument("-U", "--user-tokens", type=int, default=60,
-                    help="new user ids per turn (chat: words of each user message)")
+    wl.add_argument(
+        "-S",
+        "--system-tokens",
+        type=int,
+        default=300,
+        help="system-like prefix ids of each conversation's turn 1 (chat: words of the system message)",
+    )
+    wl.add_argument(
+        "-U", "--user-tokens", type=int, default=60, help="new user ids per turn (chat: words of each user message)"
+    )
     wl.add_argument("-A", "--answer-tokens", type=int, default=32, help="tokens per answer (max_tokens, ignore_eos)")
-    wl.add_argument("-C", "--in-flight", default="2",
-                    help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)")
-    wl.add_argument("--turn1-only", action="store_true",
-                    help="every conversation one turn (-T ignored); tokens mode: each with its own system ids, "
-                         "nothing is reused; chat mode: all share the system message")
+    wl.add_argument(
+        "-C",
+        "--in-flight",
+        default="2",
+        help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)",
+    )
+    wl.add_argument(
+        "--turn1-only",
+        action="store_true",
+        help="every conversation one turn (-T ignored); tokens mode: each with its own system ids, "
+        "nothing is reused; chat mode: all share the system message",
+    )
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
-    wl.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                    help="start a round only if it is expected to end within SECONDS of the run's start "
-                         "(server starts included; estimate: the longest round so far), stop a server still "
-                         "starting when it ends, and report the rounds that ran: for runs under a hard time "
-                         "limit (leave the stop's grace, up to 25 s per server, before that limit)")
+    wl.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="start a round only if it is expected to end within SECONDS of the run's start "
+        "(server starts included; estimate: the longest round so far), stop a server still "
+        "starting when it ends, and report the rounds that ran: for runs under a hard time "
+        "limit (leave the stop's grace, up to 25 s per server, before that limit)",
+    )
     wl.add_argument("--seed", type=int, default=0, help="seed of the workload's random ids")
-    wl.add_argument("--vocab-size", type=int, default=None,
-                    help="random ids come from [4, vocab) (default: the model directory's config.json)")
+    wl.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="random ids come from [4, vocab) (default: the model directory's config.json)",
+    )
     wl.add_argument("--warmup", type=int, default=1, help="throw-away 2-turn conversations per server start")
     wl.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     fl = p.add_argument_group("floor")
-    fl.add_argument("--floor", dest="floor", action="store_true", default=None,
-                    help="measure the floor (default: on with --launch when aligned is a policy; off with --url)")
+    fl.add_argument(
+        "--floor",
+        dest="floor",
+        action="store_true",
+        default=None,
+        help="measure the floor (default: on with --launch when aligned is a policy; off with --url)",
+    )
     fl.add_argument("--no-floor", dest="floor", action="store_false", help="do not measure the floor")
-    fl.add_argument("--block-size", type=int, default=None,
-                    help="engine block size B (default: parsed from the server log)")
+    fl.add_argument(
+        "--block-size", type=int, default=None, help="engine block size B (default: parsed from the server log)"
+    )
     out = p.add_argument_group("output")
     out.add_argument("--out-json", default=None, help="write the result and every per-request record")
     out.add_argument("--plot", default=None, help="PNG of TTFT p50 per level and per turn (needs matplotlib)")
     out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
     mk = p.add_argument_group("model directory")
     mk.add_argument("--write-model", metavar="DIR", default=None, help="write a model directory first")
-    mk.add_argument("--arch", choices=ARCHES, default="tiny",
-                    help="--write-model: the model to write (tiny: the random-weight tiny Qwen3-Next; the "
-                         "others: real-size configs for --load-format dummy)")
-    mk.add_argument("--write-dflash-drafter", metavar="DIR", default=None,
-                    help="also write a random-weight DFlash drafter sized to the model (--write-model's or "
-                         "--launch's) for --server-arg='--speculative-config {\"method\": \"dflash\", "
-                         "\"model\": DIR, ...}'")
-    mk.add_argument("--dflash-variant", choices=("dflash", "dflash2"), default="dflash",
-                    help="--write-dflash-drafter: which drafter to write")
+    mk.add_argument(
+        "--arch",
+        choices=ARCHES,
+        default="tiny",
+        help="--write-model: the model to write (tiny: the random-weight tiny Qwen3-Next; the "
+        "others: real-size configs for --load-format dummy)",
+    )
+    mk.add_argument(
+        "--write-dflash-drafter",
+        metavar="DIR",
+        default=None,
+        help="also write a random-weight DFlash drafter sized to the model (--write-model's or "
+        '--launch\'s) for --server-arg=\'--speculative-config {"method": "dflash", '
+        '"model": DIR, ...}\'',
+    )
+    mk.add_argument(
+        "--dflash-variant",
+        choices=("dflash", "dflash2"),
+        default="dflash",
+        help="--write-dflash-drafter: which drafter to write",
+    )
     return p
 
 
@@ -282,7 +388,8 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
         settings.floor_label = STOCK_POLICY if STOCK_POLICY in labels else labels[0]
         floor_log = next(t.log_path for t in targets if t.label == settings.floor_label)
         settings.block_size, settings.block_size_source = logs.resolve_block_size(
-            args.block_size, logs.read_text(floor_log), [])
+            args.block_size, logs.read_text(floor_log), []
+        )
     return runner.UrlServers(settings, targets)
 
 

@@ -166,9 +166,7 @@ def iter_sse_events(resp):
         yield json.loads(data)
 
 
-def stream_complete(
-    base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **kwargs
-) -> Completion:
+def stream_complete(base_url: str, prompt_ids: list[int], *, timeout: float = 300.0, **kwargs) -> Completion:
     """One streaming completion: answer ids, usage (last chunk) and TTFT."""
     body = build_request(prompt_ids, stream=True, **kwargs)
     return _read_stream(base_url, body, timeout, COMPLETIONS_PATH, len(prompt_ids), chat=False)
@@ -261,9 +259,7 @@ def _chat_top_logprobs(choice: dict) -> list[dict[int, float]]:
     ]
 
 
-def chat(
-    base_url: str, messages: list[dict], *, stream: bool = False, timeout: float = 300.0, **kwargs
-) -> Completion:
+def chat(base_url: str, messages: list[dict], *, stream: bool = False, timeout: float = 300.0, **kwargs) -> Completion:
     """One chat completion; ``kwargs`` go to :func:`build_chat_request`.
 
     ``text`` is the assistant content (joined deltas when streaming), ``token_ids`` the answer ids

@@ -110,9 +110,7 @@ class ConversationPlan:
     turn_inputs: list[list[int]]
 
 
-def make_plan(
-    turns: int, system_tokens: int, user_tokens: int, followup_tokens: int, seed: int
-) -> ConversationPlan:
+def make_plan(turns: int, system_tokens: int, user_tokens: int, followup_tokens: int, seed: int) -> ConversationPlan:
     rng = random.Random(seed)
 
     def draw(n: int) -> list[int]:
@@ -129,9 +127,7 @@ class ChatPlan:
     turn_messages: list[list[dict]]
 
 
-def make_chat_plan(
-    turns: int, system_tokens: int, user_tokens: int, followup_tokens: int, seed: int
-) -> ChatPlan:
+def make_chat_plan(turns: int, system_tokens: int, user_tokens: int, followup_tokens: int, seed: int) -> ChatPlan:
     """Word-level messages of the given lengths (one token per word on the tiny tokenizer)."""
     rng = random.Random(seed)
 
@@ -270,7 +266,7 @@ def parse_checkpoint_counters(metrics_text: str) -> dict[str, dict[str, float]] 
         for key, metric, label in (("hits", HITS_METRIC, "kind"), ("misses", MISSES_METRIC, "reason")):
             if not line.startswith(metric + "_total{"):
                 continue
-            labels, _, value = line[len(metric) + len("_total{"):].rpartition("} ")
+            labels, _, value = line[len(metric) + len("_total{") :].rpartition("} ")
             found = found or key == "hits"
             name = next((item.split("=", 1)[1].strip('"') for item in labels.split(",")
                          if item.split("=", 1)[0] == label), "?")  # fmt: skip
@@ -389,9 +385,7 @@ def run_policy(
     log_path = log_dir / f"server_{policy}.log"
     server: ServerProcess | None = None
     try:
-        server = start_server(
-            model_dir, log_path, additional_config=policy_config(policy), unset_env=(POLICY_ENV,)
-        )
+        server = start_server(model_dir, log_path, additional_config=policy_config(policy), unset_env=(POLICY_ENV,))
         progress = Progress(f"starting vLLM ({policy}, port {server.port})")
         ready_s = wait_until_healthy(server, timeout=startup_timeout, on_tick=progress.tick)
         progress.done(f"{policy}: server ready in {ready_s:.1f} s (pid {server.pid})")
@@ -420,9 +414,7 @@ def turn_span(turns: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
-def verdict(
-    label: str, results: list[TurnResult], *, expects_boundary: bool = True, noise: float = NOISE_BOUND
-) -> str:
+def verdict(label: str, results: list[TurnResult], *, expects_boundary: bool = True, noise: float = NOISE_BOUND) -> str:
     """One line judging a column of the table from its own data: did every later turn restore at
     its boundary (``cached_tokens >= boundary``), are the first-token deltas within ``noise``, and
     does any answer part from its cold control where that was not a near-tie (cold top-2 gap above
@@ -537,13 +529,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", choices=MODES, default="tokens",
                         help="tokens: /v1/completions with token-ID prompts; chat: /v1/chat/completions "
                              "with the conversation sent back as messages (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--turns", type=int, default=8,
-                        help="turns of the conversation, one table row each (default: %(default)s)")
+    parser.add_argument(
+        "--turns", type=int, default=8, help="turns of the conversation, one table row each (default: %(default)s)"
+    )
     parser.add_argument("--policies", default="request_boundaries,aligned",
                         help="comma-separated policies, one server each, run in this order "
                              "(default: %(default)s)")  # fmt: skip
-    parser.add_argument("--max-tokens", type=int, default=32,
-                        help="tokens per answer (greedy; tokens mode ignores EOS) (default: %(default)s)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=32,
+        help="tokens per answer (greedy; tokens mode ignores EOS) (default: %(default)s)",
+    )
     parser.add_argument("--system-tokens", type=int, default=300,
                         help="length of turn 1's system-like prefix (chat: words of the system message, one "
                              "token each) (default: %(default)s)")  # fmt: skip
@@ -553,14 +550,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--followup-tokens", type=int, default=60,
                         help="new user tokens of every later turn, after the previous answer (chat: words) "
                              "(default: %(default)s)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the conversation's token ids (default: %(default)s)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0,
-                        help="seconds each server may take to answer /health (default: %(default)s)")
-    parser.add_argument("--log-dir", type=Path, default=None,
-                        help="directory for the server logs (default: a new temp dir)")
-    parser.add_argument("--json-out", type=Path, default=None,
-                        help="also write the results as JSON to this file (default: none)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the conversation's token ids (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds each server may take to answer /health (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="directory for the server logs (default: a new temp dir)"
+    )
+    parser.add_argument(
+        "--json-out", type=Path, default=None, help="also write the results as JSON to this file (default: none)"
+    )
     return parser
 
 

@@ -71,7 +71,7 @@ def server_arg_value(args: Sequence[str], flag: str) -> str | None:
         if arg == flag and i + 1 < len(args):
             value = args[i + 1]
         elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1 :]
     return value
 
 

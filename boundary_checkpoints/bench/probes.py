@@ -233,8 +233,8 @@ def state_failures(name: str, run: Answer, cold: Answer, bounds: Bounds) -> list
         i, gap = parted
         failures.append(
             f"{name}: answer leaves its cold control at token {i} where the cold run preferred its token "
-            f"by {gap:.4f} > tie bound {bounds.tie_at(i):.4f} (restored {run.logprobs[i:i + 1]}, "
-            f"cold {cold.logprobs[i:i + 1]})"
+            f"by {gap:.4f} > tie bound {bounds.tie_at(i):.4f} (restored {run.logprobs[i : i + 1]}, "
+            f"cold {cold.logprobs[i : i + 1]})"
         )
     return failures
 
@@ -325,7 +325,7 @@ def same_greedy_output(
     if parted is None:
         return "identical", ""
     i = parted[0]
-    detail = f"token {i}: restored top {logprobs[i:i + 1]}, cold top {cold_logprobs[i:i + 1]}"
+    detail = f"token {i}: restored top {logprobs[i : i + 1]}, cold top {cold_logprobs[i : i + 1]}"
     return ("tie" if parted[1] <= tie_bound else "different"), detail
 
 
@@ -399,6 +399,7 @@ def run_probes(
     prompts = [draw(lengths[i % len(lengths)]) for i in range(conversations)]
     producers = send(prompts, lambda i: salt, "producer")
     resends = send(prompts, lambda i: salt, "resend")
+
     def new_tokens(answer: list[int]) -> list[int]:
         tokens = draw(NEW_TOKENS)
         if next_token is not None and answer:

@@ -192,9 +192,11 @@ def level_text(result: dict, level: dict, markdown: bool = False) -> str:
     """Everything printed for one in-flight level."""
     n_rounds = len(level["rounds"])
     mode = " (chat mode)" if result["workload"].get("mode") == "chat" else ""
-    parts = [f"## in flight {level['in_flight']}: {level['conversations']} conversations, {n_rounds} rounds "
-             f"(median [p25..p75] over rounds){mode}",  # fmt: skip
-             summary_table(result, level, markdown)]
+    parts = [
+        f"## in flight {level['in_flight']}: {level['conversations']} conversations, {n_rounds} rounds "
+        f"(median [p25..p75] over rounds){mode}",  # fmt: skip
+        summary_table(result, level, markdown),
+    ]
     floor = level["summary"].get("floor")
     if floor:
         parts.append(f"floor on {result['floor_policy']}: prefix L0 on the {result['block_size']}-token grid, "
@@ -212,8 +214,11 @@ def level_text(result: dict, level: dict, markdown: bool = False) -> str:
         note = ""
         if variety is not None:
             note = f" (median {variety:g} distinct tokens per answer"
-            note += "; answers repeat one or two tokens, so this compares little more than first tokens)" \
-                if variety <= 2 else ")"
+            note += (
+                "; answers repeat one or two tokens, so this compares little more than first tokens)"
+                if variety <= 2
+                else ")"
+            )
         parts.append("answers same as " + result["policies"][0] + ": "
                      + ", ".join(f"{p} {v}" for p, v in same.items()) + note)  # fmt: skip
     return "\n\n".join(parts)

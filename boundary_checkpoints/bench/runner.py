@@ -459,8 +459,12 @@ def slot_counters(deltas: dict[str, int | None]) -> dict[str, float | int | None
     """The slot's summary entries from its ``SLOT_COUNTERS`` deltas: ``preemptions``,
     ``spec_drafts``, ``spec_accepted_tokens`` and ``mean_acceptance_length`` (None without
     speculative decoding, see ``stats.acceptance_length``)."""
-    return {**deltas, "mean_acceptance_length": stats.acceptance_length(deltas.get("spec_drafts"),
-                                                                        deltas.get("spec_accepted_tokens"))}
+    return {
+        **deltas,
+        "mean_acceptance_length": stats.acceptance_length(
+            deltas.get("spec_drafts"), deltas.get("spec_accepted_tokens")
+        ),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -575,7 +579,8 @@ class LaunchedServers(ServerSet):
         s = self.settings
         if s.block_size is None:
             s.block_size, s.block_size_source = logs.resolve_block_size(
-                None, logs.read_text(server.log_path), server.command)
+                None, logs.read_text(server.log_path), server.command
+            )
 
     def start_all(self, progress: Progress) -> None:
         """Start every server at once, then wait for each; with ``one_by_one``, wait for each before

@@ -244,8 +244,9 @@ def round_ratios(summaries: dict[str, dict], floor: dict | None, stock: str = ST
             "prefill_vs_stock": safe_ratio(p["prefill_tokens"], s and s["prefill_tokens"]),
             "prefill_cont_vs_stock": safe_ratio(p["prefill_cont_tokens"], s and s["prefill_cont_tokens"]),
             "throughput_vs_stock": safe_ratio(p["output_throughput_tok_s"], s and s["output_throughput_tok_s"]),
-            "decode_throughput_vs_stock": safe_ratio(p.get("decode_throughput_tok_s"),
-                                                     s and s.get("decode_throughput_tok_s")),
+            "decode_throughput_vs_stock": safe_ratio(
+                p.get("decode_throughput_tok_s"), s and s.get("decode_throughput_tok_s")
+            ),
             "acceptance_vs_stock": safe_ratio(p.get("mean_acceptance_length"), s and s.get("mean_acceptance_length")),
         }
     return out

@@ -149,11 +149,11 @@ def floor_prompts(prompt: Sequence[int], boundary: int, new_tokens: int, block_s
     """
     if new_tokens <= 0:
         raise ValueError("new_tokens must be positive")
-    tail = list(prompt[boundary:boundary + new_tokens])
+    tail = list(prompt[boundary : boundary + new_tokens])
     if len(tail) != new_tokens:
         raise ValueError(f"prompt has {len(prompt)} ids; boundary {boundary} + {new_tokens} overruns it")
     l0 = floor_prefix_len(boundary, block_size)
-    prefix = list(prompt[:min(l0, boundary)])
+    prefix = list(prompt[: min(l0, boundary)])
     if len(prefix) < l0:
         if filler is None:
             raise ValueError(f"L0={l0} exceeds the boundary {boundary}: a filler is needed")

@@ -134,7 +134,11 @@ class CaptureMixin:
                 return 0, None, None
             return num_tokens, request.num_computed_tokens, step
         num_tokens = speculative_response_boundary(
-            request.num_computed_tokens, request.num_tokens, step.end, step.drafts, self.num_spec_tokens,
+            request.num_computed_tokens,
+            request.num_tokens,
+            step.end,
+            step.drafts,
+            self.num_spec_tokens,
             self._state_block_size,
         )
         return num_tokens, step.end, None
@@ -233,8 +237,13 @@ class CaptureMixin:
         self._block_pool.touch([b for group in plan.shared for b in group if not b.is_null])
         next_token = request.all_token_ids[num_tokens] if self._next_token_guard and in_flight is None else None
         checkpoint = Checkpoint(
-            key, kind, plan.group_blocks(destinations), self._page_bytes, producer=request.request_id,
-            next_token=next_token, grid_blocks=grid,
+            key,
+            kind,
+            plan.group_blocks(destinations),
+            self._page_bytes,
+            producer=request.request_id,
+            next_token=next_token,
+            grid_blocks=grid,
         )
         pending = PendingCapture(
             request.request_id, checkpoint, plan, destinations, in_flight=in_flight, in_step=in_step
@@ -328,7 +337,9 @@ class CaptureMixin:
                 if published:
                     logger.debug(
                         "boundary_checkpoints: published %s checkpoint of %s at %d tokens",
-                        pending.kind, pending.request_id, pending.key.num_tokens,
+                        pending.kind,
+                        pending.request_id,
+                        pending.key.num_tokens,
                     )
         self._pending = still_pending
         live = {p.request_id for p in self._pending}

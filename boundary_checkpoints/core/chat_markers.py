@@ -55,14 +55,14 @@ def _find(ids: Sequence[int], pattern: tuple[int, ...], start: int) -> int:
             i = ids.index(first, i, end + 1)
         except ValueError:
             return -1
-        if tuple(ids[i:i + size]) == pattern:
+        if tuple(ids[i : i + size]) == pattern:
             return i
         i += 1
     return -1
 
 
 def _starts_with(ids: Sequence[int], prefix: tuple[int, ...], at: int = 0) -> bool:
-    return tuple(ids[at:at + len(prefix)]) == prefix
+    return tuple(ids[at : at + len(prefix)]) == prefix
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class _Probe:
         pieces, start = [], 0
         for position in (*positions, len(text)):
             prefix = self.ids(text[:position])
-            if full[:len(prefix)] != prefix or len(prefix) < start:
+            if full[: len(prefix)] != prefix or len(prefix) < start:
                 raise _Unlearnable("the tokenizer merges tokens across a message edge")
             pieces.append(tuple(prefix[start:]))
             start = len(prefix)
@@ -288,7 +288,7 @@ def _validate(probe: _Probe, markers: ChatMarkers) -> None:
     ]  # fmt: skip
     for conversation, leading in cases:
         prompt = probe.ids(probe.text(conversation, generation=True))
-        expected = probe.ids(_leading_text(probe, leading, conversation[len(leading):]))
+        expected = probe.ids(_leading_text(probe, leading, conversation[len(leading) :]))
         if prompt[: len(expected)] != expected or markers.boundary(prompt) != len(expected):
             raise _Unlearnable("the learned markers miss a probe conversation's system block")
     plain = probe.text([{"role": "user", "content": _USER}], generation=True)

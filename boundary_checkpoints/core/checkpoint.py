@@ -145,9 +145,7 @@ class StoreCounters:
     # a newcomer alone larger than the budget
     refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
     # a newcomer refused: the bundle it would evict is likely reused soon
-    refused_protected: int = exported(
-        "Checkpoints not retained: the bundle they would evict is likely reused sooner."
-    )
+    refused_protected: int = exported("Checkpoints not retained: the bundle they would evict is likely reused sooner.")
     superseded: int = 0
     captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")
     # finished aborted after generating: no response checkpoint

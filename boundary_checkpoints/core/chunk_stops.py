@@ -52,7 +52,9 @@ class ChunkStopMixin:
             self._count_instruction(f"instruction_ignored_{reason}")
             logger.warning(
                 "boundary_checkpoints: request %s: instruction boundary %r ignored (%s; prompt of %d tokens)",
-                request_id, extra_args.get(INSTRUCTION_TOKENS_KEY), reason,
+                request_id,
+                extra_args.get(INSTRUCTION_TOKENS_KEY),
+                reason,
                 request.num_prompt_tokens,
             )
         if target is None and self._chat_markers.markers is not None:

@@ -44,9 +44,7 @@ def hash_block_start(num_tokens: int, hash_block_size: int) -> int:
     return (num_tokens - 1) // hash_block_size * hash_block_size
 
 
-def parent_of(
-    start: int, block_hashes: Sequence[Hashable], hash_block_size: int, root: Hashable
-) -> Hashable | None:
+def parent_of(start: int, block_hashes: Sequence[Hashable], hash_block_size: int, root: Hashable) -> Hashable | None:
     """The key parent for a tail beginning at ``start``; None if its hash block is not hashed yet."""
     if start == 0:
         return root

@@ -45,8 +45,11 @@ def recording_coordinator_class(cls: type) -> type:
         _RECORDING_COORDINATORS[cls] = type(
             f"Recording{cls.__name__}",
             (cls,),
-            {"get_num_blocks_to_allocate": get_num_blocks_to_allocate, "last_num_blocks_to_allocate": None,
-             "cut_prefill_ends": MappingProxyType({})},  # the scheduler sets its own dict
+            {
+                "get_num_blocks_to_allocate": get_num_blocks_to_allocate,
+                "last_num_blocks_to_allocate": None,
+                "cut_prefill_ends": MappingProxyType({}),
+            },  # the scheduler sets its own dict
         )
     return _RECORDING_COORDINATORS[cls]
 

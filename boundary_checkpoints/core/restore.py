@@ -72,8 +72,13 @@ class RestoreMixin:
             logger.debug(
                 "boundary_checkpoints: request %s restores %s checkpoint at %d tokens, not the %s checkpoint "
                 "at %d tokens: its MTP draft row was computed from next token %s, this prompt has %d there",
-                request.request_id, hit.kind, hit.num_tokens, refused.kind, refused.num_tokens,
-                refused.next_token, request.all_token_ids[refused.num_tokens],
+                request.request_id,
+                hit.kind,
+                hit.num_tokens,
+                refused.kind,
+                refused.num_tokens,
+                refused.next_token,
+                request.all_token_ids[refused.num_tokens],
             )
         self._count_lookup(request, hit, None, num_hit)
         self._restored_from[request.request_id] = hit
@@ -82,7 +87,10 @@ class RestoreMixin:
         self._lookup_pins.extend(pins)
         logger.debug(
             "boundary_checkpoints: request %s restores %s checkpoint at %d tokens (stock hit %d)",
-            request.request_id, hit.kind, hit.num_tokens, num_hit,
+            request.request_id,
+            hit.kind,
+            hit.num_tokens,
+            num_hit,
         )
         if self._ring_groups:
             self._ring_restores[request.request_id] = hit
@@ -102,7 +110,10 @@ class RestoreMixin:
         if hit is None:
             logger.debug(
                 "boundary_checkpoints: request %s (%d tokens) restores no checkpoint: %s (block-grid hit %d)",
-                request.request_id, request.num_tokens, reason, num_hit,
+                request.request_id,
+                request.num_tokens,
+                reason,
+                num_hit,
             )
 
     def _scheduled_pending_hit(self, request: Request, guarded: bool = True) -> Checkpoint | None:

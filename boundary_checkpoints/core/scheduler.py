@@ -243,7 +243,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             dropped = self.checkpoint_store.clear()
             logger.info(
                 "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
-                dropped, num_pending,
+                dropped,
+                num_pending,
             )
         return super().reset_prefix_cache(*args, **kwargs)
 

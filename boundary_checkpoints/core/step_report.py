@@ -45,7 +45,9 @@ def frontend_collects() -> bool:
         if not _frontend_collects:
             logger.info(
                 "boundary_checkpoints: stat logger entry point %s:%s not active; no /metrics series "
-                "(reinstall the package to register it)", STAT_LOGGER_GROUP, STAT_LOGGER_NAME,
+                "(reinstall the package to register it)",
+                STAT_LOGGER_GROUP,
+                STAT_LOGGER_NAME,
             )
     return _frontend_collects
 
@@ -89,4 +91,4 @@ def take_payload(scheduler_stats: Any) -> dict[str, int]:
     if not isinstance(carrier, dict):
         return {}
     keys = [key for key in carrier if isinstance(key, str) and key.startswith(PAYLOAD_PREFIX)]
-    return {key[len(PAYLOAD_PREFIX):]: carrier.pop(key) for key in keys}
+    return {key[len(PAYLOAD_PREFIX) :]: carrier.pop(key) for key in keys}

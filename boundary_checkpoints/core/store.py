@@ -424,4 +424,3 @@ class CheckpointStore:
                 self._bytes -= self._blocks.pop(block.block_id)[1]
         # Tail pages first, so vLLM's free queue reuses the deepest pages first.
         self.release(blocks[::-1])
-

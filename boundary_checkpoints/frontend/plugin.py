@@ -44,7 +44,8 @@ class BoundaryEndpointPlugin:
         if mismatches:
             logger.warning(
                 "boundary_checkpoints: vLLM's OpenAI frontend differs from 0.32.0 (%s): instruction "
-                "boundaries are neither validated nor computed in the frontend", "; ".join(mismatches),
+                "boundaries are neither validated nor computed in the frontend",
+                "; ".join(mismatches),
             )
             return
         from boundary_checkpoints.frontend.serving import InstructionServingChat, InstructionServingCompletion
@@ -60,8 +61,10 @@ class BoundaryEndpointPlugin:
                 continue
             if type(serving) is not stock:
                 logger.warning(
-                    "boundary_checkpoints: %s is a %s, not vLLM's %s: instruction boundaries are not "
-                    "validated there", attr, type(serving).__name__, stock.__name__,
+                    "boundary_checkpoints: %s is a %s, not vLLM's %s: instruction boundaries are not validated there",
+                    attr,
+                    type(serving).__name__,
+                    stock.__name__,
                 )
                 continue
             reclass_instance(serving, ours)  # a subclass with no new state: vLLM's handler, extended

@@ -58,9 +58,7 @@ class PageRegion:
     page_bytes: int
 
 
-def split_regions(
-    kv_caches: Iterable[torch.Tensor], num_blocks: int
-) -> tuple[list[PageRegion], list[torch.Tensor]]:
+def split_regions(kv_caches: Iterable[torch.Tensor], num_blocks: int) -> tuple[list[PageRegion], list[torch.Tensor]]:
     """Block-outermost storages as page regions (once each), and the caches that are not."""
     regions: list[PageRegion] = []
     strided: list[torch.Tensor] = []
@@ -106,14 +104,37 @@ if _HAS_TRITON:
 
     @triton.jit
     def _pick(i, c0, c1, c2, c3, c4, c5, c6, c7):
-        return tl.where(i == 0, c0, tl.where(i == 1, c1, tl.where(i == 2, c2, tl.where(
-            i == 3, c3, tl.where(i == 4, c4, tl.where(i == 5, c5, tl.where(i == 6, c6, c7)))))))
+        return tl.where(
+            i == 0,
+            c0,
+            tl.where(
+                i == 1,
+                c1,
+                tl.where(
+                    i == 2,
+                    c2,
+                    tl.where(i == 3, c3, tl.where(i == 4, c4, tl.where(i == 5, c5, tl.where(i == 6, c6, c7)))),
+                ),
+            ),
+        )
 
     # Pair codes change every step: no specialisation on their values (divisibility, == 1).
     @triton.jit(do_not_specialize=["c0", "c1", "c2", "c3", "c4", "c5", "c6", "c7"])
     def _copy_pages_kernel(
-        anchor, region_offsets, region_words, num_pairs, c0, c1, c2, c3, c4, c5, c6, c7,
-        TILE: tl.constexpr, VEC: tl.constexpr,
+        anchor,
+        region_offsets,
+        region_words,
+        num_pairs,
+        c0,
+        c1,
+        c2,
+        c3,
+        c4,
+        c5,
+        c6,
+        c7,
+        TILE: tl.constexpr,
+        VEC: tl.constexpr,
     ):
         # Program (page, split): page enumerates (region, pair); split s of S copies the page's full
         # tiles s, s + S, s + 2S, ... unmasked (so loads and stores vectorize), and the program with
@@ -266,8 +287,14 @@ class _Launch:
         if self.max_programs is not None:
             splits = max(1, min(splits, -(-self.max_programs // pages)))
         _copy_pages_kernel[(pages, splits)](
-            self.anchor, self.region_offsets, self.region_words, num_pairs, *pair_codes,
-            TILE=self.tile_words, VEC=self.vec, num_warps=self.num_warps,
+            self.anchor,
+            self.region_offsets,
+            self.region_words,
+            num_pairs,
+            *pair_codes,
+            TILE=self.tile_words,
+            VEC=self.vec,
+            num_warps=self.num_warps,
         )
 
 
