@@ -237,7 +237,7 @@ def plot_result(result: dict, path: Path) -> bool:
         print("matplotlib is not installed: no plot (pip install matplotlib, or the package's [bench] extra)",
               file=sys.stderr)  # fmt: skip
         return False
-    fig, (ax_level, ax_turn) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_level, ax_turn) = plt.subplots(1, 2, figsize=(11, 5.2))
     levels = result["levels"]
     xs = [lv["in_flight"] for lv in levels]
 
@@ -246,35 +246,37 @@ def plot_result(result: dict, path: Path) -> bool:
         if pts:
             ys = [s["median"] * 1000 for _, s in pts]
             err = [[(s["median"] - s["p25"]) * 1000 for _, s in pts], [(s["p75"] - s["median"]) * 1000 for _, s in pts]]
-            ax.errorbar([x for x, _ in pts], ys, yerr=err, marker="o", capsize=3, **kw)
+            ax.errorbar([x for x, _ in pts], ys, yerr=err, capsize=3, **{"marker": "o", **kw})
 
+    colors = {label: f"C{i}" for i, label in enumerate(result["policies"])}  # one color per server, both panels
     for label in result["policies"]:
-        for key, style in (("ttft_turn1_p50_s", "--"), ("ttft_cont_p50_s", "-")):
-            name = "turn 1" if key.startswith("ttft_turn1") else "turns >= 2"
+        for key, style, marker in (("ttft_turn1_p50_s", "--", "s"), ("ttft_cont_p50_s", "-", "o")):
+            name = "turn 1 (fresh prompt)" if key.startswith("ttft_turn1") else "turns >= 2"
             bars(ax_level, [lv["summary"]["policies"][label].get(key) for lv in levels],
-                 linestyle=style, label=f"{label}, {name}")  # fmt: skip
+                 linestyle=style, marker=marker, color=colors[label], label=f"{label}, {name}")  # fmt: skip
     bars(ax_level, [(lv["summary"].get("floor") or {}).get("ttft_p50_s") for lv in levels], linestyle=":",
-         color="black", label="floor")  # fmt: skip
+         color="black", label="floor (stock, previous turn primed)")  # fmt: skip
     first = levels[0]
     for label in result["policies"]:
         turns = first["summary"]["per_turn"][label]
         ts = sorted(int(t) for t in turns)
-        ax_turn.plot(ts, [turns[str(t)]["ttft_p50_s"] * 1000 for t in ts], marker="o", label=label)
+        ax_turn.plot(ts, [turns[str(t)]["ttft_p50_s"] * 1000 for t in ts], marker="o", color=colors[label], label=label)
     floor_turns = first["summary"].get("floor_per_turn") or {}
     if floor_turns:
         ts = sorted(int(t) for t in floor_turns)
         ax_turn.plot(ts, [floor_turns[str(t)]["ttft_p50_s"] * 1000 for t in ts], marker="s", linestyle="--",
-                     color="black", label="floor")  # fmt: skip
+                     color="black", label="floor (stock, previous turn primed)")  # fmt: skip
     ax_level.set(xlabel="requests in flight", ylabel="TTFT p50 (ms)", title="TTFT p50, median and p25-p75 of rounds")
     ax_level.set_xscale("log", base=2)
-    ax_turn.set(xlabel="turn", ylabel="TTFT p50 (ms)", title=f"per turn, in flight {first['in_flight']}")
+    ax_turn.set(xlabel="turn", ylabel="TTFT p50 (ms)", title=f"TTFT p50 per turn, {first['in_flight']} in flight")
+    ax_turn.xaxis.get_major_locator().set_params(integer=True)
     for ax in (ax_level, ax_turn):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: never on a point
     w = result["workload"]
     fig.suptitle(f"bc-bench: N={w['conversations']} T={w['turns']} S={w['system_tokens']} U={w['user_tokens']} "
-                 f"A={w['answer_tokens']}, {result['repeat']} rounds, block {result.get('block_size')}",
-                 fontsize=10)  # fmt: skip
+                 f"A={w['answer_tokens']}, {result['repeat']} rounds, block {result.get('block_size')} "
+                 "(lower is better)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
