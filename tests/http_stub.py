@@ -34,12 +34,8 @@ def send_json(handler: BaseHTTPRequestHandler, payload: dict, status: int = 200)
     handler.wfile.write(data)
 
 
-class CompletionsStub(BaseHTTPRequestHandler):
-    """A stand-in OpenAI completions server: answer ids are a function of the prompt, cached_tokens
-    is the longest prefix shared with an earlier prompt under the same cache_salt."""
-
-    seen: dict[str, list[list[int]]] = {}
-    requests: list[dict] = []
+class QuietHandler(BaseHTTPRequestHandler):
+    """A stand-in server's base: ``GET /health`` answers 200, anything else 404; no request log."""
 
     def log_message(self, *args):  # keep pytest output clean
         pass
@@ -48,6 +44,14 @@ class CompletionsStub(BaseHTTPRequestHandler):
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
+
+
+class CompletionsStub(QuietHandler):
+    """A stand-in OpenAI completions server: answer ids are a function of the prompt, cached_tokens
+    is the longest prefix shared with an earlier prompt under the same cache_salt."""
+
+    seen: dict[str, list[list[int]]] = {}
+    requests: list[dict] = []
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import random
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from http_stub import send_json, serve
+from http_stub import QuietHandler, send_json, serve
 
 from boundary_checkpoints.bench import chat_words, cli, demo, report, stats
 from boundary_checkpoints.bench import workload as wl
@@ -232,17 +231,9 @@ def _chat_stub(cache: bool):
     ``max_tokens`` words derived from the prompt, and reports as cached the longest prefix shared
     with an earlier prompt under the same salt (``cache=False``: always 0)."""
 
-    class Stub(BaseHTTPRequestHandler):
+    class Stub(QuietHandler):
         seen: dict[str, list[list[int]]] = {}
         requests: list[tuple[str, dict]] = []
-
-        def log_message(self, *args):
-            pass
-
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
