@@ -109,10 +109,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from boundary_checkpoints.bench.report import format_table
-from boundary_checkpoints.bench.runner import POLICY_ENV, machine_info
-from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY, percentile, spread
-from boundary_checkpoints.bench.workload import FIRST_RANDOM_ID, round_order
+from bc_tools.bench.report import format_table
+from bc_tools.bench.runner import POLICY_ENV, machine_info
+from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, percentile, spread
+from bc_tools.bench.workload import FIRST_RANDOM_ID, round_order
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.prompt_capture import IN_STEP, STOP
 
@@ -831,7 +831,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.model is None:
-        from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+        from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
         args.model = str(make_tiny_model(default_model_dir("qwen3_next", 0), family="qwen3_next", seed=0))
     if args.torch_profile:

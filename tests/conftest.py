@@ -25,7 +25,7 @@ def tiny_model_dir() -> Path:
 
     ``BC_TINY_MODEL_DIR`` points the tests at another directory (built there if missing).
     """
-    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     target = os.environ.get("BC_TINY_MODEL_DIR") or default_model_dir("qwen3_next", 0)
     return make_tiny_model(target, family="qwen3_next", seed=0)

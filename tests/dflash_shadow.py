@@ -151,7 +151,7 @@ def write_drafter_config(path: Path, target_dir: Path) -> Path:
     for its layers."""
     import json
 
-    from boundary_checkpoints.fixtures.dflash import dflash_drafter_config
+    from bc_tools.fixtures.dflash import dflash_drafter_config
 
     path.mkdir(parents=True, exist_ok=True)
     target = json.loads((target_dir / "config.json").read_text())

@@ -32,7 +32,7 @@ def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[di
 def probe_rows(info: dict, runs: tuple[str, ...] | None = None) -> dict:
     """Each run's probe rows (``bench.probes.ProbeRow``) from a script's RESULT object whose runs
     carry ``"rows"``: ``runs`` names them, or every entry of ``info`` is one."""
-    from boundary_checkpoints.bench.probes import ProbeRow
+    from bc_tools.bench.probes import ProbeRow
 
     runs = tuple(info) if runs is None else runs
     return {run: [ProbeRow.from_dict(row) for row in info[run]["rows"]] for run in runs}

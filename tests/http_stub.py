@@ -96,7 +96,7 @@ class CompletionsStub(QuietHandler):
 def stand_in_server(log_path, code: str):
     """A ``bench.server.ServerProcess`` running ``python -c code`` in its own session, as
     ``start_server`` runs vLLM, with its output in ``log_path``; it never answers ``/health``."""
-    from boundary_checkpoints.bench import server
+    from bc_tools.bench import server
 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,

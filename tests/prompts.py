@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
+from bc_tools.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 
 
 def token_ids(rng: random.Random, n: int, low: int = 4) -> list[int]:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from boundary_checkpoints.bench.client import chat
-from boundary_checkpoints.bench.server import RunningServer, ServerProcess
+from bc_tools.bench.client import chat
+from bc_tools.bench.server import RunningServer, ServerProcess
 
 BLOCK = 256  # the CPU engine's block size for the tiny model (attention and recurrent groups)
 TIMEOUT_S = 300  # startup: 20-45 s on a 2-core machine, far more when the machine is busy

@@ -235,7 +235,7 @@ def write_model_dir(path: Path, num_kv_heads: int = 2) -> Path:
 
     vLLM allows decode context parallelism up to ``tensor_parallel / num_kv_heads``: one KV head
     makes DCP 8 legal at TP 8."""
-    from boundary_checkpoints.fixtures.tiny_models import qwen3_next_config
+    from bc_tools.fixtures.tiny_models import qwen3_next_config
 
     path.mkdir(parents=True, exist_ok=True)
     if not (path / "config.json").exists():

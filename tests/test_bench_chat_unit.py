@@ -11,9 +11,9 @@ import random
 import pytest
 from http_stub import QuietHandler, send_json, serve
 
-from boundary_checkpoints.bench import chat_words, cli, demo, report, stats
-from boundary_checkpoints.bench import workload as wl
-from boundary_checkpoints.bench.stats import RequestRecord
+from bc_tools.bench import chat_words, cli, demo, report, stats
+from bc_tools.bench import workload as wl
+from bc_tools.bench.stats import RequestRecord
 
 
 def _workload(**kw):

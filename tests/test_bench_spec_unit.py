@@ -9,9 +9,9 @@ import threading
 import pytest
 from http_stub import CompletionsStub, serve
 
-from boundary_checkpoints.bench import report, runner, stats
-from boundary_checkpoints.bench import workload as wl
-from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
+from bc_tools.bench import report, runner, stats
+from bc_tools.bench import workload as wl
+from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
 
 # What vLLM 0.32.0 exposes on /metrics (prometheus_client text format, one label set per engine),
 # trimmed: counters carry the `_total` suffix, `_created` gauges and the per-position acceptance

@@ -10,7 +10,7 @@ import time
 import pytest
 from http_stub import CompletionsStub, serve, stand_in_server
 
-from boundary_checkpoints.bench import client, demo, server
+from bc_tools.bench import client, demo, server
 
 
 @pytest.fixture()
@@ -253,14 +253,14 @@ def test_stop_server_kills_the_whole_group(tmp_path):
 
 
 def _answer(tokens, rows, cached=0):
-    from boundary_checkpoints.bench.probes import Answer
+    from bc_tools.bench.probes import Answer
 
     return Answer(cached, list(tokens), [dict(r) for r in rows])
 
 
 def _probe_row(prompt_len=145, answer_len=3, resend_cached=144, restored_cached=None, noise=0.0, first=None):
     """A row whose runs share tokens; ``noise`` shifts every restored logprob, ``first`` only the first."""
-    from boundary_checkpoints.bench.probes import ProbeRow
+    from bc_tools.bench.probes import ProbeRow
 
     tokens = list(range(10, 10 + answer_len))
     cold_rows = [{t: -1.0, t + 100: -2.0} for t in tokens]
@@ -283,7 +283,7 @@ def _probe_row(prompt_len=145, answer_len=3, resend_cached=144, restored_cached=
 
 
 def test_position_deviation_bounds_missing_tokens_from_below():
-    from boundary_checkpoints.bench.probes import position_deviation
+    from bc_tools.bench.probes import position_deviation
 
     assert position_deviation({1: -1.0, 2: -2.0}, {1: -1.25, 2: -2.0}) == 0.25
     # token 3 is missing from the second row: there it is <= -2.0, so it moved by >= 0.5
@@ -292,7 +292,7 @@ def test_position_deviation_bounds_missing_tokens_from_below():
 
 
 def test_divergence_reports_the_cold_runs_preference():
-    from boundary_checkpoints.bench.probes import divergence
+    from bc_tools.bench.probes import divergence
 
     cold = _answer([1, 2, 3], [{1: -1.0}, {2: -1.0}, {3: -2.0, 4: -2.3}])
     assert divergence(_answer([1, 2, 3], cold.logprobs), cold) is None
@@ -304,7 +304,7 @@ def test_divergence_reports_the_cold_runs_preference():
 
 
 def test_calibrate_scales_the_largest_reference_deviation():
-    from boundary_checkpoints.bench.probes import BF16_STEP, MARGIN, calibrate
+    from bc_tools.bench.probes import BF16_STEP, MARGIN, calibrate
 
     a = _answer([1, 2], [{1: -1.0, 5: -2.0}, {2: -1.0, 5: -3.0}])
     b = _answer([1, 2], [{1: -1.1, 5: -2.0}, {2: -1.0, 5: -3.3}])
@@ -326,7 +326,7 @@ def test_calibrate_scales_the_largest_reference_deviation():
 
 
 def test_deviation_profile_stops_after_the_first_difference():
-    from boundary_checkpoints.bench.probes import deviation_profile
+    from bc_tools.bench.probes import deviation_profile
 
     a = _answer([1, 2, 3], [{1: -1.0}, {2: -1.0, 9: -1.1}, {3: -1.0}])
     b = _answer([1, 9, 8], [{1: -1.0}, {9: -1.05, 2: -1.1}, {8: -9.0}])  # parts at 1; position 2 differs in context
@@ -334,20 +334,20 @@ def test_deviation_profile_stops_after_the_first_difference():
 
 
 def _bounds(first=0.05, tie=0.1):
-    from boundary_checkpoints.bench.probes import Bounds
+    from bc_tools.bench.probes import Bounds
 
     return Bounds(first, (tie,), first / 3, (tie / 6,), 10)
 
 
 def test_probe_failures_accepts_exact_rows_within_the_bounds():
-    from boundary_checkpoints.bench.probes import probe_failures
+    from bc_tools.bench.probes import probe_failures
 
     rows = [_probe_row(noise=0.04), _probe_row(prompt_len=1, resend_cached=0)]
     assert probe_failures(rows, _bounds()) == []
 
 
 def test_probe_failures_accepts_a_divergence_at_a_near_tie_only():
-    from boundary_checkpoints.bench.probes import probe_failures, state_failures
+    from bc_tools.bench.probes import probe_failures, state_failures
 
     row = _probe_row()
     near = [{10: -1.0, 9: -3.0}, {11: -1.0, 12: -1.05}]  # the cold run prefers 11 over 12 by 0.05
@@ -369,13 +369,13 @@ def test_probe_failures_accepts_a_divergence_at_a_near_tie_only():
     ],
 )
 def test_probe_failures_flags_any_inexact_row(bad):
-    from boundary_checkpoints.bench.probes import probe_failures
+    from bc_tools.bench.probes import probe_failures
 
     assert probe_failures([_probe_row(**bad)], _bounds())
 
 
 def test_probe_failures_flags_cold_runs_that_hit_and_diverging_answers():
-    from boundary_checkpoints.bench.probes import probe_failures
+    from bc_tools.bench.probes import probe_failures
 
     row = _probe_row()
     row.cold_again.cached = 128
@@ -386,7 +386,7 @@ def test_probe_failures_flags_cold_runs_that_hit_and_diverging_answers():
 
 
 def test_reference_pairs_take_cold_pairs_stock_partial_hits_and_cold_runs_across_engines():
-    from boundary_checkpoints.bench.probes import reference_pairs
+    from bc_tools.bench.probes import reference_pairs
 
     plugin = [_probe_row()]
     stock = [_probe_row(resend_cached=128, restored_cached=0)]
@@ -402,7 +402,7 @@ def test_reference_pairs_take_cold_pairs_stock_partial_hits_and_cold_runs_across
 
 
 def test_probe_row_round_trips_through_json():
-    from boundary_checkpoints.bench.probes import ProbeRow
+    from bc_tools.bench.probes import ProbeRow
 
     row = _probe_row(noise=0.01)
     again = ProbeRow.from_dict(json.loads(json.dumps(row.as_dict())))
@@ -418,7 +418,7 @@ def test_probe_row_round_trips_through_json():
 
 
 def test_same_greedy_output_tells_ties_from_differences():
-    from boundary_checkpoints.bench.probes import same_greedy_output
+    from bc_tools.bench.probes import same_greedy_output
 
     a, b = [1, 2, 3], [1, 2, 4]
     tied = [{1: -1.0}, {2: -1.0}, {3: -2.00, 4: -2.05, 9: -3.0}]
@@ -432,8 +432,8 @@ def test_same_greedy_output_tells_ties_from_differences():
 
 
 def test_answer_variety_is_the_median_distinct_tokens_of_the_first_labels_answers():
-    from boundary_checkpoints.bench.runner import answer_variety
-    from boundary_checkpoints.bench.stats import RequestRecord
+    from bc_tools.bench.runner import answer_variety
+    from bc_tools.bench.stats import RequestRecord
 
     def record(policy, ids, phase="conversation"):
         return RequestRecord(policy=policy, phase=phase, conversation=0, turn=1, prompt_tokens=4, cached_tokens=0,
@@ -449,7 +449,7 @@ def test_answer_variety_is_the_median_distinct_tokens_of_the_first_labels_answer
 
 
 def test_kv_pool_bytes_reads_the_last_allotment():
-    from boundary_checkpoints.bench.logs import kv_pool_bytes
+    from bc_tools.bench.logs import kv_pool_bytes
 
     log = ("INFO [gpu_worker.py:759] Available KV cache memory: 0.50 GiB\n"
            "(EngineCore pid=2569) INFO [gpu_worker.py:759] Available KV cache memory: 28.04 GiB\n")  # fmt: skip

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 from prompts import words
 
+from bc_tools.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.core.chat_markers import chat_markers_for, learn_markers
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
-from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
 
 QWEN3_STYLE = (

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from boundary_checkpoints.bench import cli, demo
+from bc_tools.bench import cli, demo
 
 PARSERS = {"bc-demo": demo.build_parser, "bc-bench": cli.build_parser}
 

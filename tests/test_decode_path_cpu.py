@@ -38,7 +38,7 @@ from decode_path_control import span_failures
 from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
-from boundary_checkpoints.bench.probes import ProbeRow, first_token_deviation
+from bc_tools.bench.probes import ProbeRow, first_token_deviation
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ from vllm import LLM
 # sgl-kernel GEMM, whose rounding follows the batch's row count (P = B + 1 then
 # differs by 0.0008 from its decode-path control on a Xeon with AMX); oneDNN's does not.
 layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
-from boundary_checkpoints.bench.probes import run_probes
+from bc_tools.bench.probes import run_probes
 from corrupt_restore import CorruptScheduler
 from decode_path_control import decode_path_class
 

@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from http_stub import send_json, serve
 
-from boundary_checkpoints.bench import client, demo
-from boundary_checkpoints.bench.client import Completion
+from bc_tools.bench import client, demo
+from bc_tools.bench.client import Completion
 
 EOS = 2
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 from engine_script import TESTS_DIR, run_engine_script
 
-from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
-from boundary_checkpoints.fixtures.families import FAMILIES
+from bc_tools.fixtures.dflash import write_dflash_drafter
+from bc_tools.fixtures.families import FAMILIES
 
 K = 3
 WINDOW = 48

@@ -173,7 +173,7 @@ def test_multi_module_mtp_is_refused_on_a_real_config(engine_args_cls, hybrid_di
 
 @pytest.fixture(scope="module")
 def family_dir(tmp_path_factory):
-    from boundary_checkpoints.fixtures.families import FAMILIES
+    from bc_tools.fixtures.families import FAMILIES
 
     def write(family: str) -> str:
         path = tmp_path_factory.mktemp(f"cfg_{family}")

@@ -79,8 +79,8 @@ TOPK_JIT_LINE = "Building JIT module topk"
 def run_dflash_case(variant: str, drafter_dir: Path):
     """The three scenarios (module docstring) with a ``variant`` drafter; returns (info, rows per
     run, bounds, the engines' log)."""
-    from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
-    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+    from bc_tools.fixtures.dflash import write_dflash_drafter
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(TARGET_FAMILY, 0), family=TARGET_FAMILY, seed=0)
     drafter = write_dflash_drafter(

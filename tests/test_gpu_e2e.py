@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from results_out import results_dir, save_json
 
-from boundary_checkpoints.bench.probes import calibrate, probe_failures, reference_pairs
+from bc_tools.bench.probes import calibrate, probe_failures, reference_pairs
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def run_policy(model_dir: Path, policy: str):
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from boundary_checkpoints.bench.probes import run_probes
+    from bc_tools.bench.probes import run_probes
 
     llm = LLM(
         model=str(model_dir),
@@ -65,7 +65,7 @@ def probe_results(tiny_model_dir):
     results = {policy: run_policy(tiny_model_dir, policy) for policy in ("request_boundaries", "aligned")}
     out = results_dir()
     if out is not None:
-        from boundary_checkpoints.bench.probes import summarize
+        from bc_tools.bench.probes import summarize
 
         bounds = calibrate(reference_pairs(results["request_boundaries"][1], results["aligned"][1]))
         payload = {p: {"setup": s, "rows": [r.as_dict() for r in rows]} for p, (s, rows) in results.items()}

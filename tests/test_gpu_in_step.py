@@ -27,7 +27,7 @@ from corrupt_restore import corrupted_pairs
 from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
-from boundary_checkpoints.bench.probes import calibrate, probe_failures, reference_pairs, state_failures
+from bc_tools.bench.probes import calibrate, probe_failures, reference_pairs, state_failures
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting schedulers
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from boundary_checkpoints.bench.probes import run_probes
+from bc_tools.bench.probes import run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 from chunk_recorder import record_p_minus_1_chunks

@@ -75,7 +75,7 @@ from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance, unserved_responses
 from results_out import results_dir, save_json
 
-from boundary_checkpoints.bench.probes import (
+from bc_tools.bench.probes import (
     ProbeRow,
     calibrate,
     first_token_deviation,
@@ -84,9 +84,9 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
-from boundary_checkpoints.bench.stats import percentile
+from bc_tools.bench.stats import percentile
+from bc_tools.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
 from boundary_checkpoints.core.layout import tail_ring_slots
-from boundary_checkpoints.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
 
 pytestmark = pytest.mark.gpu
 
@@ -129,7 +129,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting schedulers
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from boundary_checkpoints.bench.probes import NEW_TOKENS, run_probes
+from bc_tools.bench.probes import NEW_TOKENS, run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 from decode_path_control import install as install_decode_path
@@ -181,7 +181,7 @@ def lengths_for(block):
 
 next_token = None
 if case.get("planted_seed") is not None:  # the planted fixture: the target's likely next token
-    from boundary_checkpoints.fixtures.families import planted_successor
+    from bc_tools.fixtures.families import planted_successor
     successor = planted_successor(case["planted_seed"]).tolist()
     next_token = lambda answer: successor[answer[-1]]
 
@@ -259,7 +259,7 @@ def bounds_for(rows: dict, k: int):
 
 def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str, ...] = (), decode_path: bool = False):
     """Runs the three scenarios of the module docstring; returns (info, rows per run, bounds)."""
-    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     case = make_case(k, extra_lengths, planted_seed=0 if family == MTP_FAMILY else None, decode_path=decode_path)
@@ -439,7 +439,7 @@ def check_glm_mtp_refused(k: int) -> None:
     import subprocess
     import sys
 
-    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(GLM_MTP_FAMILY, 0), family=GLM_MTP_FAMILY, seed=0)
     result = subprocess.run([sys.executable, "-c", REFUSAL_SCRIPT, str(model), str(k)], capture_output=True,

@@ -15,7 +15,7 @@ SCHEDULER_SIDE = ["boundary_checkpoints.core.scheduler", "boundary_checkpoints.s
 CONFIG_SIDE = ["boundary_checkpoints.settings", "boundary_checkpoints.gate", "boundary_checkpoints.support",
                "boundary_checkpoints.wiring"]  # fmt: skip
 CONFIG_SIDE_NEVER_LOADS = ("boundary_checkpoints.core.scheduler", "boundary_checkpoints.metrics",
-                           "boundary_checkpoints.worker", "boundary_checkpoints.bench")  # fmt: skip
+                           "boundary_checkpoints.worker", "bc_tools.bench")  # fmt: skip
 
 
 def loaded_after_import(names: list[str], prefixes: tuple[str, ...] | list[str]) -> list[str]:
@@ -58,3 +58,20 @@ def test_the_wiring_names_the_scheduler_mixin_and_classes_that_exist():
         assert wiring.extends_boundary_scheduler(name) and wiring.extends_boundary_scheduler(resolve(name))
     for name in wiring.WORKER_CLASSES.values():
         assert isinstance(resolve(name), type), name
+
+
+def test_the_plugin_never_imports_the_tools():
+    """``bc_tools`` (benchmark, demo, tiny models) is tooling beside the plugin: no module of
+    ``boundary_checkpoints`` imports it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "boundary_checkpoints"
+    offenders = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] == "bc_tools"]
+    assert not offenders, offenders

@@ -1,4 +1,4 @@
-"""Tests of ``bc-bench`` (``boundary_checkpoints/bench/{workload,stats,logs,report,runner,cli}.py``):
+"""Tests of ``bc-bench`` (``bc_tools/bench/{workload,stats,logs,report,runner,cli}.py``):
 the pure parts, a whole run against two stand-in servers, and one small run against real CPU servers.
 
 The end-to-end test launches the tiny Qwen3-Next twice at once (stock ``aligned`` and
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from http_stub import CompletionsStub, serve, stand_in_server
 
-from boundary_checkpoints.bench import cli, logs, report, runner, stats
-from boundary_checkpoints.bench import workload as wl
-from boundary_checkpoints.bench.stats import RequestRecord
+from bc_tools.bench import cli, logs, report, runner, stats
+from bc_tools.bench import workload as wl
+from bc_tools.bench.stats import RequestRecord
 
 
 def _workload(**kw):
@@ -490,7 +490,7 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
     at the end (``one_by_one``: the second starts only once the first is healthy); with
     ``relaunch``, each slot starts and stops its own server, in round order."""
     relaunch = mode == "relaunch"
-    from boundary_checkpoints.bench import server as server_mod
+    from bc_tools.bench import server as server_mod
 
     events = []
     CompletionsStub.seen, CompletionsStub.requests = {}, []
@@ -749,7 +749,7 @@ def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):
     own session, outlived it and held the GPU's memory)."""
     import time
 
-    from boundary_checkpoints.bench import server as server_mod
+    from bc_tools.bench import server as server_mod
 
     processes = []
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import pytest
 
-from boundary_checkpoints.fixtures import families
-from boundary_checkpoints.fixtures import tiny_models as tm
+from bc_tools.fixtures import families
+from bc_tools.fixtures import tiny_models as tm
 
 FAMILY = "glm5_next_mtp_planted"
 BASE = "glm5_next_mtp"

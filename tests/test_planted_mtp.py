@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from boundary_checkpoints.fixtures import families
-from boundary_checkpoints.fixtures import tiny_models as tm
+from bc_tools.fixtures import families
+from bc_tools.fixtures import tiny_models as tm
 
 FAMILY = "qwen3_next_mtp_planted"
 # Measured 0.69 (seed 0, 96 answers of 16 tokens after random prompts of 1, 40 and 97 tokens).

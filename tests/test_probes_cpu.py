@@ -20,7 +20,7 @@ from corrupt_restore import corrupted_pairs
 from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from results_out import save_json
 
-from boundary_checkpoints.bench.probes import (
+from bc_tools.bench.probes import (
     calibrate,
     count_failures,
     probe_failures,
@@ -35,7 +35,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting scheduler
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from boundary_checkpoints.bench.probes import run_probes
+from bc_tools.bench.probes import run_probes
 from chunk_recorder import record_p_minus_1_chunks
 
 out = {}

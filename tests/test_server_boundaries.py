@@ -24,8 +24,8 @@ from prompts import token_ids
 from results_out import save_json
 from servers import BLOCK, tiny_server
 
-from boundary_checkpoints.bench.client import complete
-from boundary_checkpoints.bench.probes import (
+from bc_tools.bench.client import complete
+from bc_tools.bench.probes import (
     TOP_LOGPROBS,
     Answer,
     ProbeRow,
@@ -36,7 +36,7 @@ from boundary_checkpoints.bench.probes import (
     reference_pairs,
     state_failures,
 )
-from boundary_checkpoints.bench.server import policy_config
+from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 

@@ -31,10 +31,10 @@ import pytest
 from prompts import common_prefix, render_ids, words
 from servers import server_fixture
 
-from boundary_checkpoints.bench.client import Completion, chat, complete
-from boundary_checkpoints.bench.probes import same_greedy_output
-from boundary_checkpoints.bench.server import policy_config
-from boundary_checkpoints.fixtures.tiny_models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from bc_tools.bench.client import Completion, chat, complete
+from bc_tools.bench.probes import same_greedy_output
+from bc_tools.bench.server import policy_config
+from bc_tools.fixtures.tiny_models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 pytestmark = pytest.mark.slow
 

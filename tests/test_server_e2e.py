@@ -10,8 +10,8 @@ import pytest
 from prompts import seeded_ids
 from servers import server_fixture
 
-from boundary_checkpoints.bench.client import complete, stream_complete
-from boundary_checkpoints.bench.server import policy_config
+from bc_tools.bench.client import complete, stream_complete
+from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,8 @@ import pytest
 from prompts import seeded_ids
 from servers import BLOCK, cached_tokens, new_salt, server_fixture
 
-from boundary_checkpoints.bench.client import complete, complete_json
-from boundary_checkpoints.bench.server import policy_config
+from bc_tools.bench.client import complete, complete_json
+from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 

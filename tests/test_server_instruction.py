@@ -20,10 +20,10 @@ import pytest
 from prompts import words
 from servers import BLOCK, first_turns, get_json, tiny_server
 
-from boundary_checkpoints.bench.client import CompletionError, chat, complete
-from boundary_checkpoints.bench.server import policy_config
+from bc_tools.bench.client import CompletionError, chat, complete
+from bc_tools.bench.server import policy_config
+from bc_tools.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, REQUEST_FIELD
-from boundary_checkpoints.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.frontend.plugin import STATS_PATH
 
 pytestmark = pytest.mark.slow

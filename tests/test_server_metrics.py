@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prompts import token_ids
 from servers import server_fixture
 
-from boundary_checkpoints.bench.client import complete
-from boundary_checkpoints.bench.server import policy_config
+from bc_tools.bench.client import complete
+from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 

@@ -37,8 +37,8 @@ from prompts import word_ids
 from prompts import words as _words  # the tests name their answer texts' words ``words``
 from servers import cached_tokens, new_salt, server_fixture
 
-from boundary_checkpoints.bench.client import build_request, complete, complete_json, iter_sse_events
-from boundary_checkpoints.bench.server import is_healthy
+from bc_tools.bench.client import build_request, complete, complete_json, iter_sse_events
+from bc_tools.bench.server import is_healthy
 
 pytestmark = pytest.mark.slow
 

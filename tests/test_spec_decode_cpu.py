@@ -35,13 +35,13 @@ from engine_script import TESTS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance
 from results_out import save_json
 
-from boundary_checkpoints.bench.probes import (
+from bc_tools.bench.probes import (
     calibrate,
     mtp_reference_pairs,
     probe_failures,
     state_failures,
 )
-from boundary_checkpoints.fixtures.families import planted_successor
+from bc_tools.fixtures.families import planted_successor
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ fake_triton_cpu.install()
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
-from boundary_checkpoints.bench.probes import NEW_TOKENS, TOP_LOGPROBS, Answer, ProbeRow, spec_counts, top_logprobs
+from bc_tools.bench.probes import NEW_TOKENS, TOP_LOGPROBS, Answer, ProbeRow, spec_counts, top_logprobs
 from corrupt_restore import CorruptScheduler
 
 K, MAX_TOKENS, LENGTHS = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
@@ -124,7 +124,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from boundary_checkpoints.fixtures.tiny_models import make_tiny_model
+    from bc_tools.fixtures.tiny_models import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("mtp") / f"tiny_{FAMILY}", family=FAMILY)
     info, _ = run_engine_script(SCRIPT, str(model), TESTS_DIR, str(K), str(MAX_TOKENS), str(list(LENGTHS)))

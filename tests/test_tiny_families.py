@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from boundary_checkpoints.fixtures import tiny_models as tm
-from boundary_checkpoints.fixtures.families import FAMILIES
+from bc_tools.fixtures import tiny_models as tm
+from bc_tools.fixtures.families import FAMILIES
 
 NEW_FAMILIES = ("glm5_next", "kimi_linear", "nemotron_h")
 BUILT = (*NEW_FAMILIES, "glm5_next_mtp")

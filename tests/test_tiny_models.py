@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from boundary_checkpoints.fixtures import tiny_models as tm
+from bc_tools.fixtures import tiny_models as tm
 
 MODEL_FILES = [
     "config.json",

@@ -1,5 +1,5 @@
 # from the repository root (run 2026-11-30, see machine-sweep.txt); bc-bench = the package's console script
-PYTHONPATH=$PWD /work/main/.venv/bin/python -m boundary_checkpoints.bench.cli \
+PYTHONPATH=$PWD /work/main/.venv/bin/python -m bc_tools.bench.cli \
   --write-model /tmp/bc-bench-tiny --launch /tmp/bc-bench-tiny \
   --repeat 5 --in-flight 1,8 -N 8 -T 3 -S 300 -U 60 -A 16 --markdown \
   --log-dir /tmp/bc-bench-runs/sweep/logs --out-json docs/results/cpu-bench/sweep.json

@@ -6,7 +6,7 @@ sys.path.insert(0, "/work/main/benchmarks")
 import step_profile as sp
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 model = str(make_tiny_model(default_model_dir("qwen3_next", 0), family="qwen3_next", seed=0))
 res = {}
 configs = {"aligned": {"policy": "aligned"}, "in_step": {"policy": "request_boundaries", "prompt_capture": "in_step"}}

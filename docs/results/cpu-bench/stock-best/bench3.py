@@ -1,8 +1,8 @@
 """Three servers up at once (stock default, stock --prefix-match-unit 16, plugin), then bc-bench --url on all three."""
 import sys
 from pathlib import Path
-from boundary_checkpoints.bench.server import start_server, wait_until_healthy, stop_server, policy_config
-from boundary_checkpoints.bench.cli import main
+from bc_tools.bench.server import start_server, wait_until_healthy, stop_server, policy_config
+from bc_tools.bench.cli import main
 
 model = Path.home() / ".cache/boundary_checkpoints/tiny_qwen3_next"
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)

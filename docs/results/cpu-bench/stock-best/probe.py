@@ -1,8 +1,8 @@
 """Stock vLLM 0.32 knobs on the tiny model: cached tokens for an exact resend and a next turn."""
 import json, random, sys, uuid
 from pathlib import Path
-from boundary_checkpoints.bench.server import RunningServer, policy_config
-from boundary_checkpoints.bench.client import complete
+from bc_tools.bench.server import RunningServer, policy_config
+from bc_tools.bench.client import complete
 
 model = Path.home() / ".cache/boundary_checkpoints/tiny_qwen3_next"
 variants = {

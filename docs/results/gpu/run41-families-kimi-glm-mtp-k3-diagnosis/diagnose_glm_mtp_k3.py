@@ -19,9 +19,9 @@ import sys
 CHILD = r"""
 import json, sys
 from vllm import LLM
-from boundary_checkpoints.bench.probes import run_probes
-from boundary_checkpoints.fixtures.families import planted_successor
-from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+from bc_tools.bench.probes import run_probes
+from bc_tools.fixtures.families import planted_successor
+from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
 family, policy = "glm5_next_mtp_planted", sys.argv[1]
 model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)

@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from boundary_checkpoints.bench.chat_words import TINY_WORDS, draw_words
+from bc_tools.bench.chat_words import TINY_WORDS, draw_words
 
 FIRST_RANDOM_ID = 4  # ids 0..3 are special tokens in every model the package writes
 MODES = ("tokens", "chat")  # /v1/completions with token ids; /v1/chat/completions with messages

@@ -64,11 +64,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from boundary_checkpoints.bench import logs, stats
-from boundary_checkpoints.bench.chat_words import TINY_WORDS, draw_words
-from boundary_checkpoints.bench.client import Completion, CompletionError, chat, stream_complete
-from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
-from boundary_checkpoints.bench.workload import (
+from bc_tools.bench import logs, stats
+from bc_tools.bench.chat_words import TINY_WORDS, draw_words
+from bc_tools.bench.client import Completion, CompletionError, chat, stream_complete
+from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
+from bc_tools.bench.workload import (
     FIRST_RANDOM_ID,
     ChatConversationPlan,
     ConversationPlan,
@@ -544,7 +544,7 @@ class LaunchedServers(ServerSet):
         self.budget: RoundBudget | None = None  # the run's budget: a start waits at most until it ends
 
     def _start(self, label: str, progress: Progress):
-        from boundary_checkpoints.bench.server import find_free_port, start_server
+        from bc_tools.bench.server import find_free_port, start_server
 
         spec = self.spec
         index = self.settings.labels.index(label)
@@ -563,7 +563,7 @@ class LaunchedServers(ServerSet):
         return server
 
     def _wait(self, label: str, progress: Progress) -> None:
-        from boundary_checkpoints.bench.server import ServerStartError, wait_until_healthy
+        from bc_tools.bench.server import ServerStartError, wait_until_healthy
 
         server = self.running[label]
         left = self.budget.seconds_left() if self.budget is not None else None
@@ -605,7 +605,7 @@ class LaunchedServers(ServerSet):
         return self._ready(Target(label, server.base_url, self.spec.model_name, str(server.log_path)), progress)
 
     def _stop(self, label: str) -> None:
-        from boundary_checkpoints.bench.server import stop_server
+        from bc_tools.bench.server import stop_server
 
         server = self.running.pop(label)
         self.info[label].setdefault("exit_codes", []).append(stop_server(server))

@@ -58,11 +58,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from boundary_checkpoints.bench import logs
-from boundary_checkpoints.bench.chat_words import TINY_VOCAB_SIZE, draw_words
-from boundary_checkpoints.bench.client import Completion, chat, complete, stream_complete
-from boundary_checkpoints.bench.probes import Answer, first_token_deviation, same_greedy_output
-from boundary_checkpoints.bench.server import (
+from bc_tools.bench import logs
+from bc_tools.bench.chat_words import TINY_VOCAB_SIZE, draw_words
+from bc_tools.bench.client import Completion, chat, complete, stream_complete
+from bc_tools.bench.probes import Answer, first_token_deviation, same_greedy_output
+from bc_tools.bench.server import (
     ServerProcess,
     ServerStartError,
     interrupt_on_termination,
@@ -582,7 +582,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def resolve_model(model: Path | None) -> Path:
     if model is not None:
         return model.expanduser().resolve()
-    from boundary_checkpoints.fixtures.tiny_models import default_model_dir, make_tiny_model
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     target = default_model_dir("qwen3_next", 0)
     start = time.monotonic()

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from boundary_checkpoints.bench.stats import AT_LEAST, PLUGIN_POLICY, STOCK_POLICY
+from bc_tools.bench.stats import AT_LEAST, PLUGIN_POLICY, STOCK_POLICY
 
 RATIO_NAMES = {
     "turn1_ttft_vs_stock": "TTFT p50 turn 1 (fresh prompt) / stock",

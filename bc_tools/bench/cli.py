@@ -31,11 +31,11 @@ import time
 import uuid
 from pathlib import Path
 
-from boundary_checkpoints.bench import chat_words, logs, report, runner
-from boundary_checkpoints.bench.server import interrupt_on_termination
-from boundary_checkpoints.bench.stats import PLUGIN_POLICY, STOCK_POLICY
-from boundary_checkpoints.bench.workload import MODES, Workload
-from boundary_checkpoints.fixtures import tiny_models
+from bc_tools.bench import chat_words, logs, report, runner
+from bc_tools.bench.server import interrupt_on_termination
+from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY
+from bc_tools.bench.workload import MODES, Workload
+from bc_tools.fixtures import tiny_models
 
 ARCHES = ("tiny", *tiny_models.REAL_SIZE_ARCHES)
 
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             out = tiny_models.write_real_size_model(args.write_model, args.arch)
         print(f"model directory ({args.arch}): {out} ({time.monotonic() - start:.1f} s)")
     if args.write_dflash_drafter:
-        from boundary_checkpoints.fixtures.dflash import write_dflash_drafter
+        from bc_tools.fixtures.dflash import write_dflash_drafter
 
         target = args.write_model or args.launch
         drafter = write_dflash_drafter(args.write_dflash_drafter, target, variant=args.dflash_variant)
