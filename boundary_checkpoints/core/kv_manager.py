@@ -16,7 +16,7 @@ from boundary_checkpoints.compat import KVCacheManager, RequestStatus, watermark
 _RECORDING_COORDINATORS: dict[type, type] = {}
 
 
-def recording_coordinator_class(cls: type) -> type:
+def recording_coordinator_class(cls: Any) -> type:
     """``cls`` (a KV cache coordinator class) with a ``get_num_blocks_to_allocate`` that keeps its
     last answer in ``last_num_blocks_to_allocate`` and, for a request whose chunk the plugin cut
     short of the prefill's end (``cut_prefill_ends``: request id -> the cut chunk's end, set by the

@@ -165,6 +165,7 @@ def describe_layout(
             if why:
                 reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
                 continue
+            assert kpool is not None  # _ring_reason names the missing pool size
             geometries.append(GroupGeometry(GroupKind.RING, manager.block_size, page_bytes, pool=kpool))
         else:
             reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
