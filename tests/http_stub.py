@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prompts import common_prefix
+
 
 @contextmanager
 def serve(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
@@ -32,6 +34,26 @@ def send_json(handler: BaseHTTPRequestHandler, payload: dict, status: int = 200)
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
+
+
+def send_completion(handler: BaseHTTPRequestHandler, answer: list[int], usage: dict) -> None:
+    """Answer a non-streamed completion with the token ids ``answer`` and ``usage``."""
+    send_json(handler, {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}], "usage": usage})
+
+
+def send_event_stream(handler: BaseHTTPRequestHandler, chunks: list[dict]) -> None:
+    """Answer a streamed request with ``chunks`` as server-sent events, then ``[DONE]``."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.end_headers()
+    for chunk in chunks:
+        handler.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    handler.wfile.write(b"data: [DONE]\n\n")
+
+
+def cached_prefix(history: list[list[int]], prompt: list[int]) -> int:
+    """The longest prefix ``prompt`` shares with a prompt of ``history``: what a prefix cache reports."""
+    return max((common_prefix(old, prompt) for old in history), default=0)
 
 
 class QuietHandler(BaseHTTPRequestHandler):
@@ -62,12 +84,7 @@ class CompletionsStub(QuietHandler):
             return
         salt = body.get("cache_salt")
         history = type(self).seen.setdefault(salt, [])
-        cached = 0
-        for old in history:
-            n = 0
-            while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
-                n += 1
-            cached = max(cached, n)
+        cached = cached_prefix(history, prompt)
         history.append(prompt)
         answer = [(sum(prompt) + i) % 1000 + 4 for i in range(body["max_tokens"])]
         usage = {
@@ -77,20 +94,15 @@ class CompletionsStub(QuietHandler):
             "prompt_tokens_details": {"cached_tokens": cached},
         }
         if not body.get("stream"):
-            send_json(self, {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}],
-                             "usage": usage})  # fmt: skip
+            send_completion(self, answer, usage)
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        for i, tok in enumerate(answer):
-            last = i == len(answer) - 1
-            chunk = {"choices": [{"text": "x", "token_ids": [tok],
-                                  "finish_reason": "length" if last else None}], "usage": None}  # fmt: skip
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        chunks = [
+            {"choices": [{"text": "x", "token_ids": [tok], "finish_reason": "length" if last else None}], "usage": None}
+            for tok, last in zip(answer, [False] * (len(answer) - 1) + [True])
+        ]
         if body.get("stream_options", {}).get("include_usage"):
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+            chunks.append({"choices": [], "usage": usage})
+        send_event_stream(self, chunks)
 
 
 def stand_in_server(log_path, code: str):

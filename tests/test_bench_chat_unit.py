@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from http_stub import QuietHandler, send_json, serve
+from http_stub import QuietHandler, cached_prefix, send_completion, send_event_stream, serve
 
 from bc_tools.bench import chat_words, cli, demo, report, stats
 from bc_tools.bench import workload as wl
@@ -241,23 +241,14 @@ def _chat_stub(cache: bool):
             chat = self.path == "/v1/chat/completions"
             prompt = _render(body["messages"]) if chat else body["prompt"]
             history = type(self).seen.setdefault(body.get("cache_salt"), [])
-            cached = 0
-            for old in history if cache else []:
-                n = 0
-                while n < min(len(old), len(prompt)) and old[n] == prompt[n]:
-                    n += 1
-                cached = max(cached, n)
+            cached = cached_prefix(history, prompt) if cache else 0
             answer = _answer(prompt, body["max_tokens"])
             history.append(prompt + answer)
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(answer),
                      "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
             if not body.get("stream"):
-                send_json(self, {"choices": [{"text": "x", "token_ids": answer, "finish_reason": "length"}],
-                                 "usage": usage})  # fmt: skip
+                send_completion(self, answer, usage)
                 return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
             chunks = [{"choices": [{"delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": prompt}]
             for i, tok in enumerate(answer):
                 text = f"{' ' if i else ''}w{tok}"
@@ -270,9 +261,7 @@ def _chat_stub(cache: bool):
                     }
                 )
             chunks.append({"choices": [], "usage": usage})
-            for chunk in chunks if chat else chunks[1:]:
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+            send_event_stream(self, chunks if chat else chunks[1:])
 
     return Stub
 
