@@ -126,16 +126,15 @@ Private internals (names and the behaviour relied on):
   block id first. ``_resolve_gdn_prefill_backend(vllm_config)`` (:func:`gdn_prefill_backend`) is
   the kernel the layers pick; ``vllm.utils.gpu_sync_debug.gpu_sync_allowed`` marks the split's one
   device-to-host read per step (:func:`forward_context_metadata`: every KV group's metadata at once).
-* ``VllmConfig.__post_init__``: vLLM has no hook that lets a general plugin see the final engine
-  config, so :func:`install_vllm_config_hook` wraps it once to pick the scheduler class. This is
-  the plugin's only wrapper around a vLLM function.
+* ``VllmConfig.__post_init__``: wrapped once to pick the scheduler class, in ``config_hook.py``
+  (which imports only ``vllm.config``, so the version check can use it where this module cannot
+  import). This is the plugin's only wrapper around a vLLM function.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from vllm.config import VllmConfig
@@ -175,7 +174,6 @@ __all__ = [
     "VllmConfig",
     "allowed_vllm_plugins",
     "copy_kv_cache_blocks_inplace",
-    "install_vllm_config_hook",
     "conv_metadata",
     "cpu_gdn_core",
     "cpu_worker_class",
@@ -199,23 +197,6 @@ __all__ = [
     "sampled_token_ids",
     "v1_model_runner_class",
 ]
-
-_HOOK_MARK = "_boundary_checkpoints_hook"
-
-
-def install_vllm_config_hook(apply: Callable[[VllmConfig], None]) -> None:
-    """Run ``apply(config)`` after every ``VllmConfig.__post_init__`` (idempotent per process)."""
-    original = VllmConfig.__post_init__
-    if getattr(original, _HOOK_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def post_init(self: VllmConfig) -> None:
-        original(self)
-        apply(self)
-
-    setattr(post_init, _HOOK_MARK, True)
-    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
 
 
 def allowed_vllm_plugins() -> list[str] | None:

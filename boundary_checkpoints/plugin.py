@@ -18,11 +18,11 @@ explicitly ``request_boundaries`` (:func:`_register_unsupported`).
 
 from __future__ import annotations
 
-import functools
 import os
 
 from vllm.logger import init_logger
 
+from boundary_checkpoints import config_hook
 from boundary_checkpoints.gate import decide_policy, log_decision_once
 from boundary_checkpoints.settings import ENV_POLICY, BoundaryConfig
 from boundary_checkpoints.versions import check_vllm_version, installed_vllm_version, is_supported_vllm
@@ -48,42 +48,22 @@ def apply_policy(vllm_config) -> None:
         parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
 
 
-_VERSION_GATE_MARK = "_boundary_checkpoints_version_gate"
-
-
 def register() -> None:
     version = installed_vllm_version()
     if not is_supported_vllm(version):
         _register_unsupported(version)
         return
-    from boundary_checkpoints.compat import install_vllm_config_hook
-
-    install_vllm_config_hook(apply_policy)
+    config_hook.install_vllm_config_hook(apply_policy)
 
 
 def _register_unsupported(version: str) -> None:
     """vLLM ``version`` is not supported: leave vLLM stock and say so once, or refuse to start
     under an explicit ``request_boundaries``. ``VLLM_BOUNDARY_CHECKPOINTS_POLICY`` is known now;
     a policy in ``--additional-config`` only when vLLM finalizes its config, so the check then runs
-    from a wrapper of the public ``VllmConfig.__post_init__`` that reads only the policy."""
+    from the config hook (``config_hook.py``), reading only the policy."""
     if os.environ.get(ENV_POLICY):
         check_vllm_version(version, BoundaryConfig.from_additional_config(None).policy, logger)
         return
-    try:
-        from vllm.config import VllmConfig
-
-        original = VllmConfig.__post_init__
-    except (ImportError, AttributeError):
-        check_vllm_version(version, None, logger)
-        return
-    if getattr(original, _VERSION_GATE_MARK, False):
-        return
-
-    @functools.wraps(original)
-    def post_init(self) -> None:
-        original(self)
-        policy = BoundaryConfig.for_engine(self).policy
-        check_vllm_version(version, policy, logger)
-
-    setattr(post_init, _VERSION_GATE_MARK, True)
-    VllmConfig.__post_init__ = post_init  # type: ignore[method-assign]
+    config_hook.install_vllm_config_hook(
+        lambda vllm_config: check_vllm_version(version, BoundaryConfig.for_engine(vllm_config).policy, logger)
+    )

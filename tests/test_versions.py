@@ -136,10 +136,10 @@ def test_register_on_unsupported_vllm_with_policy_variable_fails_at_load(monkeyp
 
 
 def test_register_on_supported_vllm_installs_the_config_hook(monkeypatch, fresh_state):
-    from boundary_checkpoints import compat
+    from boundary_checkpoints import config_hook
 
     installed = []
-    monkeypatch.setattr(compat, "install_vllm_config_hook", installed.append)
+    monkeypatch.setattr(config_hook, "install_vllm_config_hook", installed.append)
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
     plugin.register()
     assert installed == [plugin.apply_policy]
