@@ -209,10 +209,7 @@ class CaptureMixin:
             self.checkpoint_store.counters.captures_dropped += 1
             return
         sources = plan.copy_sources()
-        grid = self._grid_blocks(request, num_tokens, plan)
-        if adopt:
-            destinations = tuple(plan.sources)  # the bundle's own reference on each source
-        else:
+        if not adopt:
             shared = {b.block_id for group in plan.shared for b in group if not b.is_null}
             refusal = self.checkpoint_store.refusal(shared, len(sources), kind in LASTING_KINDS)
             if refusal is not None:  # refused before it takes blocks from vLLM's free queue
@@ -222,14 +219,17 @@ class CaptureMixin:
                 else:
                     counters.refused_protected += 1
                 return
+        grid = self._grid_blocks(request, num_tokens, plan)
         grid_pins = [b for group in grid for b in group]
         # Out of vLLM's free queue before any fresh block is taken, so none of them is one.
         self._block_pool.touch(grid_pins)
-        if not adopt:
-            if self._block_pool.get_num_free_blocks() < len(sources):
-                self._block_pool.free_blocks(grid_pins)
-                self.checkpoint_store.counters.captures_dropped += 1
-                return
+        if adopt:
+            destinations = tuple(plan.sources)  # the bundle's own reference on each source
+        elif self._block_pool.get_num_free_blocks() < len(sources):
+            self._block_pool.free_blocks(grid_pins)
+            self.checkpoint_store.counters.captures_dropped += 1
+            return
+        else:
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))
             destinations = tuple(None if s is None else next(fresh) for s in plan.sources)
         # Adopted: the bundle's references. Copied: pins dropped once the copies are emitted.

@@ -100,11 +100,10 @@ class CheckpointStore:
         self._budget_users: dict[int, int] = {}  # the same for the blocks the budget counts
         self._blocks: dict[int, tuple[BlockLike, int]] = {}  # retained block id -> (block, bytes)
         self._bytes = 0  # sum of the retained blocks' bytes (read every engine step)
-        self._count = 0  # retained bundles
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return self._count
+        return sum(len(tails) for tails in self._by_parent.values())
 
     def __contains__(self, key: CheckpointKey) -> bool:
         return self._retained_at(key) is not None
@@ -204,7 +203,6 @@ class CheckpointStore:
             self.counters.duplicates += 1
             return False
         tails[key.tail] = checkpoint
-        self._count += 1
         checkpoint.published_at = self.reuse.stamp()
         for block_id, sized in checkpoint.sized_blocks().items():
             self._block_users[block_id] = self._block_users.get(block_id, 0) + 1
@@ -404,7 +402,6 @@ class CheckpointStore:
         key = checkpoint.key
         tails = self._by_parent[(key.parent, key.start)]
         del tails[key.tail]
-        self._count -= 1
         if not tails:
             del self._by_parent[(key.parent, key.start)]
         self.policy.remove(checkpoint)
