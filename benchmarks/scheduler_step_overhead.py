@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from shadow_engine import build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
+
+from bc_tools.bench.stats import spread  # noqa: E402
 
 
 def decode_step_us(model_dir: Path, policy: str, running: int, prompt_len: int, steps: int, seed: int) -> float:
@@ -55,11 +56,6 @@ def decode_step_us(model_dir: Path, policy: str, running: int, prompt_len: int, 
     return spent / steps * 1e6
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return statistics.median(values), q[0], q[2]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--running", type=int, default=32, help="requests decoding in every step (default 32)")
@@ -77,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append({"order": list(order), "us_per_step": times, "ratio": ratio})
         print(f"round {r} ({order[0]} first): stock {times['aligned']:.0f} us, plugin "
               f"{times['request_boundaries']:.0f} us per decode step, ratio {ratio:.3f}", flush=True)  # fmt: skip
-    med, p25, p75 = quartiles([r["ratio"] for r in rounds])
+    ratio = spread([r["ratio"] for r in rounds])  # bc-bench's median [p25..p75]
+    med, p25, p75 = ratio["median"], ratio["p25"], ratio["p75"]
     print(f"plugin / stock host time per decode step: {med:.3f} [{p25:.3f}..{p75:.3f}] over {len(rounds)} rounds "
           f"({args.running} running, {args.steps} steps)")  # fmt: skip
     if args.out:
