@@ -1,14 +1,22 @@
-"""Where a prompt checkpoint (the state after ``P - 1`` prompt tokens) is taken.
+"""Where a prompt checkpoint is taken, and at which token count.
 
 Contract
 --------
-Two ways, chosen once per engine from its configuration:
+Three ways, chosen once per engine from its configuration:
 
-* ``in_step``: the whole prompt is prefilled in one step; inside every Gated DeltaNet layer the
-  last token of each prompt that is captured is split off (``worker/gdn_split.py``), so the state
-  after ``P - 1`` is written to the checkpoint's block during the step that computes the prompt.
-* ``stop``: the prefill stops at ``P - 1``, the state is copied after that step and the last prompt
-  token runs in one more engine step (the first-turn tax, ``docs/notes/first-turn-tax.md``).
+* ``in_step``: the state after ``P - 1`` tokens (a resend of the same prompt computes one token).
+  The whole prompt is prefilled in one step; inside every Gated DeltaNet layer the last token of
+  each prompt that is captured is split off (``worker/gdn_split.py``), so the state after ``P - 1``
+  is written to the checkpoint's block during the step that computes the prompt.
+* ``stop``: the state after ``P - 1`` too, but the prefill stops at ``P - 1``, the state is copied
+  after that step and the last prompt token runs in one more engine step (the first-turn tax,
+  ``docs/notes/first-turn-tax.md``).
+* ``end`` (asked for by ``prompt_capture: end``): the state after all ``P`` tokens, copied from
+  the request's blocks before the next step's forward, as a response checkpoint is: no split and
+  no extra step on any kernel or family. A next turn (a prompt that extends this one) restores it;
+  a resend of the same prompt cannot (its last token must run to give logits) and gets vLLM's
+  block-grid hit. Under speculative decoding it gives ``stop``: the drafter's row at ``P - 1``
+  reads the first sampled token.
 
 :func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
 ``prompt_capture`` ``auto`` (the default) or ``in_step``, no speculative decoding (the split handles
@@ -40,8 +48,9 @@ from typing import Any
 AUTO = "auto"
 IN_STEP = "in_step"
 STOP = "stop"
+END = "end"
 OFF = "off"
-PROMPT_CAPTURES = (AUTO, IN_STEP, STOP)
+PROMPT_CAPTURES = (AUTO, IN_STEP, STOP, END)
 # What the startup line adds about in-step capture on CUDA (module docstring).
 CUDA_IN_STEP_CAVEAT = (
     "CUDA: fresh-prompt TTFT is about stock's with 1 request in flight and about 1.15-1.2x stock's with 8 "
@@ -73,7 +82,7 @@ class EngineFacts:
 
 @dataclass(frozen=True)
 class PromptCaptureDecision:
-    mode: str  # IN_STEP, STOP or OFF (no prompt checkpoints)
+    mode: str  # IN_STEP, STOP, END or OFF (no prompt checkpoints)
     reason: str = ""  # why STOP when in_step was asked for ("" otherwise)
     caveat: str = ""  # what is not validated about an IN_STEP decision ("" where nothing)
 
@@ -81,6 +90,11 @@ class PromptCaptureDecision:
         """The phrase the scheduler's startup line uses for prompt checkpoints."""
         if self.mode == OFF:
             return "off"
+        if self.mode == END:
+            return (
+                "on (at the prompt's end P, copied after the step that computes it: no extra step, no split; "
+                "a resend of the same prompt gets vLLM's block-grid hit)"
+            )
         if self.mode == IN_STEP:
             caveat = f"; {self.caveat}" if self.caveat else ""
             return f"on (captured inside the step that computes the prompt: no P - 1 stop{caveat})"
@@ -93,6 +107,10 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(OFF)
     if prompt_capture == STOP:
         return PromptCaptureDecision(STOP, "prompt_capture is 'stop'")
+    if prompt_capture == END:
+        if facts.speculative:  # the drafter's row at P - 1 reads the first sampled token
+            return PromptCaptureDecision(STOP, "speculative decoding (a checkpoint at P holds a drafter row)")
+        return PromptCaptureDecision(END)
     if facts.speculative:
         return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
     if facts.micro_batching:

@@ -80,7 +80,7 @@ def test_payload_survives_vllm_transport_and_is_removed_before_vllm_loggers():
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     stats = SchedulerStats(num_kv_fetch_reqs_by_stage={"in_progress": 1})
-    StepCounterReporter(enabled=True).attach(stats, counters_dict())
+    StepCounterReporter(enabled=True).attach(stats, counters_dict)
     wire = MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=stats))
     received = MsgpackDecoder(EngineCoreOutputs).decode(wire).scheduler_stats
     payload = take_payload(received)
@@ -135,7 +135,7 @@ def test_stat_logger_strips_payload_even_when_inactive():
     stat_logger = BoundaryCheckpointStatLogger(Config, [0])
     assert not stat_logger.active
     stats = SchedulerStats()
-    StepCounterReporter(enabled=True).attach(stats, {"hit_prompt": 1})
+    StepCounterReporter(enabled=True).attach(stats, lambda: {"hit_prompt": 1})
     stat_logger.record(stats, None)
     assert getattr(stats, CARRIER_FIELD) == {}
     assert stat_logger.prometheus is None

@@ -11,6 +11,7 @@ from boundary_checkpoints.prompt_capture import (
     CUDA_IN_STEP_CAVEAT,
     IN_STEP,
     OFF,
+    END,
     STOP,
     EngineFacts,
     decide,
@@ -117,3 +118,19 @@ def test_which_graph_modes_replay_prefill_steps_whole(mode, full):
     config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
     assert mixed_batches_replay_full_graphs(config) is full
     assert mixed_batches_replay_full_graphs(SimpleNamespace()) is False
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"gdn_prefill_backend": "flashinfer"}, {"architectures": ("KimiLinearForCausalLM",)}, {"platform": "cpu"},
+     {"full_graphs_for_prefills": True}, {"micro_batching": True}],
+)  # fmt: skip
+def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
+    decision = decide(True, "end", facts(**overrides))
+    assert decision.mode == END and "no extra step" in decision.describe()
+
+
+def test_end_under_speculative_decoding_stops_and_says_why():
+    decision = decide(True, "end", facts(speculative=True))
+    assert decision.mode == STOP and "drafter" in decision.reason
+    assert decide(False, "end", facts()).mode == "off"

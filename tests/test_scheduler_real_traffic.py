@@ -165,10 +165,9 @@ def test_a_deferred_recurrent_hit_is_no_shortage(model_dir):
     scheduler, rng = _fill_store(model_dir, 2)
     manager = scheduler.kv_cache_manager
     request = make_request(tokens(rng, 20), salt="new")
-    manager.coordinator.last_num_blocks_to_allocate = manager.block_pool.num_gpu_blocks + 1
-    assert manager.shortfall(request, {}) is None
-    manager.coordinator.last_num_blocks_to_allocate = manager.block_pool.get_num_free_blocks() + 3
-    assert manager.shortfall(request, {"has_scheduled_reqs": False}) == 3
+    assert manager.shortfall(request, manager.block_pool.num_gpu_blocks + 1, {}) is None
+    free = manager.block_pool.get_num_free_blocks()
+    assert manager.shortfall(request, free + 3, {"has_scheduled_reqs": False}) == 3
 
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])

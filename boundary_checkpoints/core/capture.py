@@ -28,7 +28,6 @@ from boundary_checkpoints.core.boundaries import (
     GroupKind,
     in_flight_response_boundary,
     plan_bundle,
-    prompt_boundary,
     response_boundary,
     speculative_response_boundary,
 )
@@ -148,9 +147,9 @@ class CaptureMixin:
         for request_id, num_scheduled in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens
-            stopped = self._stopped_at.pop(request_id, None) == end  # the plugin's P - 1 stop
             if end - num_scheduled >= request.num_prompt_tokens:
                 continue  # a step past the prompt ends at no prompt or instruction boundary
+            stopped = self._stopped_at.pop(request_id, None) == end  # the plugin's P - 1 stop
             if request_is_eligible(request):
                 instruction = self._instruction_target(request)
                 if instruction is not None and end == instruction:
@@ -158,10 +157,10 @@ class CaptureMixin:
                     continue  # an instruction boundary at P - 1 is kept as the lasting kind
             if not self._prompt_captures_on:
                 continue
-            target, start = prompt_boundary(request.num_prompt_tokens), end - num_scheduled
+            target, start = self._prompt_target(request), end - num_scheduled
             if target == 0 or start >= target or end < target or not request_is_eligible(request):
                 continue
-            if end == target:
+            if end == target and (not self._prompt_at_end or self._keeps_prompt_checkpoint(request, start)):
                 self.checkpoint_store.counters.prompt_stops += stopped
                 self._plan_capture(request, target, PROMPT, adopt=False)
             elif self._keeps_prompt_checkpoint(request, start) and self._captures_in_step(request, start, end):
@@ -195,6 +194,13 @@ class CaptureMixin:
             return
         for pending in self._pending:
             if pending.key == key:
+                if adopt and pending.ready_seq is None and not pending.in_step:
+                    # Its copies wait for a next step that a finished request may never get (a
+                    # prompt checkpoint at P of an answer of one token): the adopted bundle replaces it.
+                    self._block_pool.free_blocks(pending.plan.copy_sources())
+                    self._discard(pending, dropped=False)
+                    self._pending.remove(pending)
+                    break
                 if kind == INSTRUCTION:
                     pending.checkpoint.kind = INSTRUCTION
                 return

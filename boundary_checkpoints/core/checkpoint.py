@@ -174,12 +174,14 @@ class StoreCounters:
     def as_dict(self) -> dict[str, int]:
         """Flat counters; the counts by label value under their prefix: hits by kind as
         ``hit_<kind>``, misses by reason as ``miss_<reason>``."""
-        flat = {f.name: getattr(self, f.name) for f in fields(self) if "prefix" not in f.metadata}
-        for f in fields(self):
-            if "prefix" in f.metadata:
-                prefix = f.metadata["prefix"]
-                flat.update({f"{prefix}{value}": n for value, n in sorted(getattr(self, f.name).items())})
+        flat = {name: getattr(self, name) for name in _SCALAR_COUNTERS}
+        for name, prefix in _LABELLED_COUNTERS:
+            flat.update({f"{prefix}{value}": n for value, n in sorted(getattr(self, name).items())})
         return flat
+
+
+_SCALAR_COUNTERS = tuple(f.name for f in fields(StoreCounters) if "prefix" not in f.metadata)
+_LABELLED_COUNTERS = tuple((f.name, f.metadata["prefix"]) for f in fields(StoreCounters) if "prefix" in f.metadata)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from boundary_checkpoints.core.boundaries import (
     prompt_boundary,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
+from boundary_checkpoints.core.kv_manager import count_cut_chunks
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
@@ -88,6 +89,7 @@ class ChunkStopMixin:
         cut = self._boundary_split(request, start, num_new_tokens)
         if cut < num_new_tokens and not is_prefill_step(request, start + num_new_tokens):
             self._cut_prefill_ends[request.request_id] = start + cut  # vLLM's chunk reached the prefill's end
+            count_cut_chunks(self._coordinator)  # its blocks are counted to the cut end
         else:
             self._cut_prefill_ends.pop(request.request_id, None)
         return cut
@@ -105,7 +107,7 @@ class ChunkStopMixin:
             if key is not None and key not in self.checkpoint_store and not any(p.key == key for p in self._pending):
                 self._count_instruction("instruction_stops")
                 return instruction - start
-        if not self._prompt_captures_on:
+        if not self._prompt_captures_on or self._prompt_at_end:
             return num_new_tokens
         stop = prompt_boundary(request.num_prompt_tokens)
         if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
@@ -115,10 +117,15 @@ class ChunkStopMixin:
         self._stopped_at[request.request_id] = stop  # counted once the step is scheduled
         return stop - start
 
+    def _prompt_target(self, request: Request) -> int:
+        """Token count of ``request``'s prompt checkpoint: ``P`` under ``prompt_capture: end``,
+        else ``P - 1`` (0: none)."""
+        return request.num_prompt_tokens if self._prompt_at_end else prompt_boundary(request.num_prompt_tokens)
+
     def _keeps_prompt_checkpoint(self, request: Request, start: int) -> bool:
-        """Whether a prefill step from ``start`` that crosses ``P - 1`` keeps the prompt checkpoint
+        """Whether a prefill step from ``start`` that reaches the prompt checkpoint keeps it
         (``prompt_checkpoint_min_tokens``)."""
-        return prompt_boundary(request.num_prompt_tokens) - start >= self.boundary_config.prompt_checkpoint_min_tokens
+        return self._prompt_target(request) - start >= self.boundary_config.prompt_checkpoint_min_tokens
 
     def _captures_in_step(self, request: Request, start: int, end: int) -> bool:
         """Whether the prefill step ``[start, end)`` that crosses ``P - 1`` takes the prompt

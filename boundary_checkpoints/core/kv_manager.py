@@ -1,28 +1,31 @@
 """The KV cache manager and coordinator subclasses the boundary scheduler installs on vLLM's.
 
 Contract: :class:`PressureRelievingKVCacheManager` evicts retained checkpoints (through the
-scheduler's ``relieve_pressure``) before it refuses an allocation; :func:`recording_coordinator_class`
-makes a coordinator remember its last block count and count a chunk the plugin cut short as if the
-prefill ended there. Both are installed by re-classing vLLM's own instances (see ``compat``).
+scheduler's ``relieve_pressure``) before it refuses an allocation; :func:`counting_coordinator_class`
+is a coordinator that remembers its last block count and counts a chunk the plugin cut short as if
+the prefill ended there. vLLM's instances are re-classed (see ``compat``): the manager for the
+engine's life, the coordinator only while its count matters (:func:`counting_blocks`), so an
+allocation that fits and was not cut runs vLLM's code alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
-from boundary_checkpoints.compat import KVCacheManager, RequestStatus, watermark_blocks
+from boundary_checkpoints.compat import KVCacheManager, RequestStatus, reclass_instance, watermark_blocks
 
-_RECORDING_COORDINATORS: dict[type, type] = {}
+_COUNTING_COORDINATORS: dict[type, type] = {}
 
 
-def recording_coordinator_class(cls: Any) -> type:
+def counting_coordinator_class(cls: Any) -> type:
     """``cls`` (a KV cache coordinator class) with a ``get_num_blocks_to_allocate`` that keeps its
     last answer in ``last_num_blocks_to_allocate`` and, for a request whose chunk the plugin cut
     short of the prefill's end (``cut_prefill_ends``: request id -> the cut chunk's end, set by the
     scheduler for the ``schedule()`` in progress), counts that step's blocks as if the prefill
-    ended there; one class per coordinator type. The scheduler re-classes vLLM's coordinator to it
-    (see compat: KV cache coordinator).
+    ended there; one class per coordinator type.
 
     Why the cut end: under vLLM's default sparse retention a recurrent group whose kernels export
     a block-boundary state from inside a chunk (KDA, Mamba2: ``num_prefill_checkpoint_blocks``)
@@ -31,8 +34,9 @@ def recording_coordinator_class(cls: Any) -> type:
     A prefill cut at ``P - 1`` would leave the state of the last block boundary, which stock
     caches for the next prompt sharing the prefix, unreserved (written into the null block): the
     cut chunk is the last one that can hold it, so it is the prefill's end for that count."""
-    if cls not in _RECORDING_COORDINATORS:
-        count_blocks = cls.get_num_blocks_to_allocate
+    base = _stock_class(cls)
+    if base not in _COUNTING_COORDINATORS:
+        count_blocks = base.get_num_blocks_to_allocate
 
         def get_num_blocks_to_allocate(self, *args, **kwargs):
             cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
@@ -42,42 +46,80 @@ def recording_coordinator_class(cls: Any) -> type:
             return self.last_num_blocks_to_allocate
 
         # Single inheritance with no new slots keeps the instance layout, so __class__ can change.
-        _RECORDING_COORDINATORS[cls] = type(
-            f"Recording{cls.__name__}",
-            (cls,),
+        _COUNTING_COORDINATORS[base] = type(
+            f"Counting{base.__name__}",
+            (base,),
             {
                 "get_num_blocks_to_allocate": get_num_blocks_to_allocate,
                 "last_num_blocks_to_allocate": None,
                 "cut_prefill_ends": MappingProxyType({}),
             },  # the scheduler sets its own dict
         )
-    return _RECORDING_COORDINATORS[cls]
+    return _COUNTING_COORDINATORS[base]
+
+
+def _stock_class(cls: type) -> type:
+    return cls.__base__ if cls in _COUNTING_COORDINATORS.values() else cls
+
+
+def count_cut_chunks(coordinator: Any) -> None:
+    """Re-class ``coordinator`` to its counting class (the scheduler's first cut chunk of a
+    ``schedule()``); :func:`stop_counting` undoes it."""
+    if type(coordinator) not in _COUNTING_COORDINATORS.values():
+        reclass_instance(coordinator, counting_coordinator_class(type(coordinator)))
+
+
+def stop_counting(coordinator: Any) -> None:
+    """``coordinator`` back to vLLM's class (a no-op if it is there)."""
+    if type(coordinator) in _COUNTING_COORDINATORS.values():
+        coordinator.__class__ = type(coordinator).__base__
+
+
+@contextmanager
+def counting_blocks(coordinator: Any) -> Iterator[None]:
+    """``coordinator`` counts (and remembers) its blocks inside the block; afterwards it is in the
+    class it had before."""
+    counting = type(coordinator) in _COUNTING_COORDINATORS.values()
+    count_cut_chunks(coordinator)
+    coordinator.last_num_blocks_to_allocate = None
+    try:
+        yield
+    finally:
+        if not counting:
+            stop_counting(coordinator)
 
 
 class PressureRelievingKVCacheManager(KVCacheManager):
     """KVCacheManager that evicts retained checkpoints before refusing an allocation.
 
-    After a refused allocation it computes the shortfall (blocks vLLM asked for, plus the
-    watermark and reservation it applied, minus the free blocks) and asks ``relieve_pressure``
-    to free that many; it retries after every eviction, so it stops as soon as the allocation
-    fits. vLLM's deliberate "not in this step" answer (more blocks than the whole pool, used to
-    defer a recurrent hit on a block cached in the same step) is no shortage and evicts nothing.
+    After a refused allocation it asks vLLM's allocation again with the coordinator counting, to
+    learn the blocks vLLM asked for (a refused allocation changes nothing that a second one would
+    see); the shortfall is those blocks, plus the watermark and reservation it applied, minus the
+    free blocks, and ``relieve_pressure`` frees that many. It retries after every eviction, so it
+    stops as soon as the allocation fits. vLLM's deliberate "not in this step" answer (more
+    blocks than the whole pool, used to defer a recurrent hit on a block cached in the same step)
+    is no shortage and evicts nothing.
     """
 
     relieve_pressure: Any = None  # (shortfall) -> bool (True: a bundle was evicted), set by the scheduler
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
+        blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        if blocks is not None or self.relieve_pressure is None:
+            return blocks
         while True:
-            blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
-            if blocks is not None or self.relieve_pressure is None:
+            with counting_blocks(self.coordinator):
+                blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+                needed = self.coordinator.last_num_blocks_to_allocate
+            if blocks is not None:
                 return blocks
-            shortfall = self.shortfall(request, kwargs)
+            shortfall = self.shortfall(request, needed, kwargs)
             if shortfall is None or not self.relieve_pressure(shortfall):
                 return None
 
-    def shortfall(self, request, kwargs) -> int | None:
-        """Blocks missing for the allocation just refused; None if freeing blocks cannot help."""
-        needed = self.coordinator.last_num_blocks_to_allocate
+    def shortfall(self, request, needed: int | None, kwargs) -> int | None:
+        """Blocks missing for the allocation just refused, which asked for ``needed`` blocks; None
+        if freeing blocks cannot help."""
         if needed is None or needed > self.block_pool.num_gpu_blocks:
             return None
         waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)

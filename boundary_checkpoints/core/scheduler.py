@@ -36,14 +36,14 @@ from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
-from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, recording_coordinator_class
+from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, stop_counting
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
-from boundary_checkpoints.prompt_capture import IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
+from boundary_checkpoints.prompt_capture import END, IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
 from boundary_checkpoints.settings import BoundaryConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -84,6 +84,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         if self._prompt_capture.mode == IN_STEP and self._ring_groups:
             self._prompt_capture = PromptCaptureDecision(STOP, "an indexer tail ring is captured after its step")
         self._prompt_in_step = self._prompt_captures_on and self._prompt_capture.mode == IN_STEP
+        self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
@@ -111,9 +112,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
         self._last_stats_log = time.monotonic()
         reclass_instance(self.kv_cache_manager, PressureRelievingKVCacheManager)
-        coordinator = self.kv_cache_manager.coordinator
-        reclass_instance(coordinator, recording_coordinator_class(type(coordinator)))
-        coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
+        self._coordinator = self.kv_cache_manager.coordinator
+        self._coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
@@ -147,6 +147,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         output = super().schedule(*args, **kwargs)
         if not self.boundaries_active:
             return output
+        if self._cut_prefill_ends:
+            stop_counting(self._coordinator)
         if output.total_num_scheduled_tokens > 0:
             self._sched_seq += 1
         if self.num_spec_tokens:
@@ -297,7 +299,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.boundaries_active:
             reporter = self.__dict__.setdefault("_step_counter_reporter", StepCounterReporter())
-            reporter.attach(stats, self.boundary_stats())
+            reporter.attach(stats, self.boundary_stats)
         return stats
 
 

@@ -10,7 +10,7 @@ the field. ``metrics.py`` turns them into Prometheus series.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -73,7 +73,8 @@ class StepCounterReporter:
                 out[name] = delta
         return out
 
-    def attach(self, stats: Any, current: Mapping[str, int]) -> None:
+    def attach(self, stats: Any, current: Callable[[], Mapping[str, int]]) -> None:
+        """Add ``current()`` (read only when the frontend collects it) to ``stats``."""
         if self._enabled is None:
             self._enabled = frontend_collects()
         if not self._enabled:
@@ -81,7 +82,7 @@ class StepCounterReporter:
         carrier = getattr(stats, CARRIER_FIELD, None)
         if not isinstance(carrier, dict):
             return
-        carrier.update({PAYLOAD_PREFIX + name: value for name, value in self.payload(current).items()})
+        carrier.update({PAYLOAD_PREFIX + name: value for name, value in self.payload(current()).items()})
 
 
 def take_payload(scheduler_stats: Any) -> dict[str, int]:

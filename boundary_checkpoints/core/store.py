@@ -73,6 +73,9 @@ class LruEvictionPolicy:
     def remove(self, checkpoint: Checkpoint) -> None:
         self._order.pop(id(checkpoint), None)
 
+    def __len__(self) -> int:
+        return len(self._order)
+
     def victim(self) -> Checkpoint | None:
         return next(iter(self.in_order()), None)
 
@@ -103,7 +106,7 @@ class CheckpointStore:
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return sum(len(tails) for tails in self._by_parent.values())
+        return len(self.policy)  # the policy orders every retained bundle
 
     def __contains__(self, key: CheckpointKey) -> bool:
         return self._retained_at(key) is not None
