@@ -9,9 +9,9 @@ import pytest
 from boundary_checkpoints.prompt_capture import (
     AUTO,
     CUDA_IN_STEP_CAVEAT,
+    END,
     IN_STEP,
     OFF,
-    END,
     STOP,
     EngineFacts,
     decide,
