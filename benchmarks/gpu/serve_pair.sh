@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU host (after `source .gpu-bundle/install_on_host.sh` and the package's install): write the
-# 12-layer Qwen3-Next-80B-dims model (dummy weights) and start three servers of it at once, CUDA graphs
-# on, the FLA Triton GDN prefill kernel for all three (the bundle cannot load FlashInfer's):
-#   :8100 stock (policy aligned), :8101 the plugin's default (in-step capture at P - 1),
-#   :8102 the plugin with prompt_capture end (the prompt checkpoint at P, copied after the step).
-# Waits until all three answer /health (or $1 seconds pass); PIDs in /tmp/bc-servers.pids, logs in $LOGS.
+# 12-layer Qwen3-Next-80B-dims model (dummy weights, about 40 GB) and start two servers of it at once
+# (0.45 of the GPU each), CUDA graphs on, the FLA Triton GDN prefill kernel for both (the bundle cannot
+# load FlashInfer's):
+#   :8100 stock (policy aligned), :8102 the plugin with prompt_capture end (the prompt checkpoint at P,
+#   copied after the step that computes it).
+# Waits until both answer /health (or $1 seconds pass); PIDs in /tmp/bc-servers.pids, logs in $LOGS.
 set -u
 deadline=$(( $(date +%s) + ${1:-420} ))
 LOGS=${LOGS:-/tmp/r/logs}; mkdir -p "$LOGS"
@@ -12,18 +13,17 @@ MODEL=/tmp/q12
 [[ -d $MODEL ]] || bc-bench --write-model "$MODEL" --arch qwen3_next_80b_12l > "$LOGS/write-model.log" 2>&1 || exit 1
 declare -A CONFIG=(
   [8100]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"aligned"}}'
-  [8101]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"request_boundaries","stats_log_interval_s":5}}'
   [8102]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"request_boundaries","prompt_capture":"end","stats_log_interval_s":5}}'
 )
 : > /tmp/bc-servers.pids
-for port in 8100 8101 8102; do
+for port in 8100 8102; do
   setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name q --port "$port" \
     --host 127.0.0.1 --dtype bfloat16 --mamba-ssm-cache-dtype float32 --max-model-len 16384 --load-format dummy \
-    --enable-prefix-caching --enable-prompt-tokens-details --gpu-memory-utilization 0.28 \
+    --enable-prefix-caching --enable-prompt-tokens-details --gpu-memory-utilization 0.45 \
     --additional-config "${CONFIG[$port]}" > "$LOGS/server-$port.log" 2>&1 &
   echo $! >> /tmp/bc-servers.pids
 done
-for port in 8100 8101 8102; do
+for port in 8100 8102; do
   until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
     if (( $(date +%s) > deadline )); then echo "server $port not healthy in time"; tail -5 "$LOGS/server-$port.log"; exit 1; fi
     sleep 2
