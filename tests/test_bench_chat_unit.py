@@ -11,7 +11,7 @@ import random
 import pytest
 from http_stub import QuietHandler, cached_prefix, send_completion, send_event_stream, serve
 
-from bc_tools.bench import chat_words, cli, demo, report, stats
+from bc_tools.bench import chat_words, cli, cli_args, demo, report, stats
 from bc_tools.bench import workload as wl
 from bc_tools.bench.stats import RequestRecord
 
@@ -104,12 +104,12 @@ def test_chat_workload_leaves_room_for_the_template():
 
 
 def test_cli_mode_and_tokenizer_options():
-    args = cli.parse_args(["--launch", "d", "--mode", "chat", "--turn1-only"])
+    args = cli_args.parse_args(["--launch", "d", "--mode", "chat", "--turn1-only"])
     assert args.mode == "chat" and args.turns == 1
-    assert cli.parse_args(["--launch", "d"]).mode == "tokens"
+    assert cli_args.parse_args(["--launch", "d"]).mode == "tokens"
     for bad in (["--mode", "text"], ["--tokenizer", "x"]):  # unknown mode; --tokenizer without chat
         with pytest.raises(SystemExit):
-            cli.parse_args(["--launch", "d", *bad])
+            cli_args.parse_args(["--launch", "d", *bad])
 
 
 # ------------------------------------------------------------------------------------------------
