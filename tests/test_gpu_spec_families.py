@@ -4,7 +4,7 @@ end to end on the tiny fixtures (docs/notes/spec-decode.md §9-10, docs/notes/mo
 Each test builds its tiny model (``make_tiny_model``) and runs, in one fresh process
 (:func:`engine_script.run_engine_script`: engine core and worker in that process, vLLM's GPU
 defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three probe scenarios of
-``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the response,
+``bench.probe_scenario.run_probes`` (cold producer, exact resend, continuation restored from the response,
 two cold controls; every phase one shared batch):
 
 1. policy ``request_boundaries``, explicitly: these tests are what validates a layout, so they do
@@ -129,7 +129,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting schedulers
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from bc_tools.bench.probes import NEW_TOKENS, run_probes
+from bc_tools.bench.probe_scenario import NEW_TOKENS, run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 from decode_path_control import install as install_decode_path
