@@ -32,7 +32,7 @@ rounding that a restored continuation's state also carries (the KDA families' co
 above their prefill-only references).
 
 MTP runs on ``qwen3_next_mtp_planted``, whose MTP layer predicts the target's greedy answers
-(``fixtures/families.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
+(``fixtures/qwen3_next_family.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
 that the accepted-draft paths run: response bundles of a last step that accepted drafts, and the
 in-flight capture of async scheduling (docs/notes/spec-decode.md §7, §10). (Its target differs
 from ``qwen3_next`` in the embedding and ``lm_head``; ``MARGIN`` and ``MIN_DETECTED`` were
@@ -85,7 +85,7 @@ from bc_tools.bench.probes import (
     state_failures,
 )
 from bc_tools.bench.stats import percentile
-from bc_tools.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
+from bc_tools.fixtures.glm5_next_family import GLM_INDEX_TOPK, GLM_KPOOL
 from boundary_checkpoints.core.layout import tail_ring_slots
 
 pytestmark = pytest.mark.gpu
@@ -181,7 +181,7 @@ def lengths_for(block):
 
 next_token = None
 if case.get("planted_seed") is not None:  # the planted fixture: the target's likely next token
-    from bc_tools.fixtures.families import planted_successor
+    from bc_tools.fixtures.qwen3_next_family import planted_successor
     successor = planted_successor(case["planted_seed"]).tolist()
     next_token = lambda answer: successor[answer[-1]]
 

@@ -41,7 +41,7 @@ from bc_tools.bench.probes import (
     probe_failures,
     state_failures,
 )
-from bc_tools.fixtures.families import planted_successor
+from bc_tools.fixtures.qwen3_next_family import planted_successor
 
 pytestmark = pytest.mark.slow
 

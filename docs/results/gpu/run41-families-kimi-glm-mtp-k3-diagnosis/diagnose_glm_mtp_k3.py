@@ -20,7 +20,7 @@ CHILD = r"""
 import json, sys
 from vllm import LLM
 from bc_tools.bench.probe_scenario import run_probes
-from bc_tools.fixtures.families import planted_successor
+from bc_tools.fixtures.qwen3_next_family import planted_successor
 from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
 family, policy = "glm5_next_mtp_planted", sys.argv[1]
