@@ -109,8 +109,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from bc_tools.bench.cli import machine_info
 from bc_tools.bench.report import format_table
-from bc_tools.bench.runner import POLICY_ENV, machine_info
+from bc_tools.bench.server_sets import POLICY_ENV
 from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, percentile, spread
 from bc_tools.bench.workload import FIRST_RANDOM_ID, round_order
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR

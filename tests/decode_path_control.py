@@ -1,6 +1,6 @@
 """Decode-path cold control: boundary schedulers that run registered spans one token per step.
 
-A restored continuation (``bench.probes.run_probes``) resumes from the state its producer left:
+A restored continuation (``bench.probe_scenario.run_probes``) resumes from the state its producer left:
 the prompt ``[0, P - 1)`` computed by the prefill (chunk) kernels, then one token per engine
 step -- the last prompt token (the plugin's prompt checkpoint runs it alone: the ``P - 1`` stop,
 or, captured in the step, a one-token decode row inside the GDN layers, ``worker/gdn_split.py``)

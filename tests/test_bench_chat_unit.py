@@ -11,7 +11,7 @@ import random
 import pytest
 from http_stub import QuietHandler, cached_prefix, send_completion, send_event_stream, serve
 
-from bc_tools.bench import chat_words, cli, demo, report, stats
+from bc_tools.bench import chat_words, cli, cli_args, demo_conversation, report, stats
 from bc_tools.bench import workload as wl
 from bc_tools.bench.stats import RequestRecord
 
@@ -34,7 +34,7 @@ def test_draw_words_is_what_bc_demo_always_drew():
     assert chat_words.draw_words(random.Random(0), 0) == ""
     assert chat_words.draw_words(random.Random(0), 3, ["x"]) == "x x x"
     # bc-demo's chat plan draws through the shared helper
-    plan = demo.make_chat_plan(turns=2, system_tokens=4, user_tokens=3, followup_tokens=2, seed=1)
+    plan = demo_conversation.make_chat_plan(turns=2, system_tokens=4, user_tokens=3, followup_tokens=2, seed=1)
     rng = random.Random(1)
     assert plan.turn_messages[0][1]["content"] == chat_words.draw_words(rng, 3)  # the user message is drawn first
     assert plan.turn_messages[0][0]["content"] == chat_words.draw_words(rng, 4)
@@ -104,12 +104,12 @@ def test_chat_workload_leaves_room_for_the_template():
 
 
 def test_cli_mode_and_tokenizer_options():
-    args = cli.parse_args(["--launch", "d", "--mode", "chat", "--turn1-only"])
+    args = cli_args.parse_args(["--launch", "d", "--mode", "chat", "--turn1-only"])
     assert args.mode == "chat" and args.turns == 1
-    assert cli.parse_args(["--launch", "d"]).mode == "tokens"
+    assert cli_args.parse_args(["--launch", "d"]).mode == "tokens"
     for bad in (["--mode", "text"], ["--tokenizer", "x"]):  # unknown mode; --tokenizer without chat
         with pytest.raises(SystemExit):
-            cli.parse_args(["--launch", "d", *bad])
+            cli_args.parse_args(["--launch", "d", *bad])
 
 
 # ------------------------------------------------------------------------------------------------

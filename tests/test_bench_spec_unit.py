@@ -1,4 +1,4 @@
-"""Fast tests of bc-bench's speculative decoding metrics (``bench/{runner,stats,report}.py``): the
+"""Fast tests of bc-bench's speculative decoding metrics (``bench/{slot_metrics,runner,stats,report}.py``): the
 ``/metrics`` counters read around each slot, the mean acceptance length, decode throughput, their
 spreads over rounds and ratios to stock, and the report rows and target they add. No vLLM engine."""
 
@@ -9,7 +9,7 @@ import threading
 import pytest
 from http_stub import CompletionsStub, serve
 
-from bc_tools.bench import report, runner, stats
+from bc_tools.bench import report, run_settings, runner, server_sets, slot_metrics, stats, traffic
 from bc_tools.bench import workload as wl
 from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
 
@@ -57,31 +57,33 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3-
 
 
 def test_parse_counters_sums_engines_and_skips_neighbouring_series():
-    counters = runner.parse_counters(COMMON + SPEC, runner.SLOT_COUNTERS)
+    counters = slot_metrics.parse_counters(COMMON + SPEC, slot_metrics.SLOT_COUNTERS)
     assert counters == {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350}
 
 
 def test_parse_counters_without_speculation_or_endpoint():
-    assert runner.parse_counters(COMMON, runner.SLOT_COUNTERS) == {
+    assert slot_metrics.parse_counters(COMMON, slot_metrics.SLOT_COUNTERS) == {
         "preemptions": 5, "spec_drafts": None, "spec_accepted_tokens": None}  # fmt: skip
-    assert runner.parse_counters("", runner.SLOT_COUNTERS) == dict.fromkeys(runner.SLOT_COUNTERS)
+    assert slot_metrics.parse_counters("", slot_metrics.SLOT_COUNTERS) == dict.fromkeys(slot_metrics.SLOT_COUNTERS)
     # a counter exposed under its bare name (no `_total`) counts too
     bare = 'vllm:spec_decode_num_drafts{engine="0"} 7\n'
-    assert runner.parse_counters(bare, {"d": "vllm:spec_decode_num_drafts"}) == {"d": 7}
+    assert slot_metrics.parse_counters(bare, {"d": "vllm:spec_decode_num_drafts"}) == {"d": 7}
 
 
 def test_counter_deltas_and_slot_counters():
     before = {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350}
     after = {"preemptions": 6, "spec_drafts": 240, "spec_accepted_tokens": 420}
-    deltas = runner.counter_deltas(before, after)
+    deltas = slot_metrics.counter_deltas(before, after)
     assert deltas == {"preemptions": 1, "spec_drafts": 40, "spec_accepted_tokens": 70}
-    out = runner.slot_counters(deltas)
+    out = slot_metrics.slot_counters(deltas)
     assert out["mean_acceptance_length"] == pytest.approx(1 + 70 / 40)  # 2.75 tokens per drafting step
     assert out["preemptions"] == 1 and out["spec_drafts"] == 40
     # no speculation, an unknown scrape, a slot without a drafting step: no acceptance
-    none = runner.slot_counters(runner.counter_deltas({"preemptions": 0}, {"preemptions": 2, "spec_drafts": None}))
+    none = slot_metrics.slot_counters(
+        slot_metrics.counter_deltas({"preemptions": 0}, {"preemptions": 2, "spec_drafts": None})
+    )
     assert none["preemptions"] == 2 and none["mean_acceptance_length"] is None
-    assert runner.counter_deltas({"preemptions": None}, {"preemptions": 3}) == {"preemptions": None}
+    assert slot_metrics.counter_deltas({"preemptions": None}, {"preemptions": 3}) == {"preemptions": None}
     assert stats.acceptance_length(0, 0) is None and stats.acceptance_length(None, None) is None
 
 
@@ -117,13 +119,15 @@ def test_run_slot_reports_the_slots_counter_growth():
     CompletionsStub.seen, CompletionsStub.requests, SpecMetricsStub.completions = {}, [], 0
     w = wl.Workload(conversations=2, turns=2, system_tokens=20, user_tokens=4, answer_tokens=5, concurrency=1,
                     vocab_size=1024, seed=3)  # fmt: skip
-    settings = runner.Settings(workload=w, labels=[PLUGIN_POLICY], in_flight=[1], repeat=1, run_salt="t", warmup=0,
-                               stats_log_interval=0)  # fmt: skip
+    settings = run_settings.Settings(workload=w, labels=[PLUGIN_POLICY], in_flight=[1], repeat=1, run_salt="t",
+                                     warmup=0, stats_log_interval=0)  # fmt: skip
     with serve(SpecMetricsStub) as url:
-        servers = runner.UrlServers(settings, [runner.Target(PLUGIN_POLICY, url, "m")])
-        progress = runner.Progress(4)
+        servers = server_sets.UrlServers(settings, [traffic.Target(PLUGIN_POLICY, url, "m")])
+        progress = traffic.Progress(4)
         try:
-            records, summary = runner.run_slot(servers, PLUGIN_POLICY, w, wl.make_plans(w), 0, runner.Clock(), progress)
+            records, summary = runner.run_slot(
+                servers, PLUGIN_POLICY, w, wl.make_plans(w), 0, traffic.Clock(), progress
+            )
         finally:
             progress.close()
     assert len(records) == 4

@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
-from bc_tools.bench import cli, demo
+from bc_tools.bench import cli_args, demo
 
-PARSERS = {"bc-demo": demo.build_parser, "bc-bench": cli.build_parser}
+PARSERS = {"bc-demo": demo.build_parser, "bc-bench": cli_args.build_parser}
 
 
 def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -48,7 +48,7 @@ def test_bc_demo_help_names_every_default():
 
 
 def test_bc_bench_help_keeps_a_written_default_and_adds_plain_ones():
-    parser = cli.build_parser()
+    parser = cli_args.build_parser()
     by_flag = {a.option_strings[-1]: a for a in _options(parser)}
     assert _help_text(parser, by_flag["--log-dir"]).endswith("(default: a new temp dir)")
     assert _help_text(parser, by_flag["--turns"]).endswith("(default: 4)")

@@ -52,7 +52,7 @@ from vllm import LLM
 # sgl-kernel GEMM, whose rounding follows the batch's row count (P = B + 1 then
 # differs by 0.0008 from its decode-path control on a Xeon with AMX); oneDNN's does not.
 layer_utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
-from bc_tools.bench.probes import run_probes
+from bc_tools.bench.probe_scenario import run_probes
 from corrupt_restore import CorruptScheduler
 from decode_path_control import decode_path_class
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from http_stub import send_json, serve
 
-from bc_tools.bench import client, demo
+from bc_tools.bench import client, demo, demo_conversation, demo_table
 from bc_tools.bench.client import Completion
 
 EOS = 2
@@ -120,10 +120,10 @@ def test_chat_returns_text_ids_usage_and_logprobs(chat_url, stream):
 
 
 def test_demo_chat_conversation_sends_the_answers_back(chat_url):
-    plan = demo.make_chat_plan(turns=4, system_tokens=5, user_tokens=3, followup_tokens=2, seed=0)
+    plan = demo_conversation.make_chat_plan(turns=4, system_tokens=5, user_tokens=3, followup_tokens=2, seed=0)
     assert [m["role"] for m in plan.turn_messages[0]] == ["system", "user"]
     assert all(len(m) == 1 and m[0]["role"] == "user" for m in plan.turn_messages[1:])
-    results = demo.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
+    results = demo_conversation.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
     sent = [r for r in _ChatStub.requests if r.get("cache_salt") == "conv"]
     for prev, nxt in zip(sent, sent[1:]):
         assert nxt["messages"][: len(prev["messages"])] == prev["messages"]
@@ -134,7 +134,7 @@ def test_demo_chat_conversation_sends_the_answers_back(chat_url):
         assert res.boundary == prev.prompt_tokens + len(prev.answer_ids) - 1 == res.cached_tokens
     assert {len(r.answer_ids) for r in results} == {3}
     assert all(r.first_token_delta == 0.0 and r.parts_at is None for r in results)
-    table = demo.format_table(["request_boundaries"], {"request_boundaries": results})
+    table = demo_table.format_table(["request_boundaries"], {"request_boundaries": results})
     assert "dlp1 plugin" in table.splitlines()[0]
 
 
@@ -146,15 +146,15 @@ def _completion(ids, logprobs):
 def test_compare_with_cold_reports_delta_and_where_answers_part():
     cold_lp = [{5: -0.10, 6: -2.0}, {7: -1.00, 8: -1.02}, {9: -0.3, 4: -1.3}]
     out_lp = [{5: -0.11, 6: -2.05}, {8: -1.00, 7: -1.01}, {9: -0.3, 4: -1.3}]
-    measured = demo.compare_with_cold(_completion([5, 8, 9], out_lp), _completion([5, 7, 9], cold_lp))
+    measured = demo_conversation.compare_with_cold(_completion([5, 8, 9], out_lp), _completion([5, 7, 9], cold_lp))
     assert measured["first_token_delta"] == pytest.approx(0.05)
     assert measured["parts_at"] == 1 and measured["cold_gap"] == pytest.approx(0.02)
     assert measured["vs_cold"] == "tie"
-    same = demo.compare_with_cold(_completion([5, 7], cold_lp[:2]), _completion([5, 7], cold_lp[:2]))
+    same = demo_conversation.compare_with_cold(_completion([5, 7], cold_lp[:2]), _completion([5, 7], cold_lp[:2]))
     assert same == dict(vs_cold="identical", first_token_delta=0.0, parts_at=None, cold_gap=None)
-    no_logprobs = demo.compare_with_cold(_completion([5], []), _completion([6], []))
+    no_logprobs = demo_conversation.compare_with_cold(_completion([5], []), _completion([6], []))
     assert no_logprobs == dict(vs_cold="different", first_token_delta=None, parts_at=0, cold_gap=None)
-    shorter = demo.compare_with_cold(_completion([5], cold_lp[:1]), _completion([5, 7], cold_lp[:2]))
+    shorter = demo_conversation.compare_with_cold(_completion([5], cold_lp[:1]), _completion([5, 7], cold_lp[:2]))
     assert shorter["parts_at"] == 1 and shorter["cold_gap"] == pytest.approx(0.02)
 
 
@@ -166,12 +166,12 @@ def test_demo_parses_mode():
 
 
 def test_chat_warm_up_is_one_streamed_chat_request_of_turn_one_shape(chat_url):
-    plan = demo.make_chat_plan(turns=3, system_tokens=5, user_tokens=3, followup_tokens=2, seed=0)
-    out = demo.warm_up(chat_url, plan, max_tokens=3)
+    plan = demo_conversation.make_chat_plan(turns=3, system_tokens=5, user_tokens=3, followup_tokens=2, seed=0)
+    out = demo_conversation.warm_up(chat_url, plan, max_tokens=3)
     [sent] = _ChatStub.requests
     assert sent["stream"] and sent["cache_salt"].startswith("bc-demo-warmup-") and sent["skip_special_tokens"] is False
     assert [(m["role"], len(m["content"].split())) for m in sent["messages"]] == [("system", 5), ("user", 3)]
     assert sent["messages"] != plan.turn_messages[0] and out.ttft_s is not None
     # The conversation after it restores nothing from the warm-up (its own salt).
-    results = demo.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
+    results = demo_conversation.run_chat_conversation(chat_url, plan, max_tokens=3, cache_salt="conv")
     assert results[0].cached_tokens == 0

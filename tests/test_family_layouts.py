@@ -1,7 +1,7 @@
 """The plugin's verdict on each family's KV cache layout, as vLLM 0.32 groups it (CPU, no engine).
 
 The KV cache specs are the ones each family's layers declare (``docs/notes/model-families.md``
-§1-§3), built by hand at the dims of the tiny fixtures (``fixtures/families.py``): vLLM's model
+§1-§3), built by hand at the dims of the tiny fixtures (``fixtures/*_family.py``): vLLM's model
 classes for GLM and Kimi cannot be built on CPU. vLLM's own grouping (``get_kv_cache_groups``
 after ``register_all_kvcache_specs``, then ``get_kv_cache_config_from_groups`` and the scheduler's
 ``generate_scheduler_kv_cache_config``) and vLLM's own ``KVCacheManager`` give the groups and

@@ -29,7 +29,7 @@ def run_policy(model_dir: Path, policy: str):
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    from bc_tools.bench.probes import run_probes
+    from bc_tools.bench.probe_scenario import run_probes
 
     llm = LLM(
         model=str(model_dir),
@@ -65,7 +65,7 @@ def probe_results(tiny_model_dir):
     results = {policy: run_policy(tiny_model_dir, policy) for policy in ("request_boundaries", "aligned")}
     out = results_dir()
     if out is not None:
-        from bc_tools.bench.probes import summarize
+        from bc_tools.bench.probe_scenario import summarize
 
         bounds = calibrate(reference_pairs(results["request_boundaries"][1], results["aligned"][1]))
         payload = {p: {"setup": s, "rows": [r.as_dict() for r in rows]} for p, (s, rows) in results.items()}

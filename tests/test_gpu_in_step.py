@@ -2,7 +2,7 @@
 graphs, async scheduling) with the FLA Triton GDN prefill kernel, on the tiny Qwen3-Next.
 
 One fresh process (:func:`engine_script.run_engine_script`: engine core and worker in it) runs
-``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the
+``bench.probe_scenario.run_probes`` (cold producer, exact resend, continuation restored from the
 response, two cold controls; every phase one shared batch of 10 conversations, prompt lengths 1,
 B - 1, B, B + 1 and 3000, B the engine's block size) three times: the plugin (``prompt_capture``
 set to ``in_step``, as ``auto`` decides with this kernel);
@@ -36,7 +36,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting schedulers
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from bc_tools.bench.probes import run_probes
+from bc_tools.bench.probe_scenario import run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 from chunk_recorder import record_p_minus_1_chunks

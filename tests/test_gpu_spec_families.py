@@ -4,7 +4,7 @@ end to end on the tiny fixtures (docs/notes/spec-decode.md §9-10, docs/notes/mo
 Each test builds its tiny model (``make_tiny_model``) and runs, in one fresh process
 (:func:`engine_script.run_engine_script`: engine core and worker in that process, vLLM's GPU
 defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three probe scenarios of
-``bench.probes.run_probes`` (cold producer, exact resend, continuation restored from the response,
+``bench.probe_scenario.run_probes`` (cold producer, exact resend, continuation restored from the response,
 two cold controls; every phase one shared batch):
 
 1. policy ``request_boundaries``, explicitly: these tests are what validates a layout, so they do
@@ -32,7 +32,7 @@ rounding that a restored continuation's state also carries (the KDA families' co
 above their prefill-only references).
 
 MTP runs on ``qwen3_next_mtp_planted``, whose MTP layer predicts the target's greedy answers
-(``fixtures/families.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
+(``fixtures/qwen3_next_family.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
 that the accepted-draft paths run: response bundles of a last step that accepted drafts, and the
 in-flight capture of async scheduling (docs/notes/spec-decode.md §7, §10). (Its target differs
 from ``qwen3_next`` in the embedding and ``lm_head``; ``MARGIN`` and ``MIN_DETECTED`` were
@@ -85,7 +85,7 @@ from bc_tools.bench.probes import (
     state_failures,
 )
 from bc_tools.bench.stats import percentile
-from bc_tools.fixtures.families import GLM_INDEX_TOPK, GLM_KPOOL
+from bc_tools.fixtures.glm5_next_family import GLM_INDEX_TOPK, GLM_KPOOL
 from boundary_checkpoints.core.layout import tail_ring_slots
 
 pytestmark = pytest.mark.gpu
@@ -129,7 +129,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting schedulers
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from bc_tools.bench.probes import NEW_TOKENS, run_probes
+from bc_tools.bench.probe_scenario import NEW_TOKENS, run_probes
 from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from corrupt_restore import CorruptAsyncScheduler, CorruptScheduler
 from decode_path_control import install as install_decode_path
@@ -181,7 +181,7 @@ def lengths_for(block):
 
 next_token = None
 if case.get("planted_seed") is not None:  # the planted fixture: the target's likely next token
-    from bc_tools.fixtures.families import planted_successor
+    from bc_tools.fixtures.qwen3_next_family import planted_successor
     successor = planted_successor(case["planted_seed"]).tolist()
     next_token = lambda answer: successor[answer[-1]]
 

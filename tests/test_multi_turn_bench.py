@@ -1,5 +1,6 @@
-"""Tests of ``bc-bench`` (``bc_tools/bench/{workload,stats,logs,report,runner,cli}.py``):
-the pure parts, a whole run against two stand-in servers, and one small run against real CPU servers.
+"""Tests of ``bc-bench`` (``bc_tools/bench/``: ``workload``, ``stats``, ``logs``, ``report``, ``traffic``,
+``slot``, ``run_settings``, ``server_sets``, ``runner``, ``cli_args``, ``cli``): the pure parts, a whole
+run against two stand-in servers, and one small run against real CPU servers.
 
 The end-to-end test launches the tiny Qwen3-Next twice at once (stock ``aligned`` and
 ``request_boundaries``) through ``--launch``: 2 rounds, N=2, T=2, S=64, U=16, A=8, one in flight;
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 from http_stub import CompletionsStub, serve, stand_in_server
 
-from bc_tools.bench import cli, logs, report, runner, stats
+from bc_tools.bench import cli, cli_args, logs, report, run_settings, runner, server_sets, stats, traffic
 from bc_tools.bench import workload as wl
 from bc_tools.bench.stats import RequestRecord
 
@@ -167,11 +168,11 @@ def test_in_flight_levels_drive_at_least_that_many_conversations():
     assert w.at_in_flight(1) == _workload(conversations=4, concurrency=1)
     assert w.at_in_flight(8).conversations == 8 and w.at_in_flight(8).concurrency == 8
     assert w.at_in_flight(8).timed_requests(labels=2, floor=True) == 2 * 8 * 4 + 2 * 8 * 3
-    assert cli.parse_in_flight("1,8,32,64") == [1, 8, 32, 64]
-    assert cli.parse_in_flight("8,1,8") == [8, 1]
+    assert cli_args.parse_in_flight("1,8,32,64") == [1, 8, 32, 64]
+    assert cli_args.parse_in_flight("8,1,8") == [8, 1]
     for bad in ("0", "", "a", "1,-2"):
         with pytest.raises(ValueError):
-            cli.parse_in_flight(bad)
+            cli_args.parse_in_flight(bad)
 
 
 def test_round_order_alternates_who_goes_first():
@@ -288,7 +289,7 @@ def test_server_arg_value_last_one_wins():
     assert logs.server_arg_value(argv, "--max-model-len") == "40000"
     assert logs.server_arg_value(argv + ["--max-model-len=8192"], "--max-model-len") == "8192"
     assert logs.server_arg_value(argv, "--block-size") is None
-    assert cli.split_server_args(["--load-format dummy", "--max-model-len=40000"]) == [
+    assert cli_args.split_server_args(["--load-format dummy", "--max-model-len=40000"]) == [
         "--load-format", "dummy", "--max-model-len=40000"]  # fmt: skip
 
 
@@ -308,10 +309,10 @@ def test_plugin_logging_config_routes_plugin_lines_to_stdout(tmp_path):
     assert logs.parse_block_size(out) == 256
     assert "dropped" not in out
     env = {}
-    runner.write_logging_config(env)
+    server_sets.write_logging_config(env)
     assert json.loads(open(env["VLLM_LOGGING_CONFIG_PATH"]).read()) == logs.plugin_logging_config()
     kept = {"VLLM_LOGGING_CONFIG_PATH": "/mine.json"}
-    runner.write_logging_config(kept)
+    server_sets.write_logging_config(kept)
     assert kept == {"VLLM_LOGGING_CONFIG_PATH": "/mine.json"}
 
 
@@ -345,26 +346,26 @@ def test_cli_argument_checks(capsys):
                  two_urls + ["--label", "x", "--label", "x"]]  # fmt: skip
     for argv in bad_argvs:
         with pytest.raises(SystemExit):
-            cli.parse_args(argv)
-    args = cli.parse_args(["--launch", "d", "--server-arg=--load-format dummy", "--server-arg=--no-enforce-eager"])
+            cli_args.parse_args(argv)
+    args = cli_args.parse_args(["--launch", "d", "--server-arg=--load-format dummy", "--server-arg=--no-enforce-eager"])
     assert args.policies == ["aligned", "request_boundaries"] and args.floor is None
     assert args.repeat == 5 and args.in_flight == [2]
-    assert cli.split_server_args(args.server_arg) == ["--load-format", "dummy", "--no-enforce-eager"]
-    args = cli.parse_args(["--launch", "d", "--turn1-only", "-T", "6", "-C", "1,8"])
+    assert cli_args.split_server_args(args.server_arg) == ["--load-format", "dummy", "--no-enforce-eager"]
+    args = cli_args.parse_args(["--launch", "d", "--turn1-only", "-T", "6", "-C", "1,8"])
     assert args.turns == 1 and args.in_flight == [1, 8]
     variant = 'fast={"policy": "request_boundaries", "prompt_checkpoints": false}'
-    args = cli.parse_args(["--launch", "d", "--variant", variant])
+    args = cli_args.parse_args(["--launch", "d", "--variant", variant])
     assert args.policies == ["aligned", "request_boundaries", "fast"]
     assert args.sections["fast"] == {"policy": "request_boundaries", "prompt_checkpoints": False}
     for bad in ("fast=[1]", "fast={", 'aligned={"policy": "auto"}', '={"policy": "auto"}'):
         with pytest.raises(SystemExit):
-            cli.parse_args(["--launch", "d", "--variant", bad])
+            cli_args.parse_args(["--launch", "d", "--variant", bad])
     unit = ["--variant", 'unit16={"policy": "aligned"}', "--variant-arg", "unit16=--prefix-match-unit 16"]
-    assert cli.parse_args(["--launch", "d", *unit]).label_args == {"unit16": ["--prefix-match-unit", "16"]}
+    assert cli_args.parse_args(["--launch", "d", *unit]).label_args == {"unit16": ["--prefix-match-unit", "16"]}
     for bad in ("nope=--x 1", "unit16=", "unit16"):  # unknown label, no flags
         with pytest.raises(SystemExit):
-            cli.parse_args(["--launch", "d", *unit[:2], "--variant-arg", bad])
-    assert cli.parse_args(["--url", "http://a", "--model", "m"]).label == ["server"]
+            cli_args.parse_args(["--launch", "d", *unit[:2], "--variant-arg", bad])
+    assert cli_args.parse_args(["--url", "http://a", "--model", "m"]).label == ["server"]
     assert cli.main(["--url", "http://127.0.0.1:9", "--model", "m"]) == 2  # no vocab size
     assert "--vocab-size" in capsys.readouterr().err
 
@@ -418,7 +419,7 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
-class _JumpingClock(runner.Clock):
+class _JumpingClock(traffic.Clock):
     """The run's clock, plus ``offset`` seconds that the test advances (a slot "takes" that long)."""
 
     offset = 0.0
@@ -430,7 +431,7 @@ class _JumpingClock(runner.Clock):
 def test_round_budget_estimates_a_round_by_the_longest_so_far():
     clock = _JumpingClock()
     _JumpingClock.offset = 0.0
-    budget = runner.RoundBudget(clock, 50.0)
+    budget = run_settings.RoundBudget(clock, 50.0)
     assert budget.allows(1, 0)  # the first round starts whenever time is left
     budget.finished(1, 20.0)
     _JumpingClock.offset = 20.0
@@ -439,10 +440,10 @@ def test_round_budget_estimates_a_round_by_the_longest_so_far():
     _JumpingClock.offset = 31.0
     assert not budget.allows(1, 2)  # 31 + 20 > 50
     assert budget.stop["in_flight"] == 1 and budget.stop["round"] == 2 and budget.stop["expected_round_s"] == 20
-    fresh = runner.RoundBudget(clock, 50.0)
+    fresh = run_settings.RoundBudget(clock, 50.0)
     fresh.finished(1, 20.0)
     assert fresh.allows(8, 0) is False  # a new level's first round is estimated by the longest of any level
-    assert runner.RoundBudget(clock, None).allows(1, 0) and runner.RoundBudget(clock, 60.0).allows(1, 0)
+    assert run_settings.RoundBudget(clock, None).allows(1, 0) and run_settings.RoundBudget(clock, 60.0).allows(1, 0)
     _JumpingClock.offset = 0.0
 
 
@@ -518,13 +519,13 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
         monkeypatch.setattr(server_mod, "stop_server", stop)
         monkeypatch.setattr(server_mod, "find_free_port", lambda host: 1)
         labels = ["aligned", "request_boundaries"]
-        settings = runner.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
+        settings = run_settings.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
                                    in_flight=[1], repeat=2, run_salt="t", floor_label="aligned", warmup=1,
                                    stats_log_interval=0)  # fmt: skip
-        spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
+        spec = server_sets.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
                                  label_args={"aligned": ["--prefix-match-unit", "16"]}, log_dir=tmp_path,
                                  relaunch=relaunch, one_by_one=mode == "one_by_one")  # fmt: skip
-        result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
+        result = runner.run_benchmark(settings, server_sets.LaunchedServers(settings, spec))
     startup = [event for event in events if event[0] in ("start", "healthy")][:4]
     if mode == "one_by_one":
         assert startup == [("start", "aligned"), ("healthy", "aligned"), ("start", "request_boundaries"),
@@ -593,7 +594,7 @@ def test_write_dflash_drafter_sized_to_the_real_size_target(tmp_path, variant, a
     with safe_open(str(drafter / "model.safetensors"), "pt") as weights:
         assert weights.get_slice("layers.0.self_attn.q_proj.weight").get_shape() == [16 * 256, 2048]
     with pytest.raises(SystemExit):
-        cli.parse_args(["--url", "http://x", "--label", "a", "--model", "m", "--write-dflash-drafter", "d"])
+        cli_args.parse_args(["--url", "http://x", "--label", "a", "--model", "m", "--write-dflash-drafter", "d"])
 
 
 @pytest.mark.parametrize(
@@ -760,13 +761,13 @@ def test_time_budget_stops_a_server_still_starting(tmp_path, monkeypatch):
 
     monkeypatch.setattr(server_mod, "start_server", never_healthy)
     labels = ["aligned", "request_boundaries"]
-    settings = runner.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
+    settings = run_settings.Settings(workload=_workload(conversations=1, turns=2, system_tokens=20), labels=labels,
                                in_flight=[1], repeat=2, run_salt="t", warmup=0, stats_log_interval=0,
                                time_budget_s=1.0)  # fmt: skip
-    spec = runner.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
+    spec = server_sets.LaunchSpec(model_dir="m", model_name="m", sections={p: {"policy": p} for p in labels},
                              log_dir=tmp_path, one_by_one=True, startup_timeout=60.0)  # fmt: skip
     started = time.monotonic()
-    result = runner.run_benchmark(settings, runner.LaunchedServers(settings, spec))
+    result = runner.run_benchmark(settings, server_sets.LaunchedServers(settings, spec))
     assert time.monotonic() - started < 20  # the budget (1 s) plus the stop's grace, not the 60 s timeout
     assert result["levels"] == [] and result["stopped_early"]["phase"] == "server start"
     assert result["stopped_early"]["label"] == "aligned" and len(processes) == 1  # the second never started

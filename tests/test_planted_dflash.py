@@ -27,7 +27,7 @@ from engine_script import TESTS_DIR, run_engine_script
 
 from bc_tools.fixtures import tiny_models as tm
 from bc_tools.fixtures.dflash import MASK_TOKEN_ID, PLANTED_DRAFTS, write_dflash_drafter
-from bc_tools.fixtures.families import planted_successor
+from bc_tools.fixtures.qwen3_next_family import planted_successor
 
 K = PLANTED_DRAFTS
 SEED = 0

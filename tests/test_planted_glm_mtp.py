@@ -1,4 +1,4 @@
-"""The ``glm5_next_mtp_planted`` fixture (``fixtures/families.py``): a tiny GLM-5.3-Flash whose one
+"""The ``glm5_next_mtp_planted`` fixture (``fixtures/glm5_next_family.py``): a tiny GLM-5.3-Flash whose one
 MTP layer predicts the target's greedy answers, so that speculative decoding accepts drafts (the
 GPU test of GLM under MTP, ``tests/test_gpu_spec_families.py``, then crosses boundaries with
 accepted drafts; the random ``glm5_next_mtp`` drafter has none accepted on a GPU).
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import pytest
 
-from bc_tools.fixtures import families
+from bc_tools.fixtures import family_spec, glm5_next_family, qwen3_next_family
 from bc_tools.fixtures import tiny_models as tm
 
 FAMILY = "glm5_next_mtp_planted"
 BASE = "glm5_next_mtp"
-MTP = f"model.layers.{families.GLM_MTP_LAYER}."
+MTP = f"model.layers.{glm5_next_family.GLM_MTP_LAYER}."
 # Measured 0.765 = 303/396 (seed 0, 36 greedy answers of 12 tokens after random prompts of 1, 40 and 97
 # tokens; the 12 drafts at position 0 of the 1-token prompts cannot follow). glm5_next_mtp: 0/56.
 MIN_OFFLINE_ACCEPTANCE = 0.6
@@ -87,7 +87,7 @@ def load_target(model_dir):
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = families._glm5_next_hf_config().text_config
+    config = glm5_next_family.glm5_next_hf_config().text_config
     model = Glm5NextTextModel(config).float().eval()
     w = {name: t.float() for name, t in load_file(str(model_dir / "model.safetensors")).items()}
     state = {}
@@ -153,7 +153,7 @@ def offline_acceptance(model_dir, w, lengths=(1, 40, 97), batch=12, new_tokens=1
     generator = torch.Generator().manual_seed(1)
     accepted = drafted = 0
     for length in lengths:
-        prompts = torch.randint(4, families.VOCAB_SIZE, (batch, length), generator=generator)
+        prompts = torch.randint(4, family_spec.VOCAB_SIZE, (batch, length), generator=generator)
         ids, hidden = greedy(model, lm_head, prompts, new_tokens)
         rows = torch.arange(length - 1, ids.shape[1] - 2)  # rows whose drafted token is an answer token
         drafts = mtp_logits(w, ids[:, rows + 1], hidden[:, rows], rows, check_writers=False).argmax(-1)
@@ -170,7 +170,7 @@ def test_target_differs_from_glm5_next_mtp_in_embedding_and_lm_head_only(weights
     changed = sorted(name for name in base if not torch.equal(base[name], planted[name]))
     target_changed = [name for name in changed if not name.startswith(MTP)]
     assert target_changed == ["lm_head.weight", "model.embed_tokens.weight"]
-    scale = families.GLM_PLANTED_RECIPE["embed_scale"]
+    scale = glm5_next_family.GLM_PLANTED_RECIPE["embed_scale"]
     assert torch.equal(planted["model.embed_tokens.weight"], base["model.embed_tokens.weight"] * scale)  # exact
     assert torch.equal(planted[MTP + "embed_tokens.weight"], planted["model.embed_tokens.weight"])
     # The MTP layer: only the tensors the closed form sets (and its embedding copy) changed.
@@ -181,13 +181,13 @@ def test_target_differs_from_glm5_next_mtp_in_embedding_and_lm_head_only(weights
 def test_mtp_drafts_the_planted_successor_of_every_token(weights):
     import torch
 
-    successor = families.planted_successor(0)
-    tokens = torch.arange(families.VOCAB_SIZE)
+    successor = qwen3_next_family.planted_successor(0)
+    tokens = torch.arange(family_spec.VOCAB_SIZE)
     hidden = torch.randn(len(tokens), 256, generator=torch.Generator().manual_seed(0))
     positions = torch.full_like(tokens, 5)
     drafts = mtp_logits(weights["planted"], tokens, hidden, positions).argmax(-1)
     wrong = tokens[drafts != successor].tolist()
-    assert wrong == [families.PAD_ID], wrong  # the pad's embedding is zero: no successor to read
+    assert wrong == [family_spec.PAD_ID], wrong  # the pad's embedding is zero: no successor to read
     # vLLM zeroes the embedding at position 0: nothing is read there (the draft does not follow).
     at_zero = mtp_logits(weights["planted"], tokens, hidden, torch.zeros_like(tokens)).argmax(-1)
     assert (at_zero == successor).float().mean() < 0.01
@@ -211,6 +211,8 @@ def test_drafts_are_accepted_on_the_targets_greedy_answers(dirs, weights):
 
 def test_the_recipe_is_part_of_the_cache_digest(monkeypatch):
     before = tm._config_digest(FAMILY)
-    monkeypatch.setitem(families.GLM_PLANTED_RECIPE, "version", families.GLM_PLANTED_RECIPE["version"] + 1)
+    monkeypatch.setitem(
+        glm5_next_family.GLM_PLANTED_RECIPE, "version", glm5_next_family.GLM_PLANTED_RECIPE["version"] + 1
+    )
     assert tm._config_digest(FAMILY) != before
     assert tm._config_digest(BASE) != tm._config_digest(FAMILY)

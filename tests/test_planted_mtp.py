@@ -1,4 +1,4 @@
-"""The ``qwen3_next_mtp_planted`` fixture (``fixtures/families.py``): a tiny Qwen3-Next whose one
+"""The ``qwen3_next_mtp_planted`` fixture (``fixtures/qwen3_next_family.py``): a tiny Qwen3-Next whose one
 MTP layer predicts the target's greedy answers, so that speculative decoding accepts drafts.
 
 Checked without an engine (a few seconds): the target differs from ``qwen3_next`` in the embedding
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from bc_tools.fixtures import families
+from bc_tools.fixtures import families, family_spec, qwen3_next_family
 from bc_tools.fixtures import tiny_models as tm
 
 FAMILY = "qwen3_next_mtp_planted"
@@ -61,7 +61,7 @@ def test_target_differs_from_qwen3_next_in_embedding_and_lm_head_only(weights):
     base, planted = weights["base"], weights["planted"]
     changed = sorted(name for name in base if not torch.equal(base[name], planted[name]))
     assert changed == ["lm_head.weight", "model.embed_tokens.weight"]
-    scale = families.PLANTED_RECIPE["embed_scale"]
+    scale = qwen3_next_family.PLANTED_RECIPE["embed_scale"]
     assert torch.equal(planted["model.embed_tokens.weight"], base["model.embed_tokens.weight"] * scale)  # exact
     extra = set(planted) - set(base)
     assert extra and all(name.startswith("mtp.") for name in extra)
@@ -70,12 +70,12 @@ def test_target_differs_from_qwen3_next_in_embedding_and_lm_head_only(weights):
 def test_mtp_drafts_the_planted_successor_of_every_token(weights):
     import torch
 
-    successor = families.planted_successor(0)
-    tokens = torch.arange(families.VOCAB_SIZE)
+    successor = qwen3_next_family.planted_successor(0)
+    tokens = torch.arange(family_spec.VOCAB_SIZE)
     hidden = torch.randn(len(tokens), 256, generator=torch.Generator().manual_seed(0))
     drafts = mtp_logits(weights["planted"], tokens, hidden).argmax(-1)
     wrong = tokens[drafts != successor].tolist()
-    assert wrong == [families.PAD_ID], wrong  # the pad's embedding is zero: no successor to read
+    assert wrong == [family_spec.PAD_ID], wrong  # the pad's embedding is zero: no successor to read
 
 
 def test_drafts_are_accepted_on_the_targets_greedy_answers(dirs, weights):
@@ -91,10 +91,10 @@ def test_drafts_are_accepted_on_the_targets_greedy_answers(dirs, weights):
     generator = torch.Generator().manual_seed(1)
     accepted = drafted = 0
     for length in (1, 40, 97):
-        prompts = torch.randint(4, families.VOCAB_SIZE, (32, length), generator=generator)
+        prompts = torch.randint(4, family_spec.VOCAB_SIZE, (32, length), generator=generator)
         with torch.no_grad():
             ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=16,
-                                 do_sample=False, pad_token_id=families.PAD_ID)  # fmt: skip
+                                 do_sample=False, pad_token_id=family_spec.PAD_ID)  # fmt: skip
             hidden = model(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
         rows = torch.arange(length - 1, ids.shape[1] - 2)  # rows whose drafted token is an answer token
         drafts = mtp_logits(weights["planted"], ids[:, rows + 1], hidden[:, rows]).argmax(-1)
@@ -107,7 +107,7 @@ def test_drafts_are_accepted_on_the_targets_greedy_answers(dirs, weights):
 
 def test_the_recipe_is_part_of_the_cache_digest(monkeypatch):
     before = tm._config_digest(FAMILY)
-    monkeypatch.setitem(families.PLANTED_RECIPE, "version", families.PLANTED_RECIPE["version"] + 1)
+    monkeypatch.setitem(qwen3_next_family.PLANTED_RECIPE, "version", qwen3_next_family.PLANTED_RECIPE["version"] + 1)
     assert tm._config_digest(FAMILY) != before
     # Families without a recipe keep the digest of their config alone (cached directories stay valid).
     import hashlib

@@ -1,4 +1,4 @@
-"""The GPU probe scenario (``bench.probes``) on the real CPU engine: every probe hits exactly.
+"""The GPU probe scenario (``bench.probe_scenario``) on the real CPU engine: every probe hits exactly.
 
 Same code path as ``test_gpu_e2e.py`` (``run_probes``, ``calibrate``, ``probe_failures``) at CPU
 size: prompt lengths 1, B-1, B, B+1 and 600 (B = the engine's block size), all conversations in one
@@ -35,7 +35,7 @@ import gc, json, sys
 sys.path.insert(0, sys.argv[2])  # tests/: the corrupting scheduler
 from vllm import LLM
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from bc_tools.bench.probes import run_probes
+from bc_tools.bench.probe_scenario import run_probes
 from chunk_recorder import record_p_minus_1_chunks
 
 out = {}

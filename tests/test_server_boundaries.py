@@ -25,8 +25,8 @@ from results_out import save_json
 from servers import BLOCK, tiny_server
 
 from bc_tools.bench.client import complete
+from bc_tools.bench.probe_scenario import TOP_LOGPROBS
 from bc_tools.bench.probes import (
-    TOP_LOGPROBS,
     Answer,
     ProbeRow,
     calibrate,

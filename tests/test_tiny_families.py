@@ -61,7 +61,7 @@ def test_glm5_next_config_parses_to_kda_and_sparse_mla(family_dirs):
 def test_glm5_next_mtp_is_glm5_next_plus_one_mtp_layer(family_dirs):
     """Same base tensors, byte for byte; the rest is one MTP layer at ``model.layers.4.``; the
     config vLLM parses is the same text model with ``num_nextn_predict_layers`` 1 (nested under
-    ``glm5_next``, which vLLM's MTP path needs: ``families.glm5_next_mtp_config``)."""
+    ``glm5_next``, which vLLM's MTP path needs: ``glm5_next_family.glm5_next_mtp_config``)."""
     import torch
     from safetensors.torch import load_file
 

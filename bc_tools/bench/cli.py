@@ -1,13 +1,13 @@
 """``bc-bench``: the multi-turn serving benchmark, request-boundary checkpoints vs stock prefix
 caching, with the exact-prefix floor, interleaved repetitions and an in-flight sweep.
 
-Contract: parses the command line, resolves it into ``runner.Settings`` and a ``runner.ServerSet``
-(``--launch MODEL_DIR``: vLLM servers it starts and stops itself; ``--url`` (repeatable, with
-``--label``): servers that already run), runs ``runner.run_benchmark``, prints
+Contract: parses the command line (``cli_args``), resolves it into ``run_settings.Settings`` and a
+``server_sets.ServerSet`` (``--launch MODEL_DIR``: vLLM servers it starts and stops itself; ``--url``
+(repeatable, with ``--label``): servers that already run), runs ``runner.run_benchmark``, prints
 ``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
 ``meta``: argv, UTC start and end, salt, machine) and ``--plot``. With ``--time-budget`` only the
 rounds expected to end within it run, and a server still starting when it ends is stopped
-(``runner``'s contract). Exit code 0; 1 if a conversation request failed or no round fitted the
+(``run_settings``' contract). Exit code 0; 1 if a conversation request failed or no round fitted the
 time budget; 2 on a usage error; 130 when interrupted
 (servers are stopped in every case).
 ``--write-model DIR --arch ARCH`` first writes a model directory with
@@ -25,37 +25,24 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import shlex
+import os
+import platform
+import socket
 import sys
 import time
 import uuid
 from pathlib import Path
 
-from bc_tools.bench import chat_words, logs, report, runner
+from bc_tools.bench import chat_words, logs, report
+from bc_tools.bench.cli_args import parse_args, split_server_args
+from bc_tools.bench.run_settings import Settings
+from bc_tools.bench.runner import run_benchmark
 from bc_tools.bench.server import interrupt_on_termination
-from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY
-from bc_tools.bench.workload import MODES, Workload
+from bc_tools.bench.server_sets import LaunchedServers, LaunchSpec, ServerSet, UrlServers, write_logging_config
+from bc_tools.bench.stats import STOCK_POLICY
+from bc_tools.bench.traffic import Target
+from bc_tools.bench.workload import Workload
 from bc_tools.fixtures import tiny_models
-
-ARCHES = ("tiny", *tiny_models.REAL_SIZE_ARCHES)
-
-
-def parse_in_flight(text: str) -> list[int]:
-    """``"1,8,32"`` -> ``[1, 8, 32]`` (each >= 1, in the given order, duplicates dropped)."""
-    levels: list[int] = []
-    for item in text.split(","):
-        level = int(item)
-        if level < 1:
-            raise ValueError(f"in-flight levels must be >= 1 (got {level})")
-        if level not in levels:
-            levels.append(level)
-    if not levels:
-        raise ValueError("no in-flight level")
-    return levels
-
-
-def split_server_args(values: list[str]) -> list[str]:
-    return [arg for v in values for arg in shlex.split(v)]
 
 
 def model_vocab_size(model_dir: str) -> int | None:
@@ -67,300 +54,19 @@ def model_vocab_size(model_dir: str) -> int | None:
     return (config.get("text_config") or {}).get("vocab_size") or config.get("vocab_size")
 
 
-class DefaultsOnceHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help only where that says something: not where the
-    help text already names its default (``(default: a new temp dir)`` would otherwise be followed
-    by ``(default: None)``), and not for a default of None, a flag's False/True or an empty list."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "%(default)" in text or "default" in text.lower():
-            return text
-        if action.default is None or action.default is argparse.SUPPRESS:
-            return text
-        if isinstance(action.default, bool) or action.default == []:
-            return text
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bc-bench",
-        description="Multi-turn serving benchmark: boundary checkpoints vs stock prefix caching, and a floor.",
-        formatter_class=DefaultsOnceHelpFormatter,
-    )
-    tgt = p.add_argument_group("target")
-    tgt.add_argument(
-        "--url",
-        action="append",
-        default=[],
-        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (repeatable: one per --label)",
-    )
-    tgt.add_argument(
-        "--label",
-        action="append",
-        default=[],
-        help="--url: the name of each server in the report (e.g. aligned, request_boundaries)",
-    )
-    tgt.add_argument(
-        "--server-log",
-        action="append",
-        default=[],
-        help="--url: each server's log (plugin stats, block size), in --url order",
-    )
-    tgt.add_argument("--launch", metavar="MODEL_DIR", help="launch vLLM servers for this model directory")
-    tgt.add_argument("--model", help="served model name (--url: required; --launch: default the directory name)")
-    tgt.add_argument(
-        "--policies",
-        default=f"{STOCK_POLICY},{PLUGIN_POLICY}",
-        help="--launch: comma-separated policies, one server each",
-    )
-    tgt.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        metavar="LABEL=JSON",
-        help="--launch: one more server named LABEL whose boundary_checkpoints section is JSON "
-        '(repeatable), e.g. \'no_prompt={"policy": "request_boundaries", '
-        '"prompt_checkpoints": false}\'',
-    )
-    tgt.add_argument(
-        "--variant-arg",
-        action="append",
-        default=[],
-        metavar="LABEL=FLAGS",
-        help="--launch: extra vLLM flags (shell-split) for the server LABEL only, after --server-arg; "
-        "repeatable. Stock at its best setting beside the default: --variant "
-        '\'aligned_unit16={"policy": "aligned"}\' --variant-arg '
-        "'aligned_unit16=--prefix-match-unit 16'",
-    )
-    tgt.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="--launch: extra vLLM flag(s), repeatable, shell-split (e.g. "
-        "--server-arg='--load-format dummy'); later flags override the launcher's defaults",
-    )
-    tgt.add_argument(
-        "--additional-config",
-        default=None,
-        metavar="JSON",
-        help="--launch: extra keys merged into every server's --additional-config",
-    )
-    tgt.add_argument(
-        "--server-env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="--launch: extra environment variable for the servers, repeatable",
-    )
-    tgt.add_argument("--host", default="127.0.0.1", help="--launch: the address the servers listen on")
-    tgt.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="--launch: the first server's port, the others follow (default: free ports)",
-    )
-    tgt.add_argument(
-        "--relaunch",
-        action="store_true",
-        help="--launch: one server at a time, started and stopped around each slot (default: every server up at once)",
-    )
-    tgt.add_argument(
-        "--start-one-by-one",
-        action="store_true",
-        help="--launch: start each server once the previous one is healthy (all stay up): "
-        "vLLM's memory profile counts what servers starting beside it take on the GPU",
-    )
-    tgt.add_argument(
-        "--startup-timeout", type=float, default=900.0, help="--launch: seconds a server may take to answer /health"
-    )
-    tgt.add_argument("--log-dir", default=None, help="--launch: server logs (default: a new temp dir)")
-    tgt.add_argument(
-        "--stats-log-interval",
-        type=float,
-        default=1.0,
-        help="plugin stats_log_interval_s (seconds between its bytes_retained lines)",
-    )
-    tgt.add_argument(
-        "--no-plugin-log-config",
-        dest="plugin_log_config",
-        action="store_false",
-        help="--launch: do not route the plugin's INFO log lines into the server log",
-    )
-    wl = p.add_argument_group("workload")
-    wl.add_argument(
-        "--mode",
-        choices=MODES,
-        default="tokens",
-        help="tokens: /v1/completions with token-id prompts; chat: /v1/chat/completions with "
-        "messages (a system message shared by every conversation of a slot, a user message "
-        "per turn, each answer sent back as an assistant message)",
-    )
-    wl.add_argument(
-        "--tokenizer",
-        metavar="DIR",
-        default=None,
-        help="--mode chat: draw the messages' words from DIR/tokenizer.json, one token each "
-        "(default: --launch's model directory; without one, or a tokenizer without enough "
-        "single-token words, the tiny model's words w8..w1023)",
-    )
-    wl.add_argument(
-        "-N", "--conversations", type=int, default=4, help="conversations per slot (at least the in-flight level)"
-    )
-    wl.add_argument("-T", "--turns", type=int, default=4, help="turns per conversation")
-    wl.add_argument(
-        "-S",
-        "--system-tokens",
-        type=int,
-        default=300,
-        help="system-like prefix ids of each conversation's turn 1 (chat: words of the system message)",
-    )
-    wl.add_argument(
-        "-U", "--user-tokens", type=int, default=60, help="new user ids per turn (chat: words of each user message)"
-    )
-    wl.add_argument("-A", "--answer-tokens", type=int, default=32, help="tokens per answer (max_tokens, ignore_eos)")
-    wl.add_argument(
-        "-C",
-        "--in-flight",
-        default="2",
-        help="conversations driven at once; a comma-separated list sweeps the levels (e.g. 1,8,32,64)",
-    )
-    wl.add_argument(
-        "--turn1-only",
-        action="store_true",
-        help="every conversation one turn (-T ignored); tokens mode: each with its own system ids, "
-        "nothing is reused; chat mode: all share the system message",
-    )
-    wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
-    wl.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="start a round only if it is expected to end within SECONDS of the run's start "
-        "(server starts included; estimate: the longest round so far), stop a server still "
-        "starting when it ends, and report the rounds that ran: for runs under a hard time "
-        "limit (leave the stop's grace, up to 25 s per server, before that limit)",
-    )
-    wl.add_argument("--seed", type=int, default=0, help="seed of the workload's random ids")
-    wl.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="random ids come from [4, vocab) (default: the model directory's config.json)",
-    )
-    wl.add_argument("--warmup", type=int, default=1, help="throw-away 2-turn conversations per server start")
-    wl.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
-    fl = p.add_argument_group("floor")
-    fl.add_argument(
-        "--floor",
-        dest="floor",
-        action="store_true",
-        default=None,
-        help="measure the floor (default: on with --launch when aligned is a policy; off with --url)",
-    )
-    fl.add_argument("--no-floor", dest="floor", action="store_false", help="do not measure the floor")
-    fl.add_argument(
-        "--block-size", type=int, default=None, help="engine block size B (default: parsed from the server log)"
-    )
-    out = p.add_argument_group("output")
-    out.add_argument("--out-json", default=None, help="write the result and every per-request record")
-    out.add_argument("--plot", default=None, help="PNG of TTFT p50 per level and per turn (needs matplotlib)")
-    out.add_argument("--markdown", action="store_true", help="print the tables as Markdown")
-    mk = p.add_argument_group("model directory")
-    mk.add_argument("--write-model", metavar="DIR", default=None, help="write a model directory first")
-    mk.add_argument(
-        "--arch",
-        choices=ARCHES,
-        default="tiny",
-        help="--write-model: the model to write (tiny: the random-weight tiny Qwen3-Next; the "
-        "others: real-size configs for --load-format dummy)",
-    )
-    mk.add_argument(
-        "--write-dflash-drafter",
-        metavar="DIR",
-        default=None,
-        help="also write a random-weight DFlash drafter sized to the model (--write-model's or "
-        '--launch\'s) for --server-arg=\'--speculative-config {"method": "dflash", '
-        '"model": DIR, ...}\'',
-    )
-    mk.add_argument(
-        "--dflash-variant",
-        choices=("dflash", "dflash2"),
-        default="dflash",
-        help="--write-dflash-drafter: which drafter to write",
-    )
-    return p
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.url and args.launch:
-        p.error("--url and --launch are mutually exclusive")
-    if not (args.url or args.launch or args.write_model):
-        p.error("give --url, --launch or --write-model")
-    if args.write_dflash_drafter and not (args.write_model or args.launch):
-        p.error("--write-dflash-drafter needs the target model: --write-model or --launch")
-    if args.url and not args.model:
-        p.error("--url needs --model")
-    if args.url:
-        if not args.label:
-            args.label = ["server"] if len(args.url) == 1 else [f"server{i + 1}" for i in range(len(args.url))]
-        if len(args.label) != len(args.url) or len(set(args.label)) != len(args.label):
-            p.error("give one distinct --label per --url")
-        if len(args.server_log) > len(args.url):
-            p.error("at most one --server-log per --url")
+def machine_info() -> dict:
+    mem = None
     try:
-        args.in_flight = parse_in_flight(args.in_flight)
-    except ValueError as err:
-        p.error(f"--in-flight: {err}")
-    if args.turn1_only:
-        args.turns = 1
-    if args.tokenizer and args.mode != "chat":
-        p.error("--tokenizer applies to --mode chat only")
-    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
-    args.sections = {policy: {"policy": policy} for policy in args.policies}
-    for item in args.variant:
-        label, _, text = item.partition("=")
-        try:
-            section = json.loads(text)
-            if not isinstance(section, dict):
-                raise ValueError("not an object")
-        except ValueError as err:
-            p.error(f"--variant takes LABEL=JSON object (got {item!r}: {err})")
-        if not label or label in args.sections:
-            p.error(f"--variant needs a new label (got {label!r})")
-        args.sections[label] = section
-    args.policies += [label for label in args.sections if label not in args.policies]
-    args.label_args = {}
-    for item in args.variant_arg:
-        label, _, flags = item.partition("=")
-        if label not in args.sections or not flags.strip():
-            p.error(f"--variant-arg takes LABEL=FLAGS for a launched label {list(args.sections)} (got {item!r})")
-        args.label_args.setdefault(label, []).extend(shlex.split(flags))
-    for name in ("conversations", "turns", "answer_tokens", "user_tokens", "repeat"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.time_budget is not None and args.time_budget <= 0:
-        p.error("--time-budget must be > 0 seconds")
-    if args.system_tokens < 0:
-        p.error("--system-tokens must be >= 0")
-    for item in args.server_env:
-        if "=" not in item or not item.split("=", 1)[0]:
-            p.error(f"--server-env takes KEY=VALUE (got {item!r})")
-    if args.additional_config:
-        try:
-            if not isinstance(json.loads(args.additional_config), dict):
-                raise ValueError("not an object")
-        except ValueError as err:
-            p.error(f"--additional-config must be a JSON object: {err}")
-    return args
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "nproc": os.cpu_count(), "mem_bytes": mem,
+            "platform": platform.platform(), "python": platform.python_version()}  # fmt: skip
 
 
-def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.ServerSet:
+def _servers(args: argparse.Namespace, settings: Settings) -> ServerSet:
     """The server set of ``args``; also resolves the floor label and, for --url, the block size."""
     labels = settings.labels
     if args.launch:
@@ -368,9 +74,9 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
             settings.floor_label = STOCK_POLICY
         env = dict(item.split("=", 1) for item in args.server_env)
         if args.plugin_log_config:
-            runner.write_logging_config(env)
+            write_logging_config(env)
         log_dir = Path(args.log_dir) if args.log_dir else None
-        spec = runner.LaunchSpec(
+        spec = LaunchSpec(
             model_dir=args.launch, model_name=args.model or Path(args.launch).name, sections=args.sections,
             host=args.host, port=args.port, server_args=split_server_args(args.server_arg), label_args=args.label_args,
             additional_config=json.loads(args.additional_config) if args.additional_config else {},
@@ -380,9 +86,9 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
         )  # fmt: skip
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         print(f"server logs: {spec.log_dir}", flush=True)
-        return runner.LaunchedServers(settings, spec)
+        return LaunchedServers(settings, spec)
     log_paths = args.server_log + [None] * (len(args.url) - len(args.server_log))
-    targets = [runner.Target(label, url.rstrip("/"), args.model, log)
+    targets = [Target(label, url.rstrip("/"), args.model, log)
                for label, url, log in zip(args.label, args.url, log_paths)]  # fmt: skip
     if args.floor:
         settings.floor_label = STOCK_POLICY if STOCK_POLICY in labels else labels[0]
@@ -390,7 +96,7 @@ def _servers(args: argparse.Namespace, settings: runner.Settings) -> runner.Serv
         settings.block_size, settings.block_size_source = logs.resolve_block_size(
             args.block_size, logs.read_text(floor_log), []
         )
-    return runner.UrlServers(settings, targets)
+    return UrlServers(settings, targets)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         origin = f"{source}/tokenizer.json" if words is not chat_words.TINY_WORDS else "the tiny model's w8..w1023"
         print(f"chat mode: {len(words)} single-token words from {origin}", flush=True)
     labels = args.policies if args.launch else args.label
-    settings = runner.Settings(
+    settings = Settings(
         workload=workload, labels=labels, in_flight=args.in_flight, repeat=args.repeat,
         run_salt=f"bench-{uuid.uuid4().hex[:12]}", block_size=args.block_size,
         block_size_source="--block-size" if args.block_size else "unknown", warmup=args.warmup,
@@ -443,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     started = _dt.datetime.now(_dt.timezone.utc)
     try:
         with interrupt_on_termination():
-            result = runner.run_benchmark(settings, servers)
+            result = run_benchmark(settings, servers)
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
         return 130
@@ -453,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "started_utc": started.isoformat(timespec="seconds"),
         "finished_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "run_salt": settings.run_salt,
-        "machine": runner.machine_info(),
+        "machine": machine_info(),
     }
     for level in result["levels"]:
         print()

@@ -1,6 +1,6 @@
 """Diagnosis of run 40's crash (GLM-5.3-Flash planted MTP fixture, k = 3): does stock vLLM crash too?
 
-Runs the producer and resend phases of ``bench.probes.run_probes`` (the traffic of
+Runs the producer and resend phases of ``bench.probe_scenario.run_probes`` (the traffic of
 tests/test_gpu_spec_families.py's first scenario: 32 conversations, 16 answer tokens) under MTP
 k = 3, once with policy ``aligned`` (stock) and once with ``request_boundaries``, each in its own
 process with CUDA_LAUNCH_BLOCKING=1 so that a device-side assert names its Python frame.
@@ -19,8 +19,8 @@ import sys
 CHILD = r"""
 import json, sys
 from vllm import LLM
-from bc_tools.bench.probes import run_probes
-from bc_tools.fixtures.families import planted_successor
+from bc_tools.bench.probe_scenario import run_probes
+from bc_tools.fixtures.qwen3_next_family import planted_successor
 from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
 family, policy = "glm5_next_mtp_planted", sys.argv[1]

@@ -1,0 +1,187 @@
+"""The servers a benchmark run sends to: one per label, handed out slot by slot.
+
+Contract: a :class:`ServerSet` hands out one :class:`Target` per label (``acquire`` ...
+``release``), warmed up with ``settings.warmup`` throw-away conversations (``slot.warm_up``)
+before its first slot after each start. :class:`UrlServers` wraps servers that already run.
+:class:`LaunchedServers` starts vLLM servers with the plugin's policy in ``--additional-config``
+(``POLICY_ENV`` unset, so it cannot override that): all at once (default), each once the previous
+one is healthy (``one_by_one``), or one at a time around each slot (``relaunch``, for hosts where
+two servers do not fit). Every server started is stopped by ``close``, which the run calls also on
+errors and interrupts. A launched server waits for health at most until the run's time budget
+ends; one still starting then raises ``BudgetEndedDuringStart``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bc_tools.bench import logs
+from bc_tools.bench.run_settings import BudgetEndedDuringStart, RoundBudget, Settings
+from bc_tools.bench.slot import warm_up
+from bc_tools.bench.traffic import Progress, Target
+
+POLICY_ENV = "VLLM_BOUNDARY_CHECKPOINTS_POLICY"  # the plugin lets it override --additional-config
+
+
+class ServerSet:
+    """Hands out the target of a label for one slot (``acquire`` ... ``release``)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.info: dict[str, dict[str, Any]] = {}
+        self._warm: set[str] = set()
+
+    def _ready(self, target: Target, progress: Progress) -> Target:
+        """Warm ``target`` up the first time it is handed out (per server start)."""
+        s = self.settings
+        if target.label not in self._warm and s.warmup > 0:
+            progress.write(f"[{target.label}] warm-up ({s.warmup} conversation(s))")
+            warm_up(target, s.workload, f"{s.run_salt}-warmup-{target.label}", s.warmup, s.request_timeout,
+                    s.chat_words)  # fmt: skip
+        self._warm.add(target.label)
+        return target
+
+    def acquire(self, label: str, progress: Progress) -> Target:
+        raise NotImplementedError
+
+    def release(self, label: str) -> None:
+        """Called after each slot; servers that stay up do nothing."""
+
+    def close(self) -> None:
+        """Stop what was started."""
+
+
+class UrlServers(ServerSet):
+    """Servers that already run: one per label (``--url`` repeated, with ``--label``)."""
+
+    def __init__(self, settings: Settings, targets: list[Target]):
+        super().__init__(settings)
+        self.targets = {t.label: t for t in targets}
+        self.info = {t.label: {"url": t.base_url, "log_path": t.log_path} for t in targets}
+
+    def acquire(self, label: str, progress: Progress) -> Target:
+        return self._ready(self.targets[label], progress)
+
+
+@dataclass
+class LaunchSpec:
+    """How to launch the servers of ``--launch``: one per label, ``sections[label]`` being its
+    whole ``boundary_checkpoints`` section."""
+
+    model_dir: str
+    model_name: str
+    sections: dict[str, dict]
+    host: str = "127.0.0.1"
+    port: int | None = None  # the first server's port (the others follow); default: free ports
+    server_args: list[str] = field(default_factory=list)
+    label_args: dict[str, list[str]] = field(default_factory=dict)  # extra flags of one label, after server_args
+    additional_config: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="bc-bench-")))
+    startup_timeout: float = 900.0
+    relaunch: bool = False  # one server at a time, started for each slot
+    # Every server up at once, but each started only once the previous one is healthy: vLLM's
+    # memory profile counts what other processes take on the GPU while it profiles, so servers
+    # that start together on one GPU can each find no room left for their KV cache.
+    one_by_one: bool = False
+
+
+class LaunchedServers(ServerSet):
+    """vLLM servers started by the benchmark (``--launch``)."""
+
+    def __init__(self, settings: Settings, spec: LaunchSpec):
+        super().__init__(settings)
+        self.spec = spec
+        self.running: dict[str, Any] = {}
+        self.budget: RoundBudget | None = None  # the run's budget: a start waits at most until it ends
+
+    def _start(self, label: str, progress: Progress):
+        from bc_tools.bench.server import find_free_port, start_server
+
+        spec = self.spec
+        index = self.settings.labels.index(label)
+        port = spec.port + index if spec.port else find_free_port(spec.host)
+        section = {**(spec.additional_config.get("boundary_checkpoints") or {}), **spec.sections[label],
+                   "stats_log_interval_s": self.settings.stats_log_interval}  # fmt: skip
+        log_path = spec.log_dir / f"server_{label}.log"
+        progress.write(f"[{label}] starting vLLM on {spec.host}:{port} (log {log_path})")
+        server = start_server(spec.model_dir, log_path, host=spec.host, port=port, served_model_name=spec.model_name,
+                              additional_config={**spec.additional_config, "boundary_checkpoints": section},
+                              extra_args=[*spec.server_args, *spec.label_args.get(label, [])],
+                              env=spec.env, unset_env=(POLICY_ENV,))  # fmt: skip
+        self.running[label] = server
+        self.info.setdefault(label, {"command": server.command, "log_path": str(log_path), "ready_s": []})
+        self._warm.discard(label)
+        return server
+
+    def _wait(self, label: str, progress: Progress) -> None:
+        from bc_tools.bench.server import ServerStartError, wait_until_healthy
+
+        server = self.running[label]
+        left = self.budget.seconds_left() if self.budget is not None else None
+        budget_bound = left is not None and left < self.spec.startup_timeout
+        try:
+            ready = wait_until_healthy(server, timeout=left if budget_bound else self.spec.startup_timeout)
+        except ServerStartError as err:
+            if budget_bound and server.running():
+                raise BudgetEndedDuringStart(label) from err
+            raise SystemExit(f"[{label}] server failed to start: {err}") from err
+        self.info[label]["ready_s"].append(round(ready, 1))
+        progress.write(f"[{label}] ready in {ready:.1f} s")
+        s = self.settings
+        if s.block_size is None:
+            s.block_size, s.block_size_source = logs.resolve_block_size(
+                None, logs.read_text(server.log_path), server.command
+            )
+
+    def start_all(self, progress: Progress) -> None:
+        """Start every server at once, then wait for each; with ``one_by_one``, wait for each before
+        starting the next (nothing here in ``relaunch`` mode)."""
+        if self.spec.relaunch:
+            return
+        if self.spec.one_by_one:
+            for label in self.settings.labels:
+                self._start(label, progress)
+                self._wait(label, progress)
+            return
+        for label in self.settings.labels:
+            self._start(label, progress)
+        for label in self.settings.labels:
+            self._wait(label, progress)
+
+    def acquire(self, label: str, progress: Progress) -> Target:
+        if label not in self.running:
+            self._start(label, progress)
+            self._wait(label, progress)
+        server = self.running[label]
+        return self._ready(Target(label, server.base_url, self.spec.model_name, str(server.log_path)), progress)
+
+    def _stop(self, label: str) -> None:
+        from bc_tools.bench.server import stop_server
+
+        server = self.running.pop(label)
+        self.info[label].setdefault("exit_codes", []).append(stop_server(server))
+        self.info[label]["boundary_stats"] = logs.parse_boundary_stats(logs.read_text(server.log_path))
+
+    def release(self, label: str) -> None:
+        if self.spec.relaunch:
+            self._stop(label)
+
+    def close(self) -> None:
+        for label in list(self.running):
+            self._stop(label)
+
+
+def write_logging_config(env: dict[str, str]) -> None:
+    """Point ``VLLM_LOGGING_CONFIG_PATH`` in ``env`` at ``logs.plugin_logging_config`` unless the
+    variable is already set there or in this process's environment."""
+    if "VLLM_LOGGING_CONFIG_PATH" in env or os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        return
+    path = Path(tempfile.mkdtemp(prefix="bc-bench-logging-")) / "logging_config.json"
+    path.write_text(json.dumps(logs.plugin_logging_config(), indent=2) + "\n")
+    env["VLLM_LOGGING_CONFIG_PATH"] = str(path)

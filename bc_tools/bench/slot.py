@@ -1,0 +1,192 @@
+"""One label's slot of a round, and the warm-up that precedes a server's first slot.
+
+Contract: a :class:`Slot` drives ``max(N, C)`` conversations with C threads (C: the workload's
+concurrency), each conversation turn after turn, and keeps every request record and, per
+conversation, each turn's (prompt, boundary). In ``workload.mode == "chat"`` a turn goes through
+``/v1/chat/completions`` as messages (``workload.chat_messages``: the slot's shared system message,
+the user messages, the earlier answers' text as assistant messages), streamed, greedy,
+``max_tokens`` = A, ``ignore_eos`` and ``skip_special_tokens: false`` (a random-weight model emits
+special tokens, whose text then re-renders as the same tokens); its records carry the server's
+``usage`` counts, and a turn's boundary is the previous turn's rendered prompt + answer - 1.
+``run_floor`` then sends the floor (``workload.floor_prompts``, token ids, ``/v1/completions``;
+in chat mode from the prompt ids the server rendered): every prime first, then the timed requests
+with the conversations' cadence. ``warm_up`` sends throw-away 2-turn conversations (own salt, own
+ids; chat conversations in chat mode) and raises if one fails.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import threading
+from typing import Any, Callable
+
+from bc_tools.bench.chat_words import TINY_WORDS, draw_words
+from bc_tools.bench.client import Completion, CompletionError
+from bc_tools.bench.stats import RequestRecord
+from bc_tools.bench.traffic import Clock, Progress, Target, send, send_chat
+from bc_tools.bench.workload import (
+    ChatConversationPlan,
+    ConversationPlan,
+    FloorPrompts,
+    Workload,
+    chat_messages,
+    draw_ids,
+    exact_boundary,
+    first_prompt,
+    floor_prompts,
+    next_prompt,
+)
+
+
+def _postfix(rec: RequestRecord) -> str:
+    if rec.error:
+        return f"{rec.policy} error"
+    ttft = f"{rec.ttft_s * 1000:.0f}ms" if rec.ttft_s is not None else "-"
+    return f"C={rec.in_flight} r{rec.round} {rec.policy} {rec.phase} t{rec.turn} ttft {ttft}"
+
+
+class Slot:
+    """One label's conversations (and, on the floor label, the floor) in one round at one level."""
+
+    def __init__(self, target: Target, workload: Workload, plans: list[ConversationPlan], salt: str, *,
+                 clock: Clock, progress: Progress, round_index: int, timeout: float):  # fmt: skip
+        self.target, self.workload, self.plans, self.salt = target, workload, plans, salt
+        self.clock, self.progress, self.timeout = clock, progress, timeout
+        self.tags = {"in_flight": workload.concurrency, "round": round_index}
+        self.records: list[RequestRecord] = []
+        self.turn_prompts: dict[int, list[tuple[list[int], int]]] = {}  # per conversation: (prompt, boundary)
+        self._lock = threading.Lock()
+
+    def _send(self, prompt: list[int], max_tokens: int, salt: str, **fields) -> RequestRecord:
+        rec = send(self.target, prompt, max_tokens=max_tokens, salt=salt, clock=self.clock, timeout=self.timeout,
+                   **fields, **self.tags)  # fmt: skip
+        with self._lock:
+            self.records.append(rec)
+        self.progress.update(_postfix(rec))
+        return rec
+
+    def _send_chat(self, messages: list[dict], **fields) -> tuple[RequestRecord, Completion | None]:
+        rec, res = send_chat(self.target, messages, max_tokens=self.workload.answer_tokens, salt=self.salt,
+                             clock=self.clock, timeout=self.timeout, **fields, **self.tags)  # fmt: skip
+        with self._lock:
+            self.records.append(rec)
+        self.progress.update(_postfix(rec))
+        return rec, res
+
+    def _pool(self, fn: Callable[[Any], None], items: list) -> None:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=self.workload.concurrency) as pool:
+            for fut in [pool.submit(fn, item) for item in items]:
+                fut.result()
+
+    def _conversation(self, plan: ConversationPlan | ChatConversationPlan) -> None:
+        if isinstance(plan, ChatConversationPlan):
+            self._chat_conversation(plan)
+            return
+        w = self.workload
+        prompt, boundary, answer, history = first_prompt(plan), 0, [], []
+        for turn in range(1, w.turns + 1):
+            if turn > 1:
+                prompt = next_prompt(prompt, answer, plan.user_turns[turn - 1])
+            rec = self._send(prompt, w.answer_tokens, self.salt, phase="conversation", conversation=plan.index,
+                             turn=turn, boundary=boundary)  # fmt: skip
+            history.append((prompt, boundary))
+            if rec.error:
+                break  # later turns need this answer
+            answer = rec.answer_ids
+            boundary = exact_boundary(len(prompt), len(answer))
+        with self._lock:
+            self.turn_prompts[plan.index] = history
+
+    def _chat_conversation(self, plan: ChatConversationPlan) -> None:
+        """Turn after turn through the chat endpoint, each answer's text sent back; the history
+        keeps the prompt ids the server rendered (for the floor; a turn without them is left out)."""
+        answers: list[str] = []
+        boundary, history = 0, []
+        for turn in range(1, self.workload.turns + 1):
+            rec, res = self._send_chat(chat_messages(plan, answers), phase="conversation",
+                                       conversation=plan.index, turn=turn, boundary=boundary)  # fmt: skip
+            if res is None:
+                break  # later turns need this answer
+            history.append((res.prompt_token_ids, boundary))
+            answers.append(res.text)
+            boundary = exact_boundary(rec.prompt_tokens, len(rec.answer_ids))
+        with self._lock:
+            self.turn_prompts[plan.index] = history
+
+    def run_conversations(self) -> None:
+        self._pool(self._conversation, self.plans)
+
+    def floor_plan(self, index: int, block_size: int) -> list[tuple[int, FloorPrompts]]:
+        """(turn, prompts) of the floor requests of one conversation (turns >= 2)."""
+        w = self.workload
+        filler_rng = random.Random(f"floor-filler-{w.seed}-{index}")
+        out = []
+        for turn, (prompt, boundary) in enumerate(self.turn_prompts.get(index, []), start=1):
+            if turn < 2:
+                continue
+            new_tokens = w.user_tokens + 1 if w.mode == "tokens" else len(prompt) - boundary
+            if new_tokens > 0:  # chat: 0 when the server returned no prompt ids
+                fp = floor_prompts(prompt, boundary, new_tokens, block_size,
+                                   filler=lambda k: draw_ids(filler_rng, k, w.vocab_size))  # fmt: skip
+                out.append((turn, fp))
+        return out
+
+    def run_floor(self, block_size: int) -> None:
+        """Prime every floor prefix first, then send the timed requests with the conversations'
+        cadence, so that no timed request shares an engine step with a prime's prefill."""
+        plans = {p.index: self.floor_plan(p.index, block_size) for p in self.plans}
+        salt = f"{self.salt}-floor"
+
+        def primes(index: int) -> None:
+            for turn, fp in plans[index]:
+                self._send(fp.prime, 1, salt, phase="floor_prime", conversation=index, turn=turn,
+                           boundary=fp.prefix_len)  # fmt: skip
+
+        def timed(index: int) -> None:
+            for turn, fp in plans[index]:
+                self._send(fp.timed, self.workload.answer_tokens, salt, phase="floor", conversation=index,
+                           turn=turn, boundary=fp.prefix_len)  # fmt: skip
+
+        self._pool(primes, list(plans))
+        self._pool(timed, list(plans))
+
+
+def warm_up(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
+            words: tuple[str, ...] = TINY_WORDS) -> None:  # fmt: skip
+    """Throw-away 2-turn conversations (own salt, own ids; chat mode: chat conversations of
+    ``words``), so that the timed slots exclude first-call costs (kernel compiles, allocator growth)."""
+    w, clock = workload, Clock()
+    if w.mode == "chat":
+        warm_up_chat(target, workload, salt, conversations, timeout, words)
+        return
+    for i in range(conversations):
+        rng = random.Random(f"warmup-{w.seed}-{i}")
+        prompt = draw_ids(rng, w.system_tokens + w.user_tokens, w.vocab_size)
+        first = send(target, prompt, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
+                     phase="warmup", conversation=-1 - i, turn=1, boundary=0)  # fmt: skip
+        if first.error:
+            raise CompletionError(f"[{target.label}] warm-up request failed: {first.error}")
+        second = next_prompt(prompt, first.answer_ids, draw_ids(rng, w.user_tokens, w.vocab_size))
+        send(target, second, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
+             phase="warmup", conversation=-1 - i, turn=2, boundary=0)  # fmt: skip
+
+
+def warm_up_chat(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
+                 words: tuple[str, ...]) -> None:  # fmt: skip
+    """``warm_up``'s chat conversations: turn 1's shape (a system and a user message) with other
+    words, then a second turn with the answer sent back."""
+    w, clock = workload, Clock()
+    for i in range(conversations):
+        rng = random.Random(f"chat-warmup-{w.seed}-{i}")
+        plan = ChatConversationPlan(index=-1 - i, system_text=draw_words(rng, w.system_tokens, words),
+                                    user_texts=(draw_words(rng, w.user_tokens, words),
+                                                draw_words(rng, w.user_tokens, words)))  # fmt: skip
+        answers: list[str] = []
+        for turn in (1, 2):
+            rec, res = send_chat(target, chat_messages(plan, answers), max_tokens=w.answer_tokens,
+                                 salt=f"{salt}-{i}", clock=clock, timeout=timeout, phase="warmup",
+                                 conversation=-1 - i, turn=turn, boundary=0)  # fmt: skip
+            if res is None:
+                raise CompletionError(f"[{target.label}] warm-up chat request failed: {rec.error}")
+            answers.append(res.text)
