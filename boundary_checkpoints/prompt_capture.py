@@ -15,7 +15,9 @@ Three ways, chosen once per engine from its configuration:
   the request's blocks before the next step's forward, as a response checkpoint is: no split and
   no extra step on any kernel or family. A next turn (a prompt that extends this one) restores it;
   a resend of the same prompt cannot (its last token must run to give logits) and gets vLLM's
-  block-grid hit. Under speculative decoding it gives ``stop``: the drafter's row at ``P - 1``
+  block-grid hit, but is itself captured at ``P - 1`` the way ``auto`` would (``resend``: in step
+  or by the stop), so the sends after it restore all but the last token: only prompts seen twice
+  pay for ``P - 1``. Under speculative decoding it gives ``stop``: the drafter's row at ``P - 1``
   reads the first sampled token.
 
 :func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
@@ -85,15 +87,17 @@ class PromptCaptureDecision:
     mode: str  # IN_STEP, STOP, END or OFF (no prompt checkpoints)
     reason: str = ""  # why STOP when in_step was asked for ("" otherwise)
     caveat: str = ""  # what is not validated about an IN_STEP decision ("" where nothing)
+    resend: str = ""  # END: how a resend's P - 1 checkpoint is taken (IN_STEP or STOP, as under auto)
 
     def describe(self) -> str:
         """The phrase the scheduler's startup line uses for prompt checkpoints."""
         if self.mode == OFF:
             return "off"
         if self.mode == END:
+            how = "in step" if self.resend == IN_STEP else f"by the P - 1 stop: {self.reason}"
             return (
                 "on (at the prompt's end P, copied after the step that computes it: no extra step, no split; "
-                "a resend of the same prompt gets vLLM's block-grid hit)"
+                f"a prompt sent again keeps P - 1 ({how}) for the sends after it)"
             )
         if self.mode == IN_STEP:
             caveat = f"; {self.caveat}" if self.caveat else ""
@@ -110,7 +114,8 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
     if prompt_capture == END:
         if facts.speculative:  # the drafter's row at P - 1 reads the first sampled token
             return PromptCaptureDecision(STOP, "speculative decoding (a checkpoint at P holds a drafter row)")
-        return PromptCaptureDecision(END)
+        resend = decide(True, AUTO, facts)
+        return PromptCaptureDecision(END, resend.reason, resend.caveat, resend=resend.mode)
     if facts.speculative:
         return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
     if facts.micro_batching:

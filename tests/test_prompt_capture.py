@@ -128,6 +128,7 @@ def test_which_graph_modes_replay_prefill_steps_whole(mode, full):
 def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
     decision = decide(True, "end", facts(**overrides))
     assert decision.mode == END and "no extra step" in decision.describe()
+    assert decision.resend == decide(True, "auto", facts(**overrides)).mode  # a resend's P - 1, as auto takes it
 
 
 def test_end_under_speculative_decoding_stops_and_says_why():

@@ -1,7 +1,8 @@
 """``prompt_capture: end`` on vLLM's real scheduler (CPU, shadow runner): the prompt checkpoint
 holds the state after all ``P`` prompt tokens, copied after the step that computes them, with no
 stop and no split; a prompt that extends the prompt restores all of it, a resend of the same
-prompt gets vLLM's block-grid hit, and a corrupted checkpoint is caught.
+prompt gets vLLM's block-grid hit and keeps ``P - 1`` for the sends after it, and a corrupted
+checkpoint is caught.
 
 The shadow runner raises if a restored request ever reads a recurrent state or attention row that
 differs from the recomputed one.
@@ -51,14 +52,23 @@ def test_the_prompt_checkpoint_sits_at_p_and_costs_no_stop(model_dir, lag, promp
     assert worker.restored_reads >= 1
 
 
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
 @pytest.mark.parametrize("prompt_len", [17, 40])
-def test_a_resend_gets_the_block_grid_hit(model_dir, prompt_len):
-    scheduler, worker, driver = _end_scheduler(model_dir, lag=0)
+def test_a_resend_gets_the_block_grid_hit_and_keeps_p_minus_1_for_the_next(model_dir, lag, prompt_len):
+    scheduler, worker, driver = _end_scheduler(model_dir, lag)
     prompt = tokens(random.Random(prompt_len), prompt_len)
     [out_first] = driver.run([make_request(prompt, salt="s")])
     resend = make_request(prompt, salt="s")
     assert driver.run([resend]) == [out_first]
     assert driver.cached_tokens[resend.request_id] == (prompt_len - 1) // BLOCK * BLOCK
+    # The resend took P - 1 inside its step (in-step capture, as auto does on this engine), unless
+    # vLLM's block grid already reached P - 1.
+    taken = int((prompt_len - 1) % BLOCK != 0)
+    assert scheduler.boundary_stats()["prompt_captures_in_step"] == taken and worker.in_step_captures == 2 * taken
+    third = make_request(prompt, salt="s")
+    assert driver.run([third]) == [out_first]
+    assert driver.cached_tokens[third.request_id] == prompt_len - 1
+    assert scheduler.boundary_stats()["prompt_captures_in_step"] == taken  # the third captured nothing again
 
 
 def test_the_next_turn_still_restores_the_response(model_dir):

@@ -160,7 +160,8 @@ class CaptureMixin:
             target, start = self._prompt_target(request), end - num_scheduled
             if target == 0 or start >= target or end < target or not request_is_eligible(request):
                 continue
-            if end == target and (not self._prompt_at_end or self._keeps_prompt_checkpoint(request, start)):
+            at_end = target == request.num_prompt_tokens  # prompt_capture end: no stop applied the minimum
+            if end == target and (not at_end or self._keeps_prompt_checkpoint(request, start)):
                 self.checkpoint_store.counters.prompt_stops += stopped
                 self._plan_capture(request, target, PROMPT, adopt=False)
             elif self._keeps_prompt_checkpoint(request, start) and self._captures_in_step(request, start, end):

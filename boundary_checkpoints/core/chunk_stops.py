@@ -107,9 +107,9 @@ class ChunkStopMixin:
             if key is not None and key not in self.checkpoint_store and not any(p.key == key for p in self._pending):
                 self._count_instruction("instruction_stops")
                 return instruction - start
-        if not self._prompt_captures_on or self._prompt_at_end:
+        if not self._prompt_captures_on:
             return num_new_tokens
-        stop = prompt_boundary(request.num_prompt_tokens)
+        stop = self._prompt_target(request)  # at P (prompt_capture end) no chunk ends before it
         if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
             return num_new_tokens
         if self._captures_in_step(request, start, start + num_new_tokens):
@@ -118,9 +118,23 @@ class ChunkStopMixin:
         return stop - start
 
     def _prompt_target(self, request: Request) -> int:
-        """Token count of ``request``'s prompt checkpoint: ``P`` under ``prompt_capture: end``,
-        else ``P - 1`` (0: none)."""
-        return request.num_prompt_tokens if self._prompt_at_end else prompt_boundary(request.num_prompt_tokens)
+        """Token count of ``request``'s prompt checkpoint (0: none): ``P - 1``, except under
+        ``prompt_capture: end``, where it is ``P`` unless the prompt is a resend (:meth:`_is_resend`):
+        a resend keeps ``P - 1`` (in step or by the stop, ``PromptCaptureDecision.resend``), so the
+        sends after it restore all but the last token."""
+        if self._prompt_at_end and not self._is_resend(request):
+            return request.num_prompt_tokens
+        return prompt_boundary(request.num_prompt_tokens)
+
+    def _is_resend(self, request: Request) -> bool:
+        """Whether a bundle at this very prompt (``P``) is retained or pending when the request's
+        prefill starts; decided once per request."""
+        resend = self._resends.get(request.request_id)
+        if resend is None:
+            key = self._key(request, request.num_prompt_tokens)
+            resend = key is not None and (key in self.checkpoint_store or any(p.key == key for p in self._pending))
+            self._resends[request.request_id] = resend
+        return resend
 
     def _keeps_prompt_checkpoint(self, request: Request, start: int) -> bool:
         """Whether a prefill step from ``start`` that reaches the prompt checkpoint keeps it

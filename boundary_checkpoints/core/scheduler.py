@@ -81,10 +81,16 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._geometries = geometries
         self._ring_groups = [g for g, geometry in enumerate(geometries) if geometry.kind is GroupKind.RING]
         self._prompt_capture = decide_for(self.boundary_config, self.vllm_config)
-        if self._prompt_capture.mode == IN_STEP and self._ring_groups:
-            self._prompt_capture = PromptCaptureDecision(STOP, "an indexer tail ring is captured after its step")
-        self._prompt_in_step = self._prompt_captures_on and self._prompt_capture.mode == IN_STEP
+        if self._ring_groups and IN_STEP in (self._prompt_capture.mode, self._prompt_capture.resend):
+            ring = "an indexer tail ring is captured after its step"
+            self._prompt_capture = PromptCaptureDecision(
+                STOP if self._prompt_capture.mode == IN_STEP else self._prompt_capture.mode, ring,
+                resend=STOP if self._prompt_capture.resend else "",
+            )  # fmt: skip
         self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
+        p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
+        self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
+        self._resends: dict[str, bool] = {}  # request id -> its prompt was seen before (prompt_capture end)
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
@@ -201,6 +207,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             self._counted_requests.discard(request.request_id)
             self._instruction_targets.pop(request.request_id, None)
             self._stopped_at.pop(request.request_id, None)
+            self._resends.pop(request.request_id, None)
             if request.status not in _FINISHED_WITH_CHECKPOINT:
                 self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
