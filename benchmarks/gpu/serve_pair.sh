@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU host (after `source .gpu-bundle/install_on_host.sh` and the package's install): write the
-# 12-layer Qwen3-Next-80B-dims model (dummy weights, about 40 GB) and start two servers of it at once
-# (0.45 of the GPU each), CUDA graphs on, the FLA Triton GDN prefill kernel for both (the bundle cannot
-# load FlashInfer's):
+# 12-layer Qwen3-Next-80B-dims model (dummy weights, 38 GiB) and start two servers of it at once
+# (0.45 of the GPU each with a fixed 16 GB KV cache: two engines that profile memory at the same time
+# count each other's allocations, and one finds none left for its cache), CUDA graphs on, the FLA
+# Triton GDN prefill kernel for both (the bundle cannot load FlashInfer's):
 #   :8100 stock (policy aligned), :8102 the plugin with prompt_capture end (the prompt checkpoint at P,
 #   copied after the step that computes it).
 # Waits until both answer /health (or $1 seconds pass); PIDs in /tmp/bc-servers.pids, logs in $LOGS.
@@ -19,7 +20,7 @@ declare -A CONFIG=(
 for port in 8100 8102; do
   setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name q --port "$port" \
     --host 127.0.0.1 --dtype bfloat16 --mamba-ssm-cache-dtype float32 --max-model-len 16384 --load-format dummy \
-    --enable-prefix-caching --enable-prompt-tokens-details --gpu-memory-utilization 0.45 \
+    --enable-prefix-caching --enable-prompt-tokens-details --gpu-memory-utilization 0.45 --kv-cache-memory-bytes 16000000000 \
     --additional-config "${CONFIG[$port]}" > "$LOGS/server-$port.log" 2>&1 &
   echo $! >> /tmp/bc-servers.pids
 done
