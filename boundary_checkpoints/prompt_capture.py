@@ -2,44 +2,37 @@
 
 Contract
 --------
-Three ways, chosen once per engine from its configuration:
+Three ways, chosen once per engine from its configuration by :func:`decide`, a pure function of
+:class:`EngineFacts` (:func:`decide_for` reads them from a ``VllmConfig``; the scheduler and the
+worker both call it on the same configuration, so they agree without talking to each other):
 
-* ``in_step``: the state after ``P - 1`` tokens (a resend of the same prompt computes one token).
-  The whole prompt is prefilled in one step; inside every Gated DeltaNet layer the last token of
-  each prompt that is captured is split off (``worker/gdn_split.py``), so the state after ``P - 1``
-  is written to the checkpoint's block during the step that computes the prompt.
-* ``stop``: the state after ``P - 1`` too, but the prefill stops at ``P - 1``, the state is copied
-  after that step and the last prompt token runs in one more engine step (the first-turn tax,
-  ``docs/notes/first-turn-tax.md``).
-* ``end`` (asked for by ``prompt_capture: end``): the state after all ``P`` tokens, copied from
-  the request's blocks before the next step's forward, as a response checkpoint is: no split and
-  no extra step on any kernel or family. A next turn (a prompt that extends this one) restores it;
-  a resend of the same prompt cannot (its last token must run to give logits) and gets vLLM's
-  block-grid hit, but is itself captured at ``P - 1`` the way ``auto`` would (``resend``: in step
-  or by the stop), so the sends after it restore all but the last token: only prompts seen twice
-  pay for ``P - 1``. Under speculative decoding it gives ``stop``: the drafter's row at ``P - 1``
-  reads the first sampled token.
+* ``end`` (``prompt_capture`` ``auto``, the default, or ``end``; no speculative decoding): the
+  state after all ``P`` prompt tokens, copied from the request's blocks before the next step's
+  forward, as a response checkpoint is: no split and no extra step, on any kernel and family. A
+  next turn (a prompt that extends this one) restores it. A resend of the same prompt cannot (its
+  last token must run to give logits) and gets vLLM's block-grid hit, but is itself captured at
+  ``P - 1`` the way ``in_step`` would (``resend``: in step where the split applies, else by the
+  stop), so the sends after it restore all but the last token: only prompts seen twice pay.
+* ``in_step`` (asked for by ``prompt_capture: in_step``): every prompt keeps ``P - 1``. The whole
+  prompt is prefilled in one step; inside every Gated DeltaNet layer the last token of each prompt
+  that is captured is split off (``worker/gdn_split.py``), so the state after ``P - 1`` is written
+  to the checkpoint's block during the step that computes the prompt. It needs every one of: no
+  speculative decoding (the split handles non-speculative rows only), no micro-batching (DBO), a
+  model whose recurrent layers are all vLLM's plain ``QwenGatedDeltaNetAttention``
+  (:data:`IN_STEP_ARCHITECTURES`), on CUDA a graph mode that runs prefill steps piecewise (not
+  ``cudagraph_mode`` FULL, whose replay skips the layers' Python forward: the worker then stops
+  rather than publish an unwritten checkpoint), and a GDN core the split knows: the CPU kernels
+  (bit-exact, CI), or on CUDA the FLA Triton prefill kernel (``gdn_prefill_backend`` resolved to
+  ``triton``; vLLM's Hopper default is FlashInfer's). On CUDA it carries a caveat
+  (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): the split adds host work to every step that
+  ends prompts.
+* ``stop`` (``prompt_capture: stop``, speculative decoding, or ``in_step`` where the split does
+  not apply, with the first reason that applies): the prefill stops at ``P - 1``, the state is
+  copied after that step and the last prompt token runs in one more engine step (the first-turn
+  tax, ``docs/notes/first-turn-tax.md``). Under speculative decoding a checkpoint at ``P`` would
+  hold the drafter's row that read the first sampled token, so ``auto`` and ``end`` stop too.
 
-:func:`decide` is a pure function of :class:`EngineFacts`; ``in_step`` needs every one of:
-``prompt_capture`` ``auto`` (the default) or ``in_step``, no speculative decoding (the split handles
-non-speculative rows only), no micro-batching (DBO), a model whose recurrent layers are all vLLM's
-plain ``QwenGatedDeltaNetAttention`` (:data:`IN_STEP_ARCHITECTURES`), on CUDA a graph mode that runs
-prefill steps piecewise (not ``cudagraph_mode`` FULL, whose replay skips the layers' Python
-forward: the capture would not be taken, and the worker stops rather than publish an unwritten
-checkpoint), and a GDN core the split knows: the CPU kernels, or on CUDA the FLA Triton prefill
-kernel (``gdn_prefill_backend`` resolved to ``triton``). ``auto`` and ``in_step`` decide alike.
-On CUDA the decision carries a caveat (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line). There
-the end-to-end probes pass, and the split's layer-level shadow check (``tests/test_gdn_split.py``)
-moves every row of a mixed batch no further from the two-step reference than stock's own step
-does. Fresh-prompt TTFT at real dims matches stock's at 1 request in flight but is about
-1.15-1.2x stock's at 8 or more: prefill steps there are host-bound and the split adds host work
-to each step that ends prompts; the P - 1 stop is no cheaper. On the CPU kernels the split is
-bit-exact (CI). vLLM's Hopper default GDN prefill kernel is FlashInfer's, which the split does not
-know: there the prompt stops at ``P - 1`` and the reason names ``gdn_prefill_backend=triton``.
-Anything else gives ``stop`` and names the first reason that applies.
-:func:`decide_for` reads those facts from a ``VllmConfig``; the scheduler and the worker both call
-it on the same configuration, so they agree without talking to each other. Nothing here imports
-vLLM at import time.
+Nothing here imports vLLM at import time.
 """
 
 from __future__ import annotations
@@ -89,6 +82,11 @@ class PromptCaptureDecision:
     caveat: str = ""  # what is not validated about an IN_STEP decision ("" where nothing)
     resend: str = ""  # END: how a resend's P - 1 checkpoint is taken (IN_STEP or STOP, as under auto)
 
+    @property
+    def splits_in_step(self) -> bool:
+        """Whether some prompts are captured by the GDN layers' split (the worker installs it)."""
+        return IN_STEP in (self.mode, self.resend)
+
     def describe(self) -> str:
         """The phrase the scheduler's startup line uses for prompt checkpoints."""
         if self.mode == OFF:
@@ -111,13 +109,15 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(OFF)
     if prompt_capture == STOP:
         return PromptCaptureDecision(STOP, "prompt_capture is 'stop'")
-    if prompt_capture == END:
-        if facts.speculative:  # the drafter's row at P - 1 reads the first sampled token
-            return PromptCaptureDecision(STOP, "speculative decoding (a checkpoint at P holds a drafter row)")
-        resend = decide(True, AUTO, facts)
+    if prompt_capture in (AUTO, END) and not facts.speculative:
+        resend = decide(True, IN_STEP, facts)
         return PromptCaptureDecision(END, resend.reason, resend.caveat, resend=resend.mode)
     if facts.speculative:
-        return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
+        return PromptCaptureDecision(
+            STOP,
+            "speculative decoding (a checkpoint at P would hold the drafter's row of the first sampled token; "
+            "the in-step split handles non-speculative rows only)",
+        )
     if facts.micro_batching:
         return PromptCaptureDecision(STOP, "micro-batching (DBO) splits the step's GDN metadata")
     if not facts.architectures or any(a not in IN_STEP_ARCHITECTURES for a in facts.architectures):

@@ -136,21 +136,22 @@ class BoundaryConfig:
     stats_log_interval_s: float = 30.0
     """Seconds between periodic stats log lines, >= 0; 0 disables the line."""
     prompt_checkpoints: bool = True
-    """Keep the state at ``P - 1`` of every prompt, so an exact resend computes one token. Where
-    the prompt is captured in step (``prompt_capture``) this costs no extra step; otherwise one engine step per prompt
-    (the prefill stops at ``P - 1``; the last token runs in the next step). False: no prompt
-    checkpoint; response checkpoints (the next turn of a conversation) are unaffected; a resend
-    restores only from an older checkpoint or the stock block grid."""
+    """Keep a checkpoint at the end of every prompt (``prompt_capture``), so that a next turn that
+    extends the prompt restores all of it and a prompt sent again restores all but its last token.
+    False: no prompt checkpoint; response checkpoints (the next turn of a conversation) are
+    unaffected; a resend restores only from an older checkpoint or the stock block grid."""
     prompt_capture: str = "auto"
-    """How the prompt checkpoint is taken (``prompt_capture.py``): ``in_step`` computes the whole
-    prompt in one step and splits its last token off inside each Gated DeltaNet layer, where the
-    engine supports it (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next / Qwen3.5;
-    no speculative decoding), and otherwise stops the prefill at ``P - 1`` (the startup log line
-    says which and why); ``auto`` (default) is ``in_step`` where that is validated (the CPU engine)
-    and the stop elsewhere; ``stop`` always stops at ``P - 1``."""
+    """How the prompt checkpoint is taken (``prompt_capture.py``). ``auto`` (default) and ``end``:
+    at ``P``, copied after the step that computes the prompt (no extra step, no split, any kernel
+    and family); a resend of a prompt seen before keeps ``P - 1`` as ``in_step`` takes it, so only
+    prompts sent twice pay. Under speculative decoding both stop at ``P - 1``. ``in_step``: every
+    prompt keeps ``P - 1``, split off inside the Gated DeltaNet layers where the engine supports it
+    (CPU, or CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next / Qwen3.5; no speculative
+    decoding), else by the stop; ``stop``: the prefill always stops at ``P - 1`` (one more engine
+    step per prompt). The startup log line says which and why."""
     prompt_checkpoint_min_tokens: int = 0
-    """With ``prompt_checkpoints``, take the prompt checkpoint (stop at ``P - 1``, or capture it in
-    the step) only when the step that reaches the end of the prompt computes at least this many
+    """With ``prompt_checkpoints``, take the prompt checkpoint (at ``P``, or at ``P - 1`` by the stop
+    or in the step) only when the step that reaches it computes at least this many
     tokens (counted from where that step starts: the restore point of a short prompt, the last
     chunk boundary of a long one). A shorter tail is computed in one step either way, so a stop
     would add a step to this prompt to save a resend little: the resend then recomputes that tail

@@ -65,16 +65,19 @@ def test_anything_else_stops_at_p_minus_1_and_says_why(overrides, reason):
     assert decision.describe() == f"on (prefills stop at P - 1: {decision.reason})"
 
 
-def test_auto_takes_in_step_where_a_validated_kernel_runs():
-    """``auto`` (the default) decides as ``in_step``: in step on the CPU kernels (bit-exact) and on
-    CUDA with the FLA Triton kernel (with the caveat on the startup line); the stop on vLLM's
-    Hopper default, FlashInfer, with a reason that names the backend setting."""
-    assert decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None)).mode == IN_STEP
-    assert decide(True, AUTO, facts()) == decide(True, IN_STEP, facts())
+def test_auto_keeps_the_prompt_checkpoint_at_p_and_a_resends_at_p_minus_1_as_in_step_would():
+    """``auto`` (the default) decides as ``end`` wherever no drafter runs; a resend's ``P - 1`` is
+    taken as ``in_step`` decides: in step on the CPU kernels and on CUDA with the FLA Triton
+    kernel, by the stop on vLLM's Hopper default, FlashInfer (the reason names the setting)."""
+    cpu = decide(True, AUTO, facts(platform="cpu", gdn_prefill_backend=None))
+    assert (cpu.mode, cpu.resend, cpu.splits_in_step) == (END, IN_STEP, True)
+    assert decide(True, AUTO, facts()) == decide(True, END, facts())
     assert decide(True, AUTO, facts()).caveat == CUDA_IN_STEP_CAVEAT
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
-    assert decision.mode == STOP and "gdn_prefill_backend=triton" in decision.reason
-    assert decide(True, AUTO, facts(speculative=True)).reason.startswith("speculative decoding")
+    assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
+    assert "gdn_prefill_backend=triton" in decision.reason and "by the P - 1 stop" in decision.describe()
+    speculative = decide(True, AUTO, facts(speculative=True))
+    assert speculative.mode == STOP and speculative.reason.startswith("speculative decoding")
 
 
 def test_configured_stop_and_off():
@@ -92,10 +95,11 @@ def real_config(model_dir, **engine_args):
 
 
 def test_real_cpu_configs(model_dir):
-    """This machine's vLLM (CPU platform) on the Qwen3-Next config: in step by default, the stop
-    under MTP speculative decoding or when configured."""
+    """This machine's vLLM (CPU platform) on the Qwen3-Next config: at P by default (a resend in
+    step), in step when configured, the stop under MTP speculative decoding or when configured."""
     config = BoundaryConfig()
-    assert decide_for(config, real_config(model_dir)).mode == IN_STEP
+    assert decide_for(config, real_config(model_dir)).mode == END
+    assert decide_for(BoundaryConfig(prompt_capture="in_step"), real_config(model_dir)).mode == IN_STEP
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     assert decide_for(config, mtp).mode == STOP and "speculative" in decide_for(config, mtp).reason
     assert decide_for(BoundaryConfig(prompt_capture="stop"), real_config(model_dir)).mode == STOP
@@ -128,7 +132,7 @@ def test_which_graph_modes_replay_prefill_steps_whole(mode, full):
 def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
     decision = decide(True, "end", facts(**overrides))
     assert decision.mode == END and "no extra step" in decision.describe()
-    assert decision.resend == decide(True, "auto", facts(**overrides)).mode  # a resend's P - 1, as auto takes it
+    assert decision.resend == decide(True, "in_step", facts(**overrides)).mode  # a resend's P - 1, as in_step takes it
 
 
 def test_end_under_speculative_decoding_stops_and_says_why():

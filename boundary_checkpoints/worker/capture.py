@@ -58,11 +58,11 @@ class CaptureCopyWorkerMixin:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         from boundary_checkpoints.compat import platform_is_cpu
-        from boundary_checkpoints.prompt_capture import IN_STEP, decide_for
+        from boundary_checkpoints.prompt_capture import decide_for
         from boundary_checkpoints.settings import BoundaryConfig
 
         config = BoundaryConfig.for_engine(self.vllm_config)
-        if decide_for(config, self.vllm_config).mode == IN_STEP:
+        if decide_for(config, self.vllm_config).splits_in_step:
             from boundary_checkpoints.worker.gdn_split import install
 
             self._step_captures = install(self.vllm_config, on_cpu=platform_is_cpu())

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU command (run from the repository root on the H200 host, bundle parts in /tmp/gpu-parts,
+# results under /tmp/r): stock against the default prompt checkpoint at P, 8k-token fresh prompts
+# and next turns at 1 and 8 in flight, then a shared system prompt of 2000 and 200 tokens through
+# /v1/chat/completions (turn 1 only, 32 conversations at 8 in flight), all on one pair of servers.
+mkdir -p /tmp/r/logs
+set -u
+source .gpu-bundle/install_on_host.sh || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/r/pip.log 2>&1 || { tail /tmp/r/pip.log; exit 1; }
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gpu-host.txt; date -u >> /tmp/r/gpu-host.txt
+bash benchmarks/gpu/serve_pair.sh 300 || exit 1
+U="--url http://127.0.0.1:8100 --label aligned --url http://127.0.0.1:8102 --label end"
+L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102.log"
+bc-bench $U $L --model q -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
+  --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
+for S in 2000 200; do
+  timeout 100 bc-bench $U $L --model q --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 --in-flight 8 \
+    --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
+done
