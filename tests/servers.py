@@ -64,6 +64,13 @@ def server_fixture(log_name: str, *, name: str = "server", **server_kwargs):
     return _server
 
 
+def resend_config(policy: str, **settings) -> dict:
+    """``--additional-config`` for ``policy`` with every prompt keeping ``P - 1`` (``prompt_capture:
+    in_step``): the servers whose tests check that a first resend restores all but its last token.
+    The default keeps the prompt checkpoint at ``P`` (``tests/test_server_prompt_end.py``)."""
+    return {"boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step", **settings}}
+
+
 # ---- client helpers ------------------------------------------------------------------------------
 
 

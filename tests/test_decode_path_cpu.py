@@ -58,7 +58,7 @@ from decode_path_control import decode_path_class
 
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
           enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
-          additional_config={"boundary_checkpoints": {"policy": "request_boundaries"}},
+          additional_config={"boundary_checkpoints": {"policy": "request_boundaries", "prompt_capture": "in_step"}},
           scheduler_cls="decode_path_control.DecodePathScheduler")  # CPU: sync
 block = llm.llm_engine.vllm_config.cache_config.block_size
 scheduler = llm.llm_engine.engine_core.engine_core.scheduler

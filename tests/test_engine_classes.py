@@ -16,7 +16,7 @@ import json, sys
 from vllm import LLM
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
           enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True,
-          additional_config={"boundary_checkpoints": {"policy": sys.argv[2]}})
+          additional_config={"boundary_checkpoints": {"policy": sys.argv[2], "prompt_capture": "in_step"}})
 core = llm.llm_engine.engine_core.engine_core
 worker = llm.collective_rpc(lambda self: type(self.worker).__module__ + "." + type(self.worker).__qualname__)[0]
 out = llm.generate([{"prompt_token_ids": list(range(4, 304))}] * 2, use_tqdm=False)

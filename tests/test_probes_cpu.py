@@ -41,9 +41,8 @@ from chunk_recorder import record_p_minus_1_chunks
 out = {}
 for run in ("request_boundaries", "aligned", "corrupt", "stop"):
     extra = {"scheduler_cls": "corrupt_restore.CorruptScheduler"} if run == "corrupt" else {}  # CPU: sync
-    section = {"policy": "aligned" if run == "aligned" else "request_boundaries"}
-    if run == "stop":
-        section["prompt_capture"] = "stop"
+    section = {"policy": "aligned" if run == "aligned" else "request_boundaries",
+               "prompt_capture": "stop" if run == "stop" else "in_step"}
     llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
               enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
               additional_config={"boundary_checkpoints": section}, **extra)

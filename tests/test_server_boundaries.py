@@ -22,7 +22,7 @@ import pytest
 from corrupt_restore import corrupted_pairs
 from prompts import token_ids
 from results_out import save_json
-from servers import BLOCK, tiny_server
+from servers import BLOCK, resend_config, tiny_server
 
 from bc_tools.bench.client import complete
 from bc_tools.bench.probe_scenario import TOP_LOGPROBS
@@ -36,7 +36,6 @@ from bc_tools.bench.probes import (
     reference_pairs,
     state_failures,
 )
-from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +72,7 @@ def run_server(model_dir: Path, tmp_path_factory, run: str) -> list[ProbeRow]:
     if run == CORRUPT:  # the engine-core process imports the scheduler from tests/ (PYTHONPATH)
         extra_args = ["--scheduler-cls", "corrupt_restore.CorruptScheduler"]  # CPU: no async scheduling
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    with tiny_server(model_dir, tmp_path_factory, f"server_boundaries_{run}", additional_config=policy_config(policy),
+    with tiny_server(model_dir, tmp_path_factory, f"server_boundaries_{run}", additional_config=resend_config(policy),
                      extra_args=extra_args, env=env) as server:  # fmt: skip
         with ThreadPoolExecutor(CONVERSATIONS) as pool:
             return list(pool.map(lambda i: conversation(server.base_url, i, f"run-{run}"), range(CONVERSATIONS)))

@@ -29,11 +29,10 @@ from typing import Callable
 
 import pytest
 from prompts import common_prefix, render_ids, words
-from servers import server_fixture
+from servers import resend_config, server_fixture
 
 from bc_tools.bench.client import Completion, chat, complete
 from bc_tools.bench.probes import same_greedy_output
-from bc_tools.bench.server import policy_config
 from bc_tools.fixtures.tiny_models import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 pytestmark = pytest.mark.slow
@@ -55,7 +54,7 @@ DROP_ASSISTANT_TEMPLATE = (
 
 server = server_fixture(
     f"server_chat_{POLICY}",
-    additional_config=policy_config(POLICY),
+    additional_config=resend_config(POLICY),
     extra_args=["--trust-request-chat-template"],  # the non-prefix template is sent per request
 )
 

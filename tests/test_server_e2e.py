@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 from prompts import seeded_ids
-from servers import server_fixture
+from servers import resend_config, server_fixture
 
 from bc_tools.bench.client import complete, stream_complete
-from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
 POLICY = "request_boundaries"  # the plugin's server; test_server_boundaries.py compares with stock
 MAX_TOKENS = 16
 
-server = server_fixture(f"server_{POLICY}", additional_config=policy_config(POLICY))
+server = server_fixture(f"server_{POLICY}", additional_config=resend_config(POLICY))
 
 
 def test_token_prompt_cached_tokens_and_salt_isolation(server):

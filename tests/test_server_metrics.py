@@ -15,17 +15,16 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 from prompts import token_ids
-from servers import server_fixture
+from servers import resend_config, server_fixture
 
 from bc_tools.bench.client import complete
-from bc_tools.bench.server import policy_config
 
 pytestmark = pytest.mark.slow
 
 MODEL_NAME = "tiny-metrics"
 MAX_TOKENS = 16
 
-server = server_fixture("server_metrics", additional_config=policy_config("request_boundaries"),
+server = server_fixture("server_metrics", additional_config=resend_config("request_boundaries"),
                         served_model_name=MODEL_NAME)  # fmt: skip
 
 

@@ -35,14 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prompts import word_ids
 from prompts import words as _words  # the tests name their answer texts' words ``words``
-from servers import cached_tokens, new_salt, server_fixture
+from servers import cached_tokens, new_salt, resend_config, server_fixture
 
 from bc_tools.bench.client import build_request, complete, complete_json, iter_sse_events
 from bc_tools.bench.server import is_healthy
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"boundary_checkpoints": {"policy": "request_boundaries", "stats_log_interval_s": 1}}
+CONFIG = resend_config("request_boundaries", stats_log_interval_s=1)
 MAX_MODEL_LEN = 40_960  # the tiny model's max_position_embeddings: room for 300 + ABORTED_MAX_TOKENS
 STATS_RE = re.compile(r"boundary_checkpoints: (hits=\d+.*)$")
 RESET_RE = re.compile(r"prefix cache reset dropped (\d+) checkpoints and (\d+) pending captures")
