@@ -17,20 +17,20 @@ Contract
   bundle is never half-evicted: losing any block means dropping the whole bundle first.
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
-* Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy`); the policy object is
-  the seam for a cost-aware replacement. Under the budget, a bundle younger than twice the
-  observed reuse distance is protected: the newcomer is refused instead (``core/reuse.py``;
-  counted as ``refused_protected``). *Lasting* bundles (kind :data:`INSTRUCTION`: a shared
-  system prompt, restored by many conversations) come after every other bundle in eviction order
-  (budget and pressure alike), least recently used first among themselves. The retained budget
-  counts the distinct blocks of the bundles' groups; a bundle's grid blocks (vLLM's own block-grid
-  hit below its boundary, :attr:`Checkpoint.grid_blocks`) are held and released with it but not
-  counted, since stock's cache would hold them as well. A newcomer that alone exceeds the budget
-  is refused without evicting anything; otherwise bundles go in eviction order until the budget
-  holds (the newcomer itself only once every other bundle left is lasting and it is not). Pressure relief
-  (:meth:`evict_to_free`) evicts only bundles that give at least one block back to the pool
-  (``is_free(block)`` after the release), one at a time, so the caller can stop as soon as its
-  allocation fits.
+* Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy` in
+  ``core/eviction.py``); the policy object is the seam for a cost-aware replacement. Under the
+  budget, a bundle younger than twice the observed reuse distance is protected: the newcomer is
+  refused instead (``core/reuse.py``; counted as ``refused_protected``). *Lasting* bundles (kind
+  :data:`INSTRUCTION`: a shared system prompt, restored by many conversations) come after every
+  other bundle in eviction order (budget and pressure alike), least recently used first among
+  themselves. The retained budget counts the distinct blocks of the bundles' groups; a bundle's
+  grid blocks (vLLM's own block-grid hit below its boundary, :attr:`Checkpoint.grid_blocks`) are
+  held and released with it but not counted, since stock's cache would hold them as well. A
+  newcomer that alone exceeds the budget is refused without evicting anything; otherwise bundles
+  go in eviction order until the budget holds (the newcomer itself only once every other bundle
+  left is lasting and it is not). Pressure relief (:meth:`evict_to_free`) evicts only bundles that
+  give at least one block back to the pool (``is_free(block)`` after the release), one at a time,
+  so the caller can stop as soon as its allocation fits.
 * Lineage (``core/scheduler.py`` contract 5: a few states per conversation, not one per turn):
   every bundle has a set of *owners*, the turns (request ids) that keep it alive; its producer
   first. When a turn
@@ -44,45 +44,14 @@ Contract
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from boundary_checkpoints.core.checkpoint import INSTRUCTION, BlockLike, Checkpoint, StoreCounters
+from boundary_checkpoints.core.eviction import LruEvictionPolicy
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 from boundary_checkpoints.core.reuse import ReuseTracker
-
-
-class LruEvictionPolicy:
-    """Least recently published or restored bundle first; lasting bundles after all others."""
-
-    def __init__(self) -> None:
-        self._order: OrderedDict[int, Checkpoint] = OrderedDict()
-
-    def add(self, checkpoint: Checkpoint) -> None:
-        self._order[id(checkpoint)] = checkpoint
-
-    def touch(self, checkpoint: Checkpoint) -> None:
-        self._order.move_to_end(id(checkpoint))
-
-    def demote(self, checkpoint: Checkpoint) -> None:
-        """Make ``checkpoint`` the next victim of its class (lasting or not)."""
-        self._order.move_to_end(id(checkpoint), last=False)
-
-    def remove(self, checkpoint: Checkpoint) -> None:
-        self._order.pop(id(checkpoint), None)
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def victim(self) -> Checkpoint | None:
-        return next(iter(self.in_order()), None)
-
-    def in_order(self) -> list[Checkpoint]:
-        """Every bundle, the next victim first."""
-        ordered = list(self._order.values())
-        return [c for c in ordered if not c.lasting] + [c for c in ordered if c.lasting]
 
 
 @dataclass

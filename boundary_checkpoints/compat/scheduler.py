@@ -1,0 +1,145 @@
+"""vLLM 0.32's scheduler, KV cache manager and request internals: the scheduler process's side.
+
+Contract: the vLLM classes below are imported eagerly, when ``boundary_checkpoints.compat`` is;
+the plugin reads their private attributes through the functions here or the subclasses that
+override their hooks. Names and the behaviour relied on:
+
+* ``Scheduler`` / ``AsyncScheduler`` (v1/core/sched): subclassed. Overridden hooks:
+  ``schedule``, ``update_from_output``, ``_get_local_prefix_cache_hit`` (lookup),
+  ``_mamba_block_aligned_split`` (chunk stop at the prompt boundary), ``_free_request`` (response
+  capture), ``_preempt_request``, ``finish_requests`` via ``_free_request``,
+  ``reset_prefix_cache``. Attributes read: ``kv_cache_manager``, ``requests``, ``hash_block_size``,
+  ``need_mamba_block_aligned_split``, ``vllm_config``, ``num_spec_tokens``.
+* Speculative decoding in align mode (``core/boundaries.py``, docs/notes/spec-decode.md):
+  ``SchedulerOutput.scheduled_spec_decode_tokens`` (drafts per request of a step), the
+  ``MambaManager.num_speculative_blocks`` state columns and their layout (SSM column ``t`` holds
+  the state after query token ``t``; the conv window after the first query token at offset
+  ``k - d`` of column 0; the V1 post-step copy of a block-aligned committed state into block
+  ``aligned // B - 1``), and the EAGLE/MTP drafter's input shift (draft K/V row ``r`` computed
+  from token ``r + 1``). Async scheduling: ``num_computed_tokens`` counts a scheduled step's
+  drafts at once and ``update_from_output`` takes its rejected drafts back before the stop check
+  (which trims tokens without touching the count); a request that finishes with a step in
+  flight is freed at once and that step's output, which still carries its sampled tokens
+  (:func:`sampled_token_ids`), is dropped by the scheduler; a non-null entry of a ``MambaManager``
+  request's ``req_to_blocks`` is the block the worker's append-only block table holds at that
+  index (a relocated speculative block leaves a null behind, docs/notes/spec-decode.md §10).
+* ``KVCacheManager`` (v1/core/kv_cache_manager.py): its ``allocate_slots`` returns None without
+  side effects when the pool is short, which the plugin's subclass answers by evicting retained
+  checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
+  instance to the subclass (``__class__`` assignment; no vLLM function is replaced).
+* ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``), ``BlockPool``
+  (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
+  ``num_gpu_blocks``), the coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`) and
+  ``single_type_managers`` (``req_to_blocks``,
+  ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
+  GLM-5.3-Flash indexer's tail ring, named in a fallback reason only); ``SlidingWindowManager``
+  (``sliding_window``; its spec's ``extra_retained_tokens`` and ``prefix_replay_tokens``): a request
+  resumed at ``N`` needs the pages from ``(N - W + 1) // B`` on, and vLLM lists null blocks below
+  that for a prefix hit (``add_local_computed_blocks``, ``get_num_skipped_tokens``).
+* Layout facts read at startup (``core/layout.py``): ``KVCacheConfig.kv_cache_tensors``
+  (``KVCacheTensor.layers``, ``layer_stride``, ``block_stride``: a layer's page is the smaller of
+  the two strides) and ``MambaSpec.mamba_type`` (``MambaAttentionBackendEnum.MAMBA2`` for Mamba2
+  mixers).
+* ``SchedulerOutput.kv_cache_block_copies`` (``KVCacheBlockCopy`` pairs) and
+  ``SchedulerOutput.new_block_ids_to_zero``: both model runners (V1 on CPU, V2 on GPU) zero the
+  step's new blocks, then apply these whole-block copy-on-write copies (restores of partial hits)
+  with ``copy_kv_cache_blocks_inplace``, both at the start of ``execute_model``. The plugin's
+  worker applies the copies itself and removes them, and their destinations from the zero list,
+  from the step it hands on (``worker/capture.py``). ``copy_kv_cache_blocks_inplace`` itself is
+  used for caches that are not block-outermost.
+* ``RequestStatus`` and ``Request`` fields (``all_token_ids``, ``block_hashes``, ``cache_salt``,
+  ``lora_request``, ``prompt_embeds``, ``mm_features``, ``num_prompt_tokens``,
+  ``num_computed_tokens``, ``num_tokens``, ``skip_reading_prefix_cache``, ``sampling_params``).
+* KV cache coordinator (v1/core/kv_cache_coordinator.py): the scheduler re-classes the manager's
+  coordinator to a subclass whose ``get_num_blocks_to_allocate`` remembers its last answer, so a
+  refused allocation's shortfall is known, and lowers the ``prefill_end`` keyword of a step's
+  count (not the admission count, ``apply_admission_cap``) to the end of a chunk the plugin cut
+  (``core/scheduler.py``); relied on: ``allocate_slots`` passes ``request_id`` and ``prefill_end``
+  by keyword, and ``MambaManager`` reserves an in-chunk prefill checkpoint block
+  (``num_prefill_checkpoint_blocks``) under sparse retention only for a chunk reaching
+  ``prefill_end``, while the worker's ``compute_mamba_prefill_checkpoints`` exports it from any
+  chunk whose end puts a block boundary inside it; ``allocate_slots``
+  asks it for the block count it compares with ``block_pool.get_num_free_blocks()`` (plus
+  ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
+  the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
+  a retained block's release frees it.
+* ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
+  to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
+  result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
+  ``SchedulerStats`` fields only), and ``SchedulerStats.num_kv_fetch_reqs_by_stage`` is a fresh
+  ``dict[str, int]`` per call whose stock readers (Prometheus and logging stat loggers) look up
+  only their own stage keys once this plugin's logger removed its entries (``metrics.py``).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import (
+    CircularBufferManager,
+    FullAttentionManager,
+    MambaManager,
+    SlidingWindowManager,
+)
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+__all__ = [
+    "AsyncScheduler",
+    "CircularBufferManager",
+    "FullAttentionManager",
+    "KVCacheBlock",
+    "KVCacheBlockCopy",
+    "KVCacheBlocks",
+    "KVCacheManager",
+    "MambaAttentionBackendEnum",
+    "MambaManager",
+    "Request",
+    "RequestStatus",
+    "Scheduler",
+    "SchedulerOutput",
+    "SlidingWindowManager",
+    "block_grid_hit",
+    "copy_kv_cache_blocks_inplace",
+    "request_blocks",
+    "sampled_token_ids",
+    "single_type_managers",
+    "watermark_blocks",
+]
+
+
+def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
+    """The tokens a step sampled for ``request_id`` (``ModelRunnerOutput.sampled_token_ids``, by
+    ``req_id_to_index``); empty when the step sampled none for it."""
+    index = model_runner_output.req_id_to_index.get(request_id)
+    rows = model_runner_output.sampled_token_ids
+    if index is None or not rows or index >= len(rows):
+        return []
+    return list(rows[index])
+
+
+def single_type_managers(kv_cache_manager) -> list:
+    """The per-KV-group managers of vLLM's coordinator, in group order."""
+    return list(kv_cache_manager.coordinator.single_type_managers)
+
+
+def request_blocks(kv_cache_manager, request_id: str) -> list[list]:
+    """Per KV group, the blocks vLLM's manager holds for ``request_id`` (``req_to_blocks``)."""
+    return [manager.req_to_blocks.get(request_id, []) for manager in single_type_managers(kv_cache_manager)]
+
+
+def watermark_blocks(kv_cache_manager) -> int:
+    """The free blocks vLLM keeps back when it admits a waiting request."""
+    return kv_cache_manager.watermark_blocks
+
+
+def block_grid_hit(kv_cache_manager, block_hashes, max_tokens: int) -> tuple[tuple[list, ...], int]:
+    """The hit vLLM's own prefix cache gives a prompt with ``block_hashes`` of at most ``max_tokens``
+    tokens, without taking it: ``(blocks per KV group, hit length)`` from the coordinator's
+    ``find_longest_cache_hit`` (a lookup with no side effect on the pool)."""
+    blocks, num_tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes, max_tokens)
+    return blocks, num_tokens

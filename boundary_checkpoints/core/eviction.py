@@ -1,0 +1,45 @@
+"""The checkpoint store's eviction order over retained bundles.
+
+Contract: :class:`LruEvictionPolicy` orders every bundle the store retains (``add`` on publication,
+``remove`` on drop): least recently published or restored first (``touch`` makes a bundle the most
+recent, ``demote`` the next victim of its class), and lasting bundles (``Checkpoint.lasting``)
+after every other one. It only orders: budget, protection and the release of blocks are the
+store's (``core/store.py``). The policy object is the seam for a cost-aware replacement.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from boundary_checkpoints.core.checkpoint import Checkpoint
+
+
+class LruEvictionPolicy:
+    """Least recently published or restored bundle first; lasting bundles after all others."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, Checkpoint] = OrderedDict()
+
+    def add(self, checkpoint: Checkpoint) -> None:
+        self._order[id(checkpoint)] = checkpoint
+
+    def touch(self, checkpoint: Checkpoint) -> None:
+        self._order.move_to_end(id(checkpoint))
+
+    def demote(self, checkpoint: Checkpoint) -> None:
+        """Make ``checkpoint`` the next victim of its class (lasting or not)."""
+        self._order.move_to_end(id(checkpoint), last=False)
+
+    def remove(self, checkpoint: Checkpoint) -> None:
+        self._order.pop(id(checkpoint), None)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def victim(self) -> Checkpoint | None:
+        return next(iter(self.in_order()), None)
+
+    def in_order(self) -> list[Checkpoint]:
+        """Every bundle, the next victim first."""
+        ordered = list(self._order.values())
+        return [c for c in ordered if not c.lasting] + [c for c in ordered if c.lasting]
