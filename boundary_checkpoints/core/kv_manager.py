@@ -58,7 +58,7 @@ def counting_coordinator_class(cls: Any) -> type:
     return _COUNTING_COORDINATORS[base]
 
 
-def _stock_class(cls: type) -> type:
+def _stock_class(cls: Any) -> Any:
     return cls.__base__ if cls in _COUNTING_COORDINATORS.values() else cls
 
 
