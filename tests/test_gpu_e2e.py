@@ -40,7 +40,10 @@ def run_policy(model_dir: Path, policy: str):
         gpu_memory_utilization=0.35,
         enable_prefix_caching=True,
         seed=0,
-        additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": policy}},
+        additional_config={
+            "gdn_prefill_backend": "triton",
+            "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step"},
+        },
     )
     config = llm.llm_engine.vllm_config
     block = config.cache_config.block_size

@@ -146,7 +146,8 @@ def engine(policy):
     kwargs = dict(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32",
                   max_model_len=case["max_model_len"], max_num_seqs=case["conversations"], gpu_memory_utilization=0.3,
                   enable_prefix_caching=True, seed=0, disable_log_stats=False,
-                  additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": policy}})
+                  additional_config={"gdn_prefill_backend": "triton",
+                                     "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step"}})
     if k:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
     kwargs.update(case.get("engine", {}))  # a dry run off the GPU host: a null drops the argument
@@ -424,7 +425,8 @@ try:
     LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=4096, max_num_seqs=4,
         gpu_memory_utilization=0.3, enable_prefix_caching=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": int(sys.argv[2])},
-        additional_config={"gdn_prefill_backend": "triton", "boundary_checkpoints": {"policy": "request_boundaries"}})
+        additional_config={"gdn_prefill_backend": "triton",
+                           "boundary_checkpoints": {"policy": "request_boundaries", "prompt_capture": "in_step"}})
 except Exception as exc:  # the plugin's BoundaryConfigError, possibly wrapped by vLLM's config validation
     print("REFUSED", type(exc).__name__, str(exc).replace(chr(10), " "))
 else:
