@@ -10,8 +10,9 @@ conversations share a ``--system``-token prefix; each of ``--turns`` turns adds 
 tokens; turns run one request at a time in a seeded order (so both schedulers see the same
 requests in the same order and nothing depends on timing), each answering 8 tokens. For each pool
 size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
-tokens fell below stock's for the same request. ``--without-grid-blocks`` runs the plugin with
-its bundles holding no block-grid hit (contract 7 of ``core/scheduler.py``): the comparison that
+tokens fell below stock's for the same request. ``--prompt-capture`` sets the plugin's
+``prompt_capture`` (default ``auto``). ``--without-grid-blocks`` runs the plugin with
+its bundles holding no block-grid hit (contract 7 of ``docs/design.md``): the comparison that
 shows what those blocks are for.
 
     .venv/bin/python benchmarks/superset_check.py --blocks 80,120,200,400 --seeds 6
@@ -36,7 +37,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     rng = random.Random(seed)
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
-        max_num_batched_tokens=256, max_model_len=4096,
+        max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
     )  # fmt: skip
     driver = Driver(scheduler, worker)
     system = tokens(rng, args.system)
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
+    parser.add_argument("--prompt-capture", default="auto", help="the plugin's prompt_capture (default auto)")
     parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
     args = parser.parse_args(argv)
