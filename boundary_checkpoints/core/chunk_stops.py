@@ -17,6 +17,7 @@ from boundary_checkpoints.core.boundaries import (
     prompt_boundary,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
+from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.kv_manager import count_cut_chunks
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -104,7 +105,7 @@ class ChunkStopMixin:
         instruction = self._instruction_target(request)
         if instruction is not None and start < instruction < start + num_new_tokens:
             key = self._key(request, instruction)
-            if key is not None and key not in self.checkpoint_store and not any(p.key == key for p in self._pending):
+            if key is not None and not self._kept_or_pending(key):
                 self._count_instruction("instruction_stops")
                 return instruction - start
         if not self._prompt_captures_on:
@@ -132,9 +133,13 @@ class ChunkStopMixin:
         resend = self._resends.get(request.request_id)
         if resend is None:
             key = self._key(request, request.num_prompt_tokens)
-            resend = key is not None and (key in self.checkpoint_store or any(p.key == key for p in self._pending))
+            resend = key is not None and self._kept_or_pending(key)
             self._resends[request.request_id] = resend
         return resend
+
+    def _kept_or_pending(self, key: CheckpointKey) -> bool:
+        """Whether a bundle with ``key`` is retained or its capture is pending."""
+        return key in self.checkpoint_store or any(p.key == key for p in self._pending)
 
     def _keeps_prompt_checkpoint(self, request: Request, start: int) -> bool:
         """Whether a prefill step from ``start`` that reaches the prompt checkpoint keeps it

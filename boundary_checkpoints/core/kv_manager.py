@@ -25,7 +25,7 @@ def counting_coordinator_class(cls: Any) -> type:
     last answer in ``last_num_blocks_to_allocate`` and, for a request whose chunk the plugin cut
     short of the prefill's end (``cut_prefill_ends``: request id -> the cut chunk's end, set by the
     scheduler for the ``schedule()`` in progress), counts that step's blocks as if the prefill
-    ended there; one class per coordinator type.
+    ended there; one class per (vLLM) coordinator type.
 
     Why the cut end: under vLLM's default sparse retention a recurrent group whose kernels export
     a block-boundary state from inside a chunk (KDA, Mamba2: ``num_prefill_checkpoint_blocks``)
@@ -34,9 +34,8 @@ def counting_coordinator_class(cls: Any) -> type:
     A prefill cut at ``P - 1`` would leave the state of the last block boundary, which stock
     caches for the next prompt sharing the prefix, unreserved (written into the null block): the
     cut chunk is the last one that can hold it, so it is the prefill's end for that count."""
-    base = _stock_class(cls)
-    if base not in _COUNTING_COORDINATORS:
-        count_blocks = base.get_num_blocks_to_allocate
+    if cls not in _COUNTING_COORDINATORS:
+        count_blocks = cls.get_num_blocks_to_allocate
 
         def get_num_blocks_to_allocate(self, *args, **kwargs):
             cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
@@ -46,20 +45,16 @@ def counting_coordinator_class(cls: Any) -> type:
             return self.last_num_blocks_to_allocate
 
         # Single inheritance with no new slots keeps the instance layout, so __class__ can change.
-        _COUNTING_COORDINATORS[base] = type(
-            f"Counting{base.__name__}",
-            (base,),
+        _COUNTING_COORDINATORS[cls] = type(
+            f"Counting{cls.__name__}",
+            (cls,),
             {
                 "get_num_blocks_to_allocate": get_num_blocks_to_allocate,
                 "last_num_blocks_to_allocate": None,
                 "cut_prefill_ends": MappingProxyType({}),
             },  # the scheduler sets its own dict
         )
-    return _COUNTING_COORDINATORS[base]
-
-
-def _stock_class(cls: Any) -> Any:
-    return cls.__base__ if cls in _COUNTING_COORDINATORS.values() else cls
+    return _COUNTING_COORDINATORS[cls]
 
 
 def count_cut_chunks(coordinator: Any) -> None:
