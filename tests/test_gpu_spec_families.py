@@ -404,18 +404,18 @@ def test_hybrid_family_boundaries(family, monkeypatch):
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
     info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,), decode_path=True)
     print(f"{family} setup: {info['request_boundaries']['setup']}")
+    report_decode_path(family, info, rows)
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
-    report_decode_path(family, info, rows)
 
 
 def test_glm5_next_boundaries_above_index_topk():
     info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS, decode_path=True)
     print(f"glm5_next setup: {info['request_boundaries']['setup']}")
     assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
+    report_decode_path("glm5_next", info, rows)
     check_plugin_run(info, rows, bounds, 0)
     check_corrupted_run(info, rows, bounds)
-    report_decode_path("glm5_next", info, rows)
 
 
 REFUSAL_SCRIPT = r"""

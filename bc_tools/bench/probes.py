@@ -90,8 +90,11 @@ class ProbeRow:
         return cls(prompt_len=int(data["prompt_len"]), **answers)
 
     def restored_pairs(self) -> list[tuple[str, Answer, Answer]]:
-        """(name, restored run, its cold control) for the two restores of the scenario."""
-        return [("resend", self.resend, self.producer), ("continuation", self.restored, self.cold)]
+        """(name, restored run, its cold control) for the two restores of the scenario. A
+        continuation's control is its decode-path control where that phase ran: the cold run that
+        computed ``[P - 1, committed)`` with the kernels its producer used, like with like."""
+        control = self.cold_decoded if self.cold_decoded is not None else self.cold
+        return [("resend", self.resend, self.producer), ("continuation", self.restored, control)]
 
 
 def position_deviation(a: LogprobRow, b: LogprobRow) -> float:

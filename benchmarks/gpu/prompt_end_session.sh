@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# One GPU command (run from the repository root on the H200 host, bundle parts in /tmp/gpu-parts,
-# results under /tmp/r): stock against the default prompt checkpoint at P, 8k-token fresh prompts
-# and next turns at 1 and 8 in flight, then a shared system prompt of 2000 and 200 tokens through
-# /v1/chat/completions (turn 1 only, 32 conversations at 8 in flight), all on one pair of servers.
+# GPU host, from the repository root, bundle parts in /tmp/gpu-parts, results under /tmp/r. Two
+# commands of under 10 minutes each, on one warm machine:
+#   prompt_end_session.sh turns  install; stock (:8100) and the default prompt checkpoint at P
+#                                (:8102) up at once; 8k-token fresh prompts and next turns at 1 and
+#                                8 in flight, 6 interleaved rounds
+#   prompt_end_session.sh chat   the same servers: a shared system prompt of 2000 and 200 tokens
+#                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
+#                                flight); then the servers stop and Kimi-Linear's GPU test runs
+stage=${1:?usage: prompt_end_session.sh turns|chat}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/r/pip.log 2>&1 || { tail /tmp/r/pip.log; exit 1; }
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn BC_RESULTS_DIR=/tmp/r
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gpu-host.txt; date -u >> /tmp/r/gpu-host.txt
-bash benchmarks/gpu/serve_pair.sh 300 || exit 1
 U="--url http://127.0.0.1:8100 --label aligned --url http://127.0.0.1:8102 --label end"
 L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102.log"
-bc-bench $U $L --model q -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
-  --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
-for S in 2000 200; do
-  timeout 100 bc-bench $U $L --model q --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 --in-flight 8 \
-    --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
-done
+case "$stage" in
+  turns)
+    bash benchmarks/gpu/serve_pair.sh 330 || exit 1
+    bc-bench $U $L --model q -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
+      --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
+    ;;
+  chat)
+    for S in 2000 200; do
+      timeout 100 bc-bench $U $L --model q --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 \
+        --in-flight 8 --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
+    done
+    for pid in $(cat /tmp/bc-servers.pids); do kill -- -"$pid" 2> /dev/null; done
+    sleep 15
+    nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
+    VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu_spec_families.py \
+      -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
+    ;;
+esac
