@@ -457,3 +457,23 @@ def test_kv_pool_bytes_reads_the_last_allotment():
            "(EngineCore pid=2569) INFO [gpu_worker.py:759] Available KV cache memory: 28.04 GiB\n")  # fmt: skip
     assert kv_pool_bytes(log) == int(28.04 * 2**30)
     assert kv_pool_bytes("no such line") is None
+
+
+def test_continuations_are_judged_against_decode_path_rounding_resends_are_not():
+    from bc_tools.bench.probes import calibrate, decode_path_pairs, probe_failures, reference_pairs
+
+    row = _probe_row(noise=0.0, first=0.08)  # every restore 0.08 off its cold control's first token
+    row.resend = _answer(row.producer.tokens, row.producer.logprobs, 144)  # an exact resend
+    assert decode_path_pairs([row]) == []
+    row.cold_decoded = _answer(row.cold.tokens, [{k: v + 0.08 for k, v in r.items()} for r in row.cold.logprobs])
+    assert decode_path_pairs([row]) == [(row.cold_decoded, row.cold)]
+    bounds = calibrate(reference_pairs([row]))  # cold vs cold only: the bf16 floor
+    continuation = calibrate(reference_pairs([row]) + decode_path_pairs([row]))
+    assert continuation.first_token > 0.08 > bounds.first_token
+    failures = probe_failures([row], bounds)
+    assert len(failures) == 1 and "continuation: first-token" in failures[0]
+    assert probe_failures([row], bounds, continuation) == []
+    row.resend = _answer(
+        row.restored.tokens, row.restored.logprobs, 144
+    )  # the same shift on a resend fails: its bounds know no decode rounding
+    assert [f for f in probe_failures([row], bounds, continuation) if "resend" in f]

@@ -90,11 +90,8 @@ class ProbeRow:
         return cls(prompt_len=int(data["prompt_len"]), **answers)
 
     def restored_pairs(self) -> list[tuple[str, Answer, Answer]]:
-        """(name, restored run, its cold control) for the two restores of the scenario. A
-        continuation's control is its decode-path control where that phase ran: the cold run that
-        computed ``[P - 1, committed)`` with the kernels its producer used, like with like."""
-        control = self.cold_decoded if self.cold_decoded is not None else self.cold
-        return [("resend", self.resend, self.producer), ("continuation", self.restored, control)]
+        """(name, restored run, its cold control) for the two restores of the scenario."""
+        return [("resend", self.resend, self.producer), ("continuation", self.restored, self.cold)]
 
 
 def position_deviation(a: LogprobRow, b: LogprobRow) -> float:
@@ -293,14 +290,25 @@ def mtp_reference_pairs(plugin: Sequence[ProbeRow], stock: Sequence[ProbeRow]) -
     return reference_pairs(plugin, stock) + [(a.producer, b.producer) for a, b in zip(plugin, stock, strict=True)]
 
 
-def probe_failures(rows: Sequence[ProbeRow], bounds: Bounds) -> list[str]:
+def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
+    """Each continuation's decode-path control against its cold control, where that phase ran:
+    two cold runs of one continuation whose only difference is the kernel path of
+    ``[P - 1, committed)`` (one token per step, as the producer ran it, against one prefill). A
+    restored continuation carries the producer's decode-kernel rounding, so these pairs are the
+    like-with-like reference for its first token; no restore is in either run."""
+    return [(row.cold_decoded, row.cold) for row in rows if row.cold_decoded is not None]
+
+
+def probe_failures(rows: Sequence[ProbeRow], bounds: Bounds, continuation_bounds: Bounds | None = None) -> list[str]:
     """Why a plugin run is not exact (empty when it is): counts, then per restore the state
-    criteria against ``bounds`` (from :func:`calibrate`)."""
+    criteria against ``bounds`` (from :func:`calibrate`); continuations against
+    ``continuation_bounds`` where given (calibrated with :func:`decode_path_pairs`)."""
     failures = []
     for row in rows:
         failures += count_failures(row)
         for name, run, cold in row.restored_pairs():
-            failures += state_failures(f"P={row.prompt_len} {name}", run, cold, bounds)
+            judged = continuation_bounds if name == "continuation" and continuation_bounds else bounds
+            failures += state_failures(f"P={row.prompt_len} {name}", run, cold, judged)
     return failures
 
 
