@@ -6,8 +6,9 @@
 #                                8 in flight, 6 interleaved rounds
 #   prompt_end_session.sh chat   the same servers: a shared system prompt of 2000 and 200 tokens
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
-#                                flight); then the servers stop and Kimi-Linear's GPU test runs
-stage=${1:?usage: prompt_end_session.sh turns|chat}
+#                                flight)
+#   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -27,6 +28,8 @@ case "$stage" in
       timeout 100 bc-bench $U $L --model q --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 \
         --in-flight 8 --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
     done
+    ;;
+  kimi)
     for pid in $(cat /tmp/bc-servers.pids); do kill -- -"$pid" 2> /dev/null; done
     sleep 15
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
