@@ -19,7 +19,8 @@ import pytest
 import torch
 from test_family_layouts import grouped
 
-from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind, first_window_page, plan_bundle
+from boundary_checkpoints.core.boundaries import plan_bundle
+from boundary_checkpoints.core.group_kinds import AttentionGroup, GroupKind, WindowGroup, first_window_page
 from boundary_checkpoints.core.layout import describe_layout
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -123,7 +124,7 @@ NULL = Block(0, is_null=True)
 
 
 def window_plan(n: int, blocks: list[Block], block: int = 4, window: int = 8):
-    geometry = GroupGeometry(GroupKind.WINDOW, block, 1, window)
+    geometry = WindowGroup(block, 1, window)
     return plan_bundle([geometry], [blocks], n, NULL)
 
 
@@ -164,5 +165,5 @@ def test_a_hole_in_the_window_plans_no_bundle(n):
 def test_a_window_wider_than_the_prefix_needs_every_page_like_attention():
     live = [Block(10 + i) for i in range(3)]
     window = window_plan(9, live, window=64)
-    attention = plan_bundle([GroupGeometry(GroupKind.ATTENTION, 4, 1)], [live], 9, NULL)
+    attention = plan_bundle([AttentionGroup(4, 1)], [live], 9, NULL)
     assert window == attention and window.shared[0] == tuple(live[:2]) and window.sources[0] == live[2]

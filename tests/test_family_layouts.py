@@ -17,7 +17,7 @@ import pytest
 import torch
 from shadow_engine import build_scheduler
 
-from boundary_checkpoints.core.boundaries import GroupKind
+from boundary_checkpoints.core.group_kinds import GroupKind
 from boundary_checkpoints.core.layout import (
     CPU_MAMBA2_REASON,
     describe_layout,

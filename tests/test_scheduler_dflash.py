@@ -38,7 +38,8 @@ from test_scheduler_spec import (
 
 from boundary_checkpoints.core import capture as capture_module
 from boundary_checkpoints.core import scheduler as scheduler_module
-from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE, GroupKind, first_window_page
+from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
+from boundary_checkpoints.core.group_kinds import GroupKind, first_window_page
 
 WINDOW_GROUP = 2  # index of the sliding-window draft group in LAYOUT
 MERGED = (("attention+draft", BLOCK), ("window", BLOCK), ("recurrent", BLOCK), ("recurrent", BLOCK))

@@ -19,7 +19,7 @@ from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request,
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 from boundary_checkpoints.core import layout
-from boundary_checkpoints.core.boundaries import GroupKind
+from boundary_checkpoints.core.group_kinds import GroupKind
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.settings import BoundaryConfigError
 
@@ -249,7 +249,8 @@ def test_plan_bundle_takes_the_ring_block_whole():
     """A ring group's bundle is its one block whatever N is; a request without one plans nothing."""
     from dataclasses import dataclass
 
-    from boundary_checkpoints.core.boundaries import GroupGeometry, plan_bundle
+    from boundary_checkpoints.core.boundaries import plan_bundle
+    from boundary_checkpoints.core.group_kinds import RecurrentGroup, RingGroup
 
     @dataclass(frozen=True)
     class Block:
@@ -257,7 +258,7 @@ def test_plan_bundle_takes_the_ring_block_whole():
         is_null: bool = False
 
     null = Block(0, is_null=True)
-    geometries = [GroupGeometry(GroupKind.RECURRENT, 16, 1), GroupGeometry(GroupKind.RING, KPOOL, 1)]
+    geometries = [RecurrentGroup(16, 1), RingGroup(KPOOL, 1)]
     for n in (1, 4, 17, 32):
         plan = plan_bundle(geometries, [[Block(1), Block(2), Block(3)], [Block(9)]], n, null)
         assert plan.sources == (Block(1 + (n - 1) // 16), Block(9)) and plan.shared[1] == ()

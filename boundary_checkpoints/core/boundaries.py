@@ -18,32 +18,13 @@ Boundaries (all exact token counts, no alignment):
   when async scheduling already had the last sampled token in flight; under speculative decoding
   see :func:`speculative_response_boundary` and :func:`in_flight_response_boundary`).
 
-A bundle at ``N`` is planned from a request's live block table (:func:`plan_bundle`):
-
-* attention group with page size ``B``: the ``N // B`` full pages are shared by reference (nothing
-  writes a full page again); when ``N % B != 0`` the page holding rows ``[N // B * B, N)`` is the
-  *tail*: it is copied to a private page (:attr:`BundlePlan.copies`) or adopted when its producer
-  has finished (no writer is left). Rows ``>= N`` of that page are never read by a consumer, which
-  writes its own rows into a copy-on-write page (vLLM's partial-hit path).
-* sliding-window group with page size ``B`` and window ``W`` (a DFlash drafter's sliding layers,
-  docs/notes/spec-decode.md §11.3): the next token at ``N`` attends rows ``[N - W + 1, N)``, so the
-  pages from ``f = max(0, N - W + 1) // B`` on are planned as for an attention group (full pages
-  shared, the tail copied or adopted) and the pages below ``f`` are listed as null blocks, which is
-  what vLLM gives a restored request there anyway. A null page at an index ``>= f`` (a *hole*: a
-  page vLLM already freed) means no bundle: a restore never hands out a window with a page missing.
-* recurrent group with block size ``B``: the producer's running state sits in block
-  ``(N - 1) // B`` right after the step that computed token ``N - 1``; it is copied to a private
-  block, or adopted at finish. The bundle lists null blocks before it, as vLLM's hits do.
-* ring group (the GLM-5.3-Flash indexer's tail ring, one block per request for its lifetime):
-  right after the step that computed token ``N - 1`` the request's only block holds the raw keys
-  of the pool in progress, tokens ``[N // kpool * kpool, N)``, at slots ``pos % slots`` (under
-  MTP the ring has lookahead slots, and no key the producer wrote past ``N - 1`` wraps onto
-  them: ``core/layout.py``, ``ring_span_at_boundary``); it is copied or adopted whole like the
-  recurrent state, and the bundle lists just that block. vLLM never restores this group (it is
-  not prefix-cacheable): the scheduler copies the bundle's block into the consumer's own ring.
-  Under speculative decoding the source is the running-state column of the producer's last step,
-  block ``(E - 1) // B`` with ``E`` that step's end *drafts included* (``state_end``), which may
-  lie past ``(N - 1) // B``; the bundle still lists it at ``(N - 1) // B``.
+A bundle at ``N`` is planned from a request's live block table (:func:`plan_bundle`): each KV
+group contributes what its kind plans (``core/group_kinds.py``): full attention pages shared, the
+partial tail page, the recurrent state or the indexer ring preserved (copied to a private block, or
+adopted when the producer has finished), null padding where vLLM's own hits have it. Under
+speculative decoding the recurrent source is the running-state column of the producer's last step,
+block ``(E - 1) // B`` with ``E`` that step's end *drafts included* (``state_end``), which may lie
+past ``(N - 1) // B``; the bundle still lists it at ``(N - 1) // B``.
 
 Speculative decoding (align mode, ``k`` draft tokens, :func:`speculative_response_boundary`): a
 verify step that starts at ``c`` with ``d`` drafts writes the recurrent state after ``c + 1 + t``
@@ -59,44 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 from boundary_checkpoints.core.checkpoint import BlockLike
+from boundary_checkpoints.core.group_kinds import GroupGeometry
 from boundary_checkpoints.core.kinds import CheckpointKind
 
 PROMPT = CheckpointKind.PROMPT
 RESPONSE = CheckpointKind.RESPONSE
 INSTRUCTION = CheckpointKind.INSTRUCTION
-
-
-class GroupKind(Enum):
-    ATTENTION = "attention"
-    WINDOW = "window"
-    RECURRENT = "recurrent"
-    RING = "ring"
-
-
-@dataclass(frozen=True)
-class GroupGeometry:
-    kind: GroupKind
-    block_size: int
-    page_bytes: int
-    window: int = 0  # WINDOW groups: the sliding window in tokens
-    pool: int = 0  # RING groups: the indexer's pool (index_kpool); block_size is the ring's slots
-
-    @property
-    def label(self) -> str:
-        """``kind/block`` (window groups: ``window/block w<window>``; ring groups ``ring/slots p<pool>``),
-        as the startup log line shows it."""
-        extra = f" w{self.window}" if self.window else f" p{self.pool}" if self.pool else ""
-        return f"{self.kind.value}/{self.block_size}{extra}"
-
-
-def first_window_page(num_tokens: int, block_size: int, window: int) -> int:
-    """Index of the first page a sliding-window group needs to resume at ``num_tokens``: the page
-    of row ``num_tokens - window + 1``, the oldest row the next token attends (vLLM's
-    ``SlidingWindowManager.get_num_skipped_tokens``); pages below it are never read again."""
-    return max(0, num_tokens - window + 1) // block_size
 
 
 def prompt_boundary(num_prompt_tokens: int) -> int:
@@ -215,24 +166,9 @@ def plan_bundle(
     shared: list[tuple[BlockLike, ...]] = []
     sources: list[BlockLike | None] = []
     for geometry, blocks in zip(geometries, request_blocks, strict=True):
-        size = geometry.block_size
-        if geometry.kind in (GroupKind.ATTENTION, GroupKind.WINDOW):
-            num_full = num_tokens // size
-            needed = num_full + (1 if num_tokens % size else 0)
-            first = first_window_page(num_tokens, size, geometry.window) if geometry.kind is GroupKind.WINDOW else 0
-            if len(blocks) < needed or any(block.is_null for block in blocks[first:needed]):
-                return None  # a page is missing where the next token reads (a hole)
-            shared.append((null_block,) * first + tuple(blocks[first:num_full]))
-            sources.append(blocks[num_full] if num_tokens % size else None)
-        elif geometry.kind is GroupKind.RING:
-            if not blocks or blocks[0].is_null:
-                return None
-            shared.append(())
-            sources.append(blocks[0])
-        else:
-            source_index = (state_end - 1) // size
-            if len(blocks) <= source_index or blocks[source_index].is_null:
-                return None
-            shared.append((null_block,) * ((num_tokens - 1) // size))
-            sources.append(blocks[source_index])
+        planned = geometry.bundle_blocks(blocks, num_tokens, null_block, state_end)
+        if planned is None:
+            return None
+        shared.append(planned[0])
+        sources.append(planned[1])
     return BundlePlan(num_tokens, tuple(shared), tuple(sources))

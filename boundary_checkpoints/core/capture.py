@@ -25,7 +25,6 @@ from boundary_checkpoints.core.boundaries import (
     PROMPT,
     RESPONSE,
     BundlePlan,
-    GroupKind,
     in_flight_response_boundary,
     plan_bundle,
     response_boundary,
@@ -302,7 +301,7 @@ class CaptureMixin:
                 continue
             for geometry, source, destination in zip(self._geometries, pending.plan.sources, pending.destinations):
                 if source is not None:
-                    pairs = in_step if geometry.kind is GroupKind.RECURRENT else after
+                    pairs = in_step if geometry.captured_in_forward else after
                     pairs.append((source.block_id, destination.block_id))
             pending.ready_seq = self._sched_seq
             self._block_pool.free_blocks(pending.plan.copy_sources())

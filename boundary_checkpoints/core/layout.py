@@ -50,7 +50,7 @@ from boundary_checkpoints.compat import (
     MambaManager,
     SlidingWindowManager,
 )
-from boundary_checkpoints.core.boundaries import GroupGeometry, GroupKind
+from boundary_checkpoints.core.group_kinds import AttentionGroup, GroupGeometry, RecurrentGroup, RingGroup, WindowGroup
 
 RING_REASON = (
     "GLM indexer tail ring ({layers} layers, {slots} slots, CircularBufferManager) {why}: vLLM gives a "
@@ -150,26 +150,26 @@ def describe_layout(
                     f"recurrent group keeps {manager.num_speculative_blocks} speculative state blocks "
                     f"for {num_spec_tokens} draft tokens"
                 )
-            geometries.append(GroupGeometry(GroupKind.RECURRENT, manager.block_size, page_bytes))
+            geometries.append(RecurrentGroup(manager.block_size, page_bytes))
         elif type(manager) is FullAttentionManager:
-            geometries.append(GroupGeometry(GroupKind.ATTENTION, manager.block_size, page_bytes))
+            geometries.append(AttentionGroup(manager.block_size, page_bytes))
         elif type(manager) is SlidingWindowManager:
             why = _window_reason(manager)
             if why:
                 window, layers = manager.sliding_window, len(group.layer_names)
                 reasons.append(WINDOW_REASON.format(window=window, layers=layers, why=why))
                 continue
-            geometries.append(GroupGeometry(GroupKind.WINDOW, manager.block_size, page_bytes, manager.sliding_window))
+            geometries.append(WindowGroup(manager.block_size, page_bytes, manager.sliding_window))
         elif isinstance(manager, CircularBufferManager):
             why = _ring_reason(manager.block_size, kpool, num_spec_tokens)
             if why:
                 reasons.append(RING_REASON.format(layers=len(group.layer_names), slots=manager.block_size, why=why))
                 continue
             assert kpool is not None  # _ring_reason names the missing pool size
-            geometries.append(GroupGeometry(GroupKind.RING, manager.block_size, page_bytes, pool=kpool))
+            geometries.append(RingGroup(manager.block_size, page_bytes, pool=kpool))
         else:
             reasons.append(f"KV cache group of type {type(manager).__name__} is not supported")
-    recurrent_sizes = {g.block_size for g in geometries if g.kind is GroupKind.RECURRENT}
+    recurrent_sizes = {g.block_size for g in geometries if g.is_recurrent}
     if not recurrent_sizes:
         reasons.append("no recurrent KV cache group")
     if num_spec_tokens and len(recurrent_sizes) > 1:

@@ -26,10 +26,7 @@ from boundary_checkpoints.compat import (
     request_blocks,
     single_type_managers,
 )
-from boundary_checkpoints.core.boundaries import (
-    RESPONSE,
-    GroupKind,
-)
+from boundary_checkpoints.core.boundaries import RESPONSE
 from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, StepRecord
 from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
@@ -79,7 +76,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         if not self.boundaries_active:
             return
         self._geometries = geometries
-        self._ring_groups = [g for g, geometry in enumerate(geometries) if geometry.kind is GroupKind.RING]
+        self._ring_groups = [g for g, geometry in enumerate(geometries) if geometry.is_ring]
         self._prompt_capture = decide_for(self.boundary_config, self.vllm_config)
         if self._ring_groups and IN_STEP in (self._prompt_capture.mode, self._prompt_capture.resend):
             ring = "an indexer tail ring is captured after its step"
@@ -115,7 +112,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         # Speculative decoding: per running request, its last scheduled step.
         self._last_steps: dict[str, StepRecord] = {}
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
-        self._state_block_size = next(g.block_size for g in geometries if g.kind is GroupKind.RECURRENT)
+        self._state_block_size = next(g.block_size for g in geometries if g.is_recurrent)
         self._last_stats_log = time.monotonic()
         reclass_instance(self.kv_cache_manager, PressureRelievingKVCacheManager)
         self._coordinator = self.kv_cache_manager.coordinator
