@@ -15,6 +15,7 @@ from prompts import words
 from bc_tools.fixtures.tiny_models import FIRST_PLAIN_ID, VOCAB_SIZE
 from boundary_checkpoints.core.chat_markers import chat_markers_for, learn_markers
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
+from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
 
@@ -190,7 +191,7 @@ def _target(markers, prompt, extra_args=None):
     """The scheduler's ``_instruction_target`` on a stub scheduler and request."""
     counts: dict[str, int] = {}
     stub = SimpleNamespace(
-        _instruction_targets={}, _instruction_counts=counts, _chat_markers=markers,
+        _ledgers=Ledgers(), _instruction_counts=counts, _chat_markers=markers,
         _count_instruction=lambda name: counts.__setitem__(name, counts.get(name, 0) + 1),
     )  # fmt: skip
     request = SimpleNamespace(

@@ -327,6 +327,7 @@ class Stream:
                 self.totals.stopped_early += len(t.expected) < t.request.max_tokens
         stats = self.scheduler.boundary_stats()
         assert stats["captures_pending"] == 0, stats
+        assert len(self.scheduler._ledgers) == 0, "a freed request left its ledger behind"
         self.totals.checkpoint_hits = stats["hits"]
         self.totals.evictions = stats["evictions"]
         self.totals.captures_dropped = stats["captures_dropped"]

@@ -351,6 +351,7 @@ class SpecStream:
         self.check()
         stats = self.scheduler.boundary_stats()
         assert stats["captures_pending"] == 0, stats
+        assert len(self.scheduler._ledgers) == 0, "a freed request left its ledger behind"
         retained = self.scheduler.checkpoint_store.retained_blocks
         assert self.pool.get_num_free_blocks() == self.free_before - retained, "block leak"
         self.tally()

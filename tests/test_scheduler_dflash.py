@@ -286,7 +286,7 @@ class WithoutDraftPagesScheduler(scheduler_module.BoundaryScheduler):
 
     def _get_local_prefix_cache_hit(self, request):
         blocks, num_hit, *rest = super()._get_local_prefix_cache_hit(request)
-        if request.request_id in self._restored_from:
+        if self._ledgers[request.request_id].restored_from is not None:
             groups = [list(group) for group in blocks.blocks]
             for g in (1, WINDOW_GROUP):
                 groups[g][:-1] = [self._block_pool.null_block] * (len(groups[g]) - 1)

@@ -33,19 +33,10 @@ from boundary_checkpoints.core.boundaries import (
 from boundary_checkpoints.core.checkpoint import LASTING_KINDS, Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
 from boundary_checkpoints.core.keys import CheckpointKey
+from boundary_checkpoints.core.ledger import StepRecord
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
-
-
-@dataclass
-class StepRecord:
-    """A request's last scheduled step under speculative decoding (contract 3)."""
-
-    end: int  # where it ends, drafts included (vLLM's optimistic count until ``previous`` returned)
-    drafts: int
-    seq: int  # its step number
-    previous: int | None  # the request's step before it (None: none since it was admitted or resumed)
 
 
 @dataclass
@@ -79,8 +70,9 @@ class CaptureMixin:
         drafts = output.scheduled_spec_decode_tokens
         for request_id in output.num_scheduled_tokens:
             end = self.requests[request_id].num_computed_tokens
-            previous = self._last_steps.get(request_id)
-            self._last_steps[request_id] = StepRecord(
+            ledger = self._ledgers[request_id]
+            previous = ledger.last_step
+            ledger.last_step = StepRecord(
                 end, len(drafts.get(request_id, ())), self._sched_seq, previous.seq if previous else None
             )
 
@@ -90,7 +82,8 @@ class CaptureMixin:
         and settle the response bundles that waited for this step's output (contract 3)."""
         seq = self._processed_seq
         for request_id, drafts in output.scheduled_spec_decode_tokens.items():
-            record = self._last_steps.get(request_id)
+            ledger = self._ledgers.get(request_id)
+            record = ledger.last_step if ledger is not None else None
             sampled = sampled_token_ids(model_runner_output, request_id)
             if record is not None and record.previous == seq and sampled:
                 record.end -= len(drafts) - (len(sampled) - 1)
@@ -120,7 +113,7 @@ class CaptureMixin:
         still in flight (``in_flight_response_boundary``, contract 3)."""
         if not self.num_spec_tokens:
             return response_boundary(request.num_computed_tokens, request.num_tokens), None, None
-        step = self._last_steps.get(request.request_id)
+        step = self._ledgers[request.request_id].last_step
         if step is None:
             return 0, None, None
         if step.seq > self._processed_seq:
@@ -148,7 +141,8 @@ class CaptureMixin:
             end = request.num_computed_tokens
             if end - num_scheduled >= request.num_prompt_tokens:
                 continue  # a step past the prompt ends at no prompt or instruction boundary
-            stopped = self._stopped_at.pop(request_id, None) == end  # the plugin's P - 1 stop
+            ledger = self._ledgers[request_id]
+            stopped, ledger.stopped_at = ledger.stopped_at == end, None  # the plugin's P - 1 stop
             if request_is_eligible(request):
                 instruction = self._instruction_target(request)
                 if instruction is not None and end == instruction:
@@ -278,7 +272,7 @@ class CaptureMixin:
             if pending.ready_seq is not None:
                 kept.append(pending)
                 continue
-            if pending.request_id in self._tainted:
+            if self._ledgers.is_tainted(pending.request_id):
                 self._discard(pending)
             else:
                 for source, destination in zip(pending.plan.sources, pending.destinations, strict=True):
@@ -317,12 +311,12 @@ class CaptureMixin:
         for pending in self._pending:
             if pending.ready_seq is None or pending.ready_seq > self._processed_seq:
                 still_pending.append(pending)
-            elif pending.request_id in self._tainted:
+            elif self._ledgers.is_tainted(pending.request_id):
                 self._discard(pending)
             else:
-                # The same object a restore may already hold in ``_restored_from`` (contract 6).
+                # The same object a restore may already hold as its ledger's ``restored_from`` (contract 6).
                 published = self.checkpoint_store.publish(pending.checkpoint)
-                source = self._restored_from.pop(pending.request_id, None) if pending.kind == RESPONSE else None
+                source = self._ledgers.take_restored_from(pending.request_id) if pending.kind == RESPONSE else None
                 own_prompts = [
                     c for c in self.checkpoint_store.checkpoints()
                     if c.kind == PROMPT and c.producer == pending.request_id
@@ -348,12 +342,11 @@ class CaptureMixin:
                         pending.key.num_tokens,
                     )
         self._pending = still_pending
-        live = {p.request_id for p in self._pending}
-        self._tainted &= live
+        self._ledgers.settle({p.request_id for p in self._pending})
 
     def _discard(self, pending: PendingCapture, dropped: bool = True) -> None:
         """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``."""
-        self._restored_from.pop(pending.request_id, None)
+        self._ledgers.take_restored_from(pending.request_id)  # no lineage to follow from it
         blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
         blocks += [b for group in pending.checkpoint.grid_blocks for b in group]
         blocks += [d for d in pending.destinations if d is not None]

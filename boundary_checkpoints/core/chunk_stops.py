@@ -46,8 +46,9 @@ class ChunkStopMixin:
         """The request's instruction boundary N_i (a valid explicit value, else the end of its leading
         system block by the chat template's markers), or None; validated and counted once."""
         request_id = request.request_id
-        if request_id in self._instruction_targets:
-            return self._instruction_targets[request_id]
+        ledger = self._ledgers[request_id]
+        if ledger.instruction_checked:
+            return ledger.instruction_target
         extra_args = request.sampling_params.extra_args if request.sampling_params is not None else None
         target, reason = instruction_boundary(extra_args, request.num_prompt_tokens)
         if reason:
@@ -65,7 +66,7 @@ class ChunkStopMixin:
                 self._count_instruction("instruction_from_template")
         if target is not None:
             self._count_instruction("instruction_requests")
-        self._instruction_targets[request_id] = target
+        ledger.instruction_checked, ledger.instruction_target = True, target
         return target
 
     def _count_instruction(self, name: str) -> None:
@@ -115,7 +116,7 @@ class ChunkStopMixin:
             return num_new_tokens
         if self._captures_in_step(request, start, start + num_new_tokens):
             return num_new_tokens
-        self._stopped_at[request.request_id] = stop  # counted once the step is scheduled
+        self._ledgers[request.request_id].stopped_at = stop  # counted once the step is scheduled
         return stop - start
 
     def _prompt_target(self, request: Request) -> int:
@@ -130,12 +131,11 @@ class ChunkStopMixin:
     def _is_resend(self, request: Request) -> bool:
         """Whether a bundle at this very prompt (``P``) is retained or pending when the request's
         prefill starts; decided once per request."""
-        resend = self._resends.get(request.request_id)
-        if resend is None:
+        ledger = self._ledgers[request.request_id]
+        if ledger.resend is None:
             key = self._key(request, request.num_prompt_tokens)
-            resend = key is not None and self._kept_or_pending(key)
-            self._resends[request.request_id] = resend
-        return resend
+            ledger.resend = key is not None and self._kept_or_pending(key)
+        return ledger.resend
 
     def _kept_or_pending(self, key: CheckpointKey) -> bool:
         """Whether a bundle with ``key`` is retained or its capture is pending."""

@@ -50,7 +50,8 @@ class RestoreMixin:
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
         # A longer bundle the next-token guard refused (MTP), classified once per request.
-        counting = request.request_id not in self._counted_requests
+        ledger = self._ledgers[request.request_id]
+        counting = not ledger.counted
         refused = self._guard_refusal(request, parents) if counting and self._next_token_guard else None
         if hit is None or hit.num_tokens <= num_hit:
             # A request that waits for room is looked up every step; classify its miss once (the
@@ -65,7 +66,7 @@ class RestoreMixin:
                         request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
                     )
                 self._count_lookup(request, None, reason, num_hit)
-            self._restored_from.pop(request.request_id, None)
+            ledger.restored_from = None
             return blocks, num_hit, shared_boundary, diverged
         if refused is not None and refused.num_tokens > hit.num_tokens:
             self.checkpoint_store.counters.draft_next_token_fallbacks += 1
@@ -81,7 +82,7 @@ class RestoreMixin:
                 request.all_token_ids[refused.num_tokens],
             )
         self._count_lookup(request, hit, None, num_hit)
-        self._restored_from[request.request_id] = hit
+        ledger.restored_from = hit
         pins = hit.distinct_blocks()
         self._block_pool.touch(pins)
         self._lookup_pins.extend(pins)
@@ -101,9 +102,10 @@ class RestoreMixin:
         self, request: Request, hit: Checkpoint | None, reason: MissReason | None, num_hit: int = 0
     ) -> None:
         """Count a request's first lookup as a hit, or as a miss with ``reason``."""
-        if request.request_id in self._counted_requests:
+        ledger = self._ledgers[request.request_id]
+        if ledger.counted:
             return
-        self._counted_requests.add(request.request_id)
+        ledger.counted = True
         self.checkpoint_store.record_lookup(hit, reason)
         if hit is not None and hit.kind == INSTRUCTION:
             self._count_instruction("instruction_hits")
@@ -122,7 +124,11 @@ class RestoreMixin:
         best: Checkpoint | None = None
         for pending in self._pending:
             num_tokens = pending.key.num_tokens
-            if pending.ready_seq is None or pending.in_flight is not None or pending.request_id in self._tainted:
+            if (
+                pending.ready_seq is None
+                or pending.in_flight is not None
+                or self._ledgers.is_tainted(pending.request_id)
+            ):
                 continue
             if num_tokens >= request.num_tokens:  # like the store lookup: at most num_tokens - 1
                 continue

@@ -27,7 +27,7 @@ from boundary_checkpoints.compat import (
     single_type_managers,
 )
 from boundary_checkpoints.core.boundaries import RESPONSE
-from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, StepRecord
+from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture
 from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
@@ -35,6 +35,7 @@ from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, stop_counting
 from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR
 from boundary_checkpoints.core.step_report import StepCounterReporter
@@ -87,7 +88,6 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
         p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
         self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
-        self._resends: dict[str, bool] = {}  # request id -> its prompt was seen before (prompt_capture end)
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
@@ -100,17 +100,11 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         # of at most max_model_len - 1 tokens.
         self._max_useful_tokens = self.vllm_config.model_config.max_model_len - 2
         self._lookup_pins: list[Any] = []
-        self._counted_requests: set[str] = set()
-        self._restored_from: dict[str, Checkpoint] = {}
-        self._tainted: set[str] = set()
-        self._instruction_targets: dict[str, int | None] = {}  # request id -> valid N_i or None
+        self._ledgers = Ledgers()  # per request: dropped in _free_request
         self._instruction_counts: dict[str, int] = {}
         self._chat_markers = chat_markers_for(self.boundary_config, self.vllm_config)  # contract 10
-        self._stopped_at: dict[str, int] = {}  # request id -> P - 1 where the plugin cut its next chunk
         self._sched_seq = 0
         self._processed_seq = 0
-        # Speculative decoding: per running request, its last scheduled step.
-        self._last_steps: dict[str, StepRecord] = {}
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.is_recurrent)
         self._last_stats_log = time.monotonic()
@@ -200,37 +194,31 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        request_id = request.request_id
         if self.boundaries_active:
-            self._counted_requests.discard(request.request_id)
-            self._instruction_targets.pop(request.request_id, None)
-            self._stopped_at.pop(request.request_id, None)
-            self._resends.pop(request.request_id, None)
-            if request.status not in _FINISHED_WITH_CHECKPOINT:
-                self._restored_from.pop(request.request_id, None)
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
                 num_tokens, state_end, in_flight = self._response_boundary(request)
                 if num_tokens:
                     self._plan_capture(
                         request, num_tokens, RESPONSE, adopt=True, state_end=state_end, in_flight=in_flight
                     )
-                if not any(p.request_id == request.request_id and p.kind == RESPONSE for p in self._pending):
-                    self._restored_from.pop(request.request_id, None)
             else:
                 if request.status == RequestStatus.FINISHED_ABORTED and request.num_output_tokens > 0:
                     self.checkpoint_store.counters.responses_aborted += 1
-                if any(p.request_id == request.request_id for p in self._pending):
-                    self._tainted.add(request.request_id)
+                if any(p.request_id == request_id for p in self._pending):
+                    self._ledgers[request_id].tainted = True
         result = super()._free_request(request, delay_free_blocks)
         if self.boundaries_active:
-            self._last_steps.pop(request.request_id, None)
+            self._ledgers.free(request_id, captures_pending=any(p.request_id == request_id for p in self._pending))
             self._publish_ready()
         return result
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
-        if self.boundaries_active and any(p.request_id == request.request_id for p in self._pending):
-            self._tainted.add(request.request_id)
         if self.boundaries_active:
-            self._last_steps.pop(request.request_id, None)
+            ledger = self._ledgers[request.request_id]
+            if any(p.request_id == request.request_id for p in self._pending):
+                ledger.tainted = True
+            ledger.last_step = None
         super()._preempt_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
@@ -244,8 +232,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
                 self._discard(pending)
             num_pending = len(self._pending)
             self._pending = []
-            self._tainted.clear()
-            self._restored_from.clear()
+            self._ledgers.forget_captures()
             dropped = self.checkpoint_store.clear()
             logger.info(
                 "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
