@@ -15,8 +15,9 @@
 #                                     tests/test_gpu_in_step.py; gpu-marked tests only)
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
 #                                     tiny families end to end (tests/test_gpu_spec_families.py only;
-#                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP, planted drafter:
-#                                     k = 1 passed, k = 3 crashed once in session 14) or -k "not mtp"
+#                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP: where vLLM's
+#                                     indexer needs uniform decode rows, the H200 among them, it checks the
+#                                     refusal, docs/notes/model-families.md §13) or -k "not mtp"
 #                                     to split it under the 10-minute command limit)
 #   bash scripts/gpu_host.sh run CMD [ARGS]  any command in this environment (bundle, package, results dir), e.g.
 #                                     run python3 benchmarks/step_profile.py ... (its docstring has the command)
@@ -30,7 +31,7 @@ mkdir -p "$out"
 source .gpu-bundle/install_on_host.sh || exit 1
 # A vLLM server that an earlier call's time limit cut (bc-bench starts each server in its own
 # session, which the device tool leaves running) holds GPU memory, and the next engine's memory
-# check then fails (session 17, run 47): stop any such leftover before this stage starts.
+# check then fails (docs/results/gpu-session17-h200.md): stop any such leftover before this stage starts.
 vllm_processes='vllm\.entrypoints|VLLM::EngineCore'
 leftover=$(pgrep -f "$vllm_processes" | tr '\n' ' ')
 if [[ -n "$leftover" ]]; then
