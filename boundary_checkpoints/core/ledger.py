@@ -45,6 +45,7 @@ class Ledgers:
 
     def __init__(self) -> None:
         self._by_request: dict[str, RequestLedger] = {}
+        self._unsettled: set[str] = set()  # tainted or freed: what :meth:`settle` looks at, no more
 
     def __getitem__(self, request_id: str) -> RequestLedger:
         ledger = self._by_request.get(request_id)
@@ -62,6 +63,11 @@ class Ledgers:
         ledger = self._by_request.get(request_id)
         return ledger is not None and ledger.tainted
 
+    def taint(self, request_id: str) -> None:
+        """The request's pending captures publish nothing (preempted, or freed unfinished)."""
+        self[request_id].tainted = True
+        self._unsettled.add(request_id)
+
     def take_restored_from(self, request_id: str) -> Checkpoint | None:
         """The checkpoint the request restored from, forgotten as it is returned."""
         ledger = self._by_request.get(request_id)
@@ -73,19 +79,26 @@ class Ledgers:
     def free(self, request_id: str, captures_pending: bool) -> None:
         """Drop a freed request's ledger, or with ``captures_pending`` keep what they read."""
         ledger = self._by_request.pop(request_id, None)
+        self._unsettled.discard(request_id)
         if ledger is not None and captures_pending:
             self._by_request[request_id] = RequestLedger(
                 restored_from=ledger.restored_from, tainted=ledger.tainted, freed=True
             )
+            self._unsettled.add(request_id)
 
     def settle(self, with_captures_pending: set[str]) -> None:
         """After publication: a request without pending captures is no longer tainted, and a freed
-        one's ledger is dropped."""
-        for request_id in [r for r in self._by_request if r not in with_captures_pending]:
-            if self._by_request[request_id].freed:
+        one's ledger is dropped. Looks only at tainted and freed ledgers: O(1) on a step where
+        none is."""
+        for request_id in [r for r in self._unsettled if r not in with_captures_pending]:
+            self._unsettled.discard(request_id)
+            ledger = self._by_request.get(request_id)
+            if ledger is None:
+                continue
+            if ledger.freed:
                 del self._by_request[request_id]
             else:
-                self._by_request[request_id].tainted = False
+                ledger.tainted = False
 
     def forget_captures(self) -> None:
         """Prefix-cache reset: every pending capture was dropped, and every restore's lineage."""

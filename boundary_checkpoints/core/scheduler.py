@@ -206,7 +206,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
                 if request.status == RequestStatus.FINISHED_ABORTED and request.num_output_tokens > 0:
                     self.checkpoint_store.counters.responses_aborted += 1
                 if any(p.request_id == request_id for p in self._pending):
-                    self._ledgers[request_id].tainted = True
+                    self._ledgers.taint(request_id)
         result = super()._free_request(request, delay_free_blocks)
         if self.boundaries_active:
             self._ledgers.free(request_id, captures_pending=any(p.request_id == request_id for p in self._pending))
@@ -215,10 +215,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         if self.boundaries_active:
-            ledger = self._ledgers[request.request_id]
             if any(p.request_id == request.request_id for p in self._pending):
-                ledger.tainted = True
-            ledger.last_step = None
+                self._ledgers.taint(request.request_id)
+            self._ledgers[request.request_id].last_step = None
         super()._preempt_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
