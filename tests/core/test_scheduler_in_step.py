@@ -12,9 +12,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from chunk_recorder import record_chunk_ends
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
-from test_scheduler_integration import record_chunk_ends
 
 BLOCK = 16
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from chunk_recorder import record_chunk_ends
 from shadow_engine import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.checkpoint import INSTRUCTION
@@ -34,17 +35,7 @@ class ChunkRecorder:
     """Wraps a Driver's scheduler output: records (request id, chunk end) of every step."""
 
     def __init__(self, driver: Driver) -> None:
-        self.ends: dict[str, list[int]] = {}
-        scheduler = driver.scheduler
-        schedule = scheduler.schedule
-
-        def recording_schedule(*args, **kwargs):
-            output = schedule(*args, **kwargs)
-            for request_id in output.num_scheduled_tokens:
-                self.ends.setdefault(request_id, []).append(scheduler.requests[request_id].num_computed_tokens)
-            return output
-
-        scheduler.schedule = recording_schedule  # instance attribute on the test's own scheduler
+        self.ends = record_chunk_ends(driver.scheduler)  # instance attribute on the test's own scheduler
 
 
 @pytest.mark.parametrize("lag", [0, 1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from chunk_recorder import record_chunk_ends
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, free_blocks, make_request, tokens
 
 BLOCK = 16
@@ -328,21 +329,6 @@ def test_resend_while_the_prompt_capture_step_is_in_flight_restores_the_prompt_b
     assert driver.cached_tokens[resend.request_id] == len(prompt) - 1
     assert list(resend.output_token_ids) == list(first.output_token_ids)
     assert worker.restored_reads >= 1
-
-
-def record_chunk_ends(scheduler) -> dict[str, list[int]]:
-    """Per request, its num_computed_tokens after each ``schedule()`` that scheduled it."""
-    chunk_ends: dict[str, list[int]] = {}
-    schedule = scheduler.schedule
-
-    def recording_schedule(*args, **kwargs):
-        output = schedule(*args, **kwargs)
-        for request_id in output.num_scheduled_tokens:
-            chunk_ends.setdefault(request_id, []).append(scheduler.requests[request_id].num_computed_tokens)
-        return output
-
-    scheduler.schedule = recording_schedule
-    return chunk_ends
 
 
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async-one-step-in-flight"])

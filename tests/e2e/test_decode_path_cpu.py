@@ -35,7 +35,7 @@ from __future__ import annotations
 import pytest
 from corrupt_restore import corrupted_pairs
 from decode_path_control import span_failures
-from engine_script import HELPERS_DIR, probe_rows, run_engine_script
+from engine_script import engine_fixture
 from results_out import save_json
 
 from bc_tools.bench.probes import ProbeRow, first_token_deviation
@@ -97,10 +97,8 @@ def deviations(rows: list[ProbeRow]) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), HELPERS_DIR, timeout=600)
-    rows = probe_rows(info, ("request_boundaries", "corrupt"))
+def report(info: dict, rows: dict) -> tuple[dict, dict]:
+    """Prints and saves each run's first-token deviations; the fixture's value is ``(info, rows)``."""
     table = {run: deviations(r) for run, r in rows.items()}
     for run, lines in table.items():
         print(f"{run}: " + "; ".join(
@@ -109,6 +107,9 @@ def runs(tiny_model_dir):
         ))  # fmt: skip
     save_json("cpu-engine-decode-path.json", {"first_token_deviations": table, **info})
     return info, rows
+
+
+runs = engine_fixture(SCRIPT, runs=("request_boundaries", "corrupt"), timeout=600, then=report)
 
 
 @pytest.mark.parametrize("run", ["request_boundaries", "corrupt"])

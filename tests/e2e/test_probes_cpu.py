@@ -17,16 +17,9 @@ from __future__ import annotations
 
 import pytest
 from corrupt_restore import corrupted_pairs
-from engine_script import HELPERS_DIR, probe_rows, run_engine_script
-from results_out import save_json
+from engine_script import calibrated, engine_fixture
 
-from bc_tools.bench.probes import (
-    calibrate,
-    count_failures,
-    probe_failures,
-    reference_pairs,
-    state_failures,
-)
+from bc_tools.bench.probes import count_failures, probe_failures, state_failures
 
 pytestmark = pytest.mark.slow
 
@@ -67,13 +60,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), HELPERS_DIR)
-    rows = probe_rows(info)
-    bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
-    save_json("cpu-engine-probes.json", {"bounds": bounds.as_dict(), **info})
-    return info, rows, bounds
+runs = engine_fixture(SCRIPT, then=calibrated("cpu-engine-probes.json"))
 
 
 def test_cpu_engine_probes_hit_exactly(runs):

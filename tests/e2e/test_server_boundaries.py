@@ -13,7 +13,6 @@ server's partial block-grid hits and from cold-vs-cold pairs. ``BC_RESULTS_DIR``
 
 from __future__ import annotations
 
-import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 from corrupt_restore import corrupted_pairs
 from prompts import token_ids
 from results_out import save_json
-from servers import BLOCK, resend_config, tiny_server
+from servers import BLOCK, corrupt_scheduler_args, resend_config, tiny_server
 
 from bc_tools.bench.client import complete
 from bc_tools.bench.probe_scenario import TOP_LOGPROBS
@@ -43,7 +42,6 @@ LENGTHS = [1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + 77, 3 * BLOCK]
 CONVERSATIONS = 8
 MAX_TOKENS = 24
 NEW_TOKENS = 40
-HELPERS_DIR = Path(__file__).resolve().parents[1] / "helpers"
 CORRUPT = "corrupt"  # the negative-control run: request_boundaries with the corrupting scheduler
 
 
@@ -67,11 +65,7 @@ def conversation(base_url: str, index: int, run: str) -> ProbeRow:
 
 def run_server(model_dir: Path, tmp_path_factory, run: str) -> list[ProbeRow]:
     policy = "request_boundaries" if run == CORRUPT else run
-    extra_args: list[str] = []
-    env = {}
-    if run == CORRUPT:  # the engine-core process imports the scheduler from tests/helpers/ (PYTHONPATH)
-        extra_args = ["--scheduler-cls", "corrupt_restore.CorruptScheduler"]  # CPU: no async scheduling
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS_DIR), os.environ.get("PYTHONPATH")]))
+    extra_args, env = corrupt_scheduler_args() if run == CORRUPT else ([], {})
     with tiny_server(model_dir, tmp_path_factory, f"server_boundaries_{run}", additional_config=resend_config(policy),
                      extra_args=extra_args, env=env) as server:  # fmt: skip
         with ThreadPoolExecutor(CONVERSATIONS) as pool:

@@ -15,13 +15,12 @@ default's cold extension vs the stop server's (a prefill split at ``P``).
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import pytest
 from prompts import token_ids
-from servers import BLOCK, tiny_server
+from servers import BLOCK, corrupt_scheduler_args, tiny_server
 
 from bc_tools.bench.client import complete
 from bc_tools.bench.probe_scenario import TOP_LOGPROBS
@@ -31,17 +30,13 @@ pytestmark = pytest.mark.slow
 
 LENGTHS = (300, 420, 600, 700)  # P and P + 1 inside one block: the held-back copy sees the decode step
 MAX_TOKENS = 8
-HELPERS_DIR = Path(__file__).resolve().parents[1] / "helpers"
 RUNS = ("default", "stop", "corrupt")
 
 
 def run_server(model_dir: Path, tmp_path_factory, run: str) -> list[dict[str, Answer]]:
     section = {"policy": "request_boundaries", **({"prompt_capture": "stop"} if run == "stop" else {})}
     config = {"boundary_checkpoints": section}
-    extra_args, env = [], {}
-    if run == "corrupt":  # the engine-core process imports the scheduler from tests/helpers/ (PYTHONPATH)
-        extra_args = ["--scheduler-cls", "corrupt_restore.CorruptScheduler"]  # CPU: no async scheduling
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HELPERS_DIR), os.environ.get("PYTHONPATH")]))
+    extra_args, env = corrupt_scheduler_args() if run == "corrupt" else ([], {})
     rows = []
     with tiny_server(model_dir, tmp_path_factory, f"server_prompt_end_{run}", additional_config=config,
                      extra_args=extra_args, env=env) as server:  # fmt: skip

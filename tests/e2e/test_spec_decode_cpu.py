@@ -29,9 +29,11 @@ at 64 (docs/notes/spec-decode.md, "CPU feasibility").
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
-from engine_script import HELPERS_DIR, probe_rows, run_engine_script
+from engine_script import engine_fixture
 from mtp_checks import check_acceptance
 from results_out import save_json
 
@@ -123,17 +125,20 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def mtp_model(tmp_path_factory) -> Path:
     from bc_tools.fixtures.tiny_models import make_tiny_model
 
-    model = make_tiny_model(tmp_path_factory.mktemp("mtp") / f"tiny_{FAMILY}", family=FAMILY)
-    info, _ = run_engine_script(SCRIPT, str(model), HELPERS_DIR, str(K), str(MAX_TOKENS), str(list(LENGTHS)))
-    rows = probe_rows(info)
+    return make_tiny_model(tmp_path_factory.mktemp("mtp") / f"tiny_{FAMILY}", family=FAMILY)
+
+
+def calibrated_mtp(info: dict, rows: dict):
     pairs = mtp_reference_pairs(rows["request_boundaries"], rows["aligned"])
     bounds = calibrate(pairs, reference_floor=PADDED_ROW_REFERENCE)
     save_json("cpu-mtp-probes.json", {"bounds": bounds.as_dict(), **info})
     return info, rows, bounds
+
+
+runs = engine_fixture(SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), model=mtp_model, then=calibrated_mtp)
 
 
 def response_boundary(prompt_len: int, answer: list[int]) -> int:

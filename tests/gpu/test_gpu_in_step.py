@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import pytest
 from corrupt_restore import corrupted_pairs
-from engine_script import HELPERS_DIR, probe_rows, run_engine_script
-from results_out import save_json
+from engine_script import calibrated, engine_fixture
 
-from bc_tools.bench.probes import calibrate, probe_failures, reference_pairs, state_failures
+from bc_tools.bench.probes import probe_failures, state_failures
 
 pytestmark = pytest.mark.gpu
 
@@ -81,13 +80,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_dir):
-    info, _ = run_engine_script(SCRIPT, str(tiny_model_dir), HELPERS_DIR, timeout=600)
-    rows = probe_rows(info, ("request_boundaries", "corrupt", "aligned"))
-    bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
-    save_json("gpu-in-step-probes.json", {"bounds": bounds.as_dict(), **info})
-    return info, rows, bounds
+runs = engine_fixture(
+    SCRIPT, runs=("request_boundaries", "corrupt", "aligned"), timeout=600, then=calibrated("gpu-in-step-probes.json")
+)
 
 
 def test_gpu_defaults_run_in_step(runs):

@@ -8,6 +8,11 @@ small client helpers the server tests share.
 * :func:`server_fixture`: a module-scoped fixture built on it, for modules with one server:
   ``server = server_fixture("server_e2e", additional_config=policy_config("request_boundaries"))``.
   The server is started once per module, on first use, and stopped after the module's last test.
+* :func:`corrupt_scheduler_args`: the arguments of a server whose engine core runs the corrupting
+  scheduler of ``corrupt_restore`` (the negative control of the probe tests).
+
+Engine tests (``vllm.LLM`` in a fresh process) have the same kind of factory:
+``engine_script.engine_fixture``.
 
 Each server logs to ``<tmp>/server<N>/<log_name>.log`` (``ServerProcess.log_path``).
 """
@@ -15,6 +20,7 @@ Each server logs to ``<tmp>/server<N>/<log_name>.log`` (``ServerProcess.log_path
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -22,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from engine_script import HELPERS_DIR
 
 from bc_tools.bench.client import chat
 from bc_tools.bench.server import RunningServer, ServerProcess
@@ -62,6 +69,15 @@ def server_fixture(log_name: str, *, name: str = "server", **server_kwargs):
             yield running
 
     return _server
+
+
+def corrupt_scheduler_args() -> tuple[list[str], dict[str, str]]:
+    """``extra_args`` and ``env`` of a server whose engine core runs
+    ``corrupt_restore.CorruptScheduler`` (the negative control that restores one token of state
+    off; CPU: no async scheduling). The engine-core process imports it from tests/helpers/, which
+    ``PYTHONPATH`` puts first."""
+    extra_args = ["--scheduler-cls", "corrupt_restore.CorruptScheduler"]
+    return extra_args, {"PYTHONPATH": os.pathsep.join(filter(None, [HELPERS_DIR, os.environ.get("PYTHONPATH")]))}
 
 
 def resend_config(policy: str, **settings) -> dict:
