@@ -3,7 +3,7 @@
 Contract
 --------
 Builds vLLM's real scheduler and KV cache manager twice over the shadow runner of
-``tests/shadow_engine.py`` (no model: the "forward" is a hash of the token prefix), once stock
+``tests/helpers/shadow_engine.py`` (no model: the "forward" is a hash of the token prefix), once stock
 (``policy: aligned``) and once with the plugin (``request_boundaries``), fills each with ``--running``
 requests of ``--prompt-len`` tokens, runs them until every one decodes, and then times
 ``schedule()`` plus ``update_from_output()`` (host time, the runner's time excluded) over
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 from shadow_engine import build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
 

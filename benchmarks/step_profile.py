@@ -66,7 +66,7 @@ per-layer cores.
 CPU (the package's tiny Qwen3-Next unless ``--model``; ``enforce_eager``, the ``uni`` executor,
 ``VLLM_CPU_KVCACHE_SPACE=1``; about 90 s on 2 cores): ``python benchmarks/step_profile.py --batch
 1,2 --repeat 2 --prompt-len 300 --out /tmp/sp.json --torch-profile /tmp/sp``
-(``tests/test_step_profile.py``).
+(``tests/tools/test_step_profile.py``).
 
 H200 (Qwen3-Next-80B dims at 24 layers, dummy weights, CUDA graphs, async scheduling), from the
 repository root once the bundle parts sit in /tmp/gpu-parts; three engine starts (about 1.5-3

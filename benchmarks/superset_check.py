@@ -3,7 +3,7 @@
 Contract
 --------
 Runs one multi-turn workload through vLLM's real scheduler and KV cache manager twice, over the
-shadow runner of ``tests/shadow_engine.py`` (no model; deterministic), once stock (``aligned``)
+shadow runner of ``tests/helpers/shadow_engine.py`` (no model; deterministic), once stock (``aligned``)
 and once with the plugin (``request_boundaries``), on a small pool (``--blocks`` blocks of 16
 tokens) so that retention competes with vLLM's own cached blocks. ``--conversations``
 conversations share a ``--system``-token prefix; each of ``--turns`` turns adds 20-120 user
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
 from shadow_engine import Driver, build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
 

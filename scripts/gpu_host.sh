@@ -11,10 +11,10 @@
 #   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark (bc-bench), stock vs plugin
 #   bash scripts/gpu_host.sh in_step  in-step prompt capture: the GDN split against the two-step stop on a
-#                                     real layer, and the probes with no P - 1 stop (tests/test_gdn_split.py,
-#                                     tests/test_gpu_in_step.py; gpu-marked tests only)
+#                                     real layer, and the probes with no P - 1 stop (tests/worker/test_gdn_split.py,
+#                                     tests/gpu/test_gpu_in_step.py; gpu-marked tests only)
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
-#                                     tiny families end to end (tests/test_gpu_spec_families.py only;
+#                                     tiny families end to end (tests/gpu/test_gpu_spec_families.py only;
 #                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP: where vLLM's
 #                                     indexer needs uniform decode rows, the H200 among them, it checks the
 #                                     refusal, docs/notes/model-families.md §13) or -k "not mtp"
@@ -22,7 +22,7 @@
 #   bash scripts/gpu_host.sh run CMD [ARGS]  any command in this environment (bundle, package, results dir), e.g.
 #                                     run python3 benchmarks/step_profile.py ... (its docstring has the command)
 #   bash scripts/gpu_host.sh dflash [PYTEST ARGS]  DFlash and DFlash2 (k = 3, full + sliding draft layers)
-#                                     end to end (tests/test_gpu_dflash.py only; -k dflash2 to split it)
+#                                     end to end (tests/gpu/test_gpu_dflash.py only; -k dflash2 to split it)
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
 stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|run|in_step|families|dflash}"
@@ -45,9 +45,9 @@ date -u >> "$out/gpu-host.txt"
 rc=0
 case "$stage" in
   probes)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
     python3 benchmarks/copy_kernel.py --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
-    python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_e2e.py 2>&1 | tee "$out/gpu-e2e.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -x tests/gpu/test_gpu_e2e.py 2>&1 | tee "$out/gpu-e2e.log" || rc=1
     ;;
   tests)
     shift
@@ -58,19 +58,19 @@ case "$stage" in
     python3 benchmarks/copy_kernel.py --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
     ;;
   kernel)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/worker/test_kernels.py 2>&1 | tee "$out/gpu-kernel-tests.log" || rc=1
     python3 benchmarks/copy_kernel.py --no-sweep --out "$out/gpu-copy-kernel.json" 2>&1 | tee "$out/gpu-copy-kernel.log" || rc=1
     ;;
   in_step)
-    python3 -m pytest -q -p no:cacheprovider -rA -s -m gpu tests/test_gdn_split.py tests/test_gpu_in_step.py 2>&1 | tee "$out/gpu-in-step.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -rA -s -m gpu tests/worker/test_gdn_split.py tests/gpu/test_gpu_in_step.py 2>&1 | tee "$out/gpu-in-step.log" || rc=1
     ;;
   families)
     shift
-    python3 -m pytest -q -p no:cacheprovider -rA -s tests/test_gpu_spec_families.py "$@" 2>&1 | tee "$out/gpu-spec-families.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_gpu_spec_families.py "$@" 2>&1 | tee "$out/gpu-spec-families.log" || rc=1
     ;;
   dflash)
     shift
-    python3 -m pytest -q -p no:cacheprovider -rA -s tests/test_gpu_dflash.py "$@" 2>&1 | tee "$out/gpu-dflash.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_gpu_dflash.py "$@" 2>&1 | tee "$out/gpu-dflash.log" || rc=1
     ;;
   bench)
     shift

@@ -1,7 +1,11 @@
 """Shared pytest set-up: offline, CPU-engine environment, the tiny hybrid model and the fixtures
-more than one test module uses. Helpers that are plain functions live in modules next to the tests
-(``servers``: the server-fixture factory; ``prompts``: prompts for the tiny vocabulary;
-``shadow_engine``, ``engine_script``, ``http_stub``, ...).
+more than one test module uses. The test modules sit in folders that mirror the package (``core/``,
+``worker/``, ``config/``, ``e2e/``, ``gpu/``, ``tools/``); helpers that are plain functions live in
+``helpers/``, on ``sys.path`` through pytest's ``pythonpath`` setting (pyproject.toml) and imported
+by bare name (``servers``: the server-fixture factory; ``prompts``: prompts for the tiny
+vocabulary; ``shadow_engine``, ``engine_script``, ``http_stub``, ...). Engine scripts and servers
+that import a helper in a child process put ``helpers/`` on their path themselves
+(``engine_script.HELPERS_DIR``).
 
 The environment is set at import time, before any test module imports vLLM, so that in-process
 engines and the servers the tests start (they inherit ``os.environ``) never reach the Hugging Face

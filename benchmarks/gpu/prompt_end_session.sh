@@ -33,7 +33,7 @@ case "$stage" in
     for pid in $(cat /tmp/bc-servers.pids); do kill -- -"$pid" 2> /dev/null; done
     sleep 15
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
-    VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/test_gpu_spec_families.py \
+    VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py \
       -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
     ;;
 esac

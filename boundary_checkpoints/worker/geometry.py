@@ -26,7 +26,7 @@ holds ``B/I`` rounds. For a position ``p`` with ``o = p % (B*S)``::
 This is the slot mapping of both model runners (V1 ``ComputeSlotMappingKernel`` in
 ``v1/worker/block_table.py``, V2 ``_compute_slot_mappings_kernel`` in ``v1/worker/gpu/block_table.py``),
 and counting a rank's positions below N gives vLLM's ``get_dcp_local_seq_lens``
-(``v1/attention/backends/utils.py``); tests/test_geometry.py checks all three against this module.
+(``v1/attention/backends/utils.py``); tests/worker/test_geometry.py checks all three against this module.
 Because I divides B, every page holds whole rounds, so a rank's rows are dense: its k-th position
 (k = 0, 1, ...) sits at ``block_index * B + row == k``. With S == 1 everything reduces to
 ``(p // B, p % B)`` whatever I is (vLLM ignores I then).

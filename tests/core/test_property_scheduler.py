@@ -1,0 +1,446 @@
+"""Property tests: random streams of scheduler operations against the shadow model.
+
+Hypothesis draws a block-pool configuration (and how prompt checkpoints are taken: in the step
+that computes the prompt, or by stopping at ``P - 1``) and a stream of operations -- add a fresh request,
+resend an earlier prompt (same or another salt), branch off an earlier prompt, send the next
+turn of a conversation, abort an unfinished request, run a few engine steps, reset the prefix
+cache with running requests (as POST /reset_prefix_cache, pause and sleep do) -- and plays it on
+vLLM's real scheduler with the plugin (sync, and async with one step in flight) against
+:class:`shadow_engine.ShadowWorker`. The pools are small, so preemptions and checkpoint
+evictions happen all the time.
+
+Invariants, checked after every operation and once every request has finished:
+
+* no :class:`~shadow_engine.ShadowMismatch`: every state or attention row a request reads
+  (restored ones included) equals the one recomputed from its own tokens;
+* restored == cold: every request's output tokens are (a prefix of, while it runs or when it
+  was aborted) the shadow model's greedy output computed from its prompt alone;
+* isolation: the cached tokens vLLM reports for a request never exceed the longest common
+  prefix of its prompt with the tokens of a request of the same salt added before it (so a
+  first request of a salt, or one of another salt, reports 0), nor ``P - 1``;
+* provenance: every retained checkpoint is ``P - 1`` of some prompt or the committed length of
+  a request that finished STOPPED or LENGTH_CAPPED (aborted producers publish nothing);
+* budget: the store never retains more blocks than ``max_retained_fraction`` of the pool;
+* no leak: once everything finished and the store is cleared, the pool has as many free
+  blocks as before the first request.
+
+Over each test (not per example) hits, restores, evictions, preemptions and dropped captures
+must all have happened, otherwise the stream is too tame to mean anything. Those invariants only
+bound cached tokens from above; ``test_boundaries_hit_exactly_on_a_roomy_pool`` checks from
+below that, without pressure, resends and next turns restore exactly at their boundaries.
+
+Size: a small default for CI. ``BC_PROPERTY_OPS=N`` runs at least ``N`` operations in total
+(half sync, half async) and prints the totals::
+
+    BC_PROPERTY_OPS=10000 .venv/bin/python -m pytest -q tests/core/test_property_scheduler.py -s
+
+``BC_PROPERTY_SEED`` replaces the fixed seed (the streams are reproducible for a given seed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import strategies as st
+from property_ops import (
+    Abort,
+    Branch,
+    Continue,
+    Fresh,
+    Resend,
+    Reset,
+    Steps,
+    common_prefix,
+    pick_tracked,
+    random_tokens,
+    reference_output,
+)
+from shadow_engine import Driver, build_scheduler, make_request
+
+pytestmark = pytest.mark.usefixtures("quiet_vllm")  # conftest: vLLM's INFO lines off
+
+BLOCK = 16
+SALTS = (None, "a", "b")
+MAX_PROMPT = 240  # a continuation chain stops growing here, so one request always fits the pool
+STEP_LIMIT = 3000  # steps to wait for requests to finish before calling the scheduler stuck
+
+SEED = int(os.environ.get("BC_PROPERTY_SEED", "20261129"))  # another seed explores other streams
+TARGET_OPS = int(os.environ.get("BC_PROPERTY_OPS", "0") or 0)
+MODES = {"sync": 0, "async": 1}  # name -> Driver lag (and async scheduling)
+if TARGET_OPS:
+    MIN_OPS, MAX_OPS = 30, 80
+    EXAMPLES = math.ceil(math.ceil(TARGET_OPS / len(MODES)) / MIN_OPS)
+else:
+    MIN_OPS, MAX_OPS = 5, 60
+    EXAMPLES = 100
+BOUNDARY_EXAMPLES = 300 if TARGET_OPS else 60
+
+
+prompt_lengths = st.one_of(st.integers(1, 70), st.sampled_from([1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65]))
+max_tokens = st.integers(1, 10)
+stops = st.one_of(st.none(), st.integers(0, 9))
+picks = st.integers(0, 1000)
+seeds = st.integers(0, 2**16)
+
+fresh = st.builds(Fresh, seeds, prompt_lengths, max_tokens, st.sampled_from(SALTS), stops)
+resend = st.builds(Resend, picks, max_tokens, st.one_of(st.just(False), st.sampled_from(SALTS)))
+branch = st.builds(Branch, picks, st.integers(1, 70), st.integers(0, 20), seeds, max_tokens)
+continuation = st.builds(Continue, picks, st.integers(0, 20), seeds, max_tokens, stops)
+abort = st.builds(Abort, picks)
+steps = st.builds(Steps, st.integers(1, 5))
+reset = st.builds(Reset)
+# one_of picks its branches uniformly: repeating one weights it.
+operations = st.one_of(
+    fresh, fresh, resend, resend, branch, continuation, continuation, abort, steps, steps, steps, reset
+)
+# Every stream starts with a fresh request, so that the other operations have something to use.
+streams = st.builds(
+    lambda first, rest: [first, *rest], fresh, st.lists(operations, min_size=MIN_OPS - 1, max_size=MAX_OPS - 1)
+)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_retained_fraction: float
+    reserve_full_prompt: bool  # False: admit on the first chunk, so prefills can preempt
+    prompt_capture: str = "in_step"  # or "stop" at P - 1 (BoundaryConfig.prompt_capture)
+    max_num_seqs: int = 4
+
+    @property
+    def max_prompt(self) -> int:
+        """Longest continuation prompt: its pages, states and capture copies must fit the pool."""
+        return min(MAX_PROMPT, (self.num_blocks - 8) * BLOCK - BLOCK)
+
+
+pool_configs = st.builds(
+    PoolConfig,
+    st.one_of(st.integers(20, 32), st.integers(33, 80)),  # small pools preempt, larger ones retain
+    st.sampled_from([32, 48, 64]),
+    st.sampled_from([0.25, 0.5, 1.0]),
+    st.booleans(),
+    st.sampled_from(["in_step", "stop"]),
+)
+
+
+# ---- playing a stream -------------------------------------------------------------------------
+@dataclass
+class Tracked:
+    request: object
+    prompt: list[int]
+    salt: str | None
+    expected: list[int]  # cold greedy output
+    earlier_same_salt: list[object]  # requests of the same salt added before this one
+    aborted: bool = False
+    checked_cached: bool = False
+
+
+@dataclass
+class Totals:
+    examples: int = 0
+    operations: int = 0
+    noops: int = 0
+    requests: int = 0
+    steps: int = 0
+    checkpoint_hits: int = 0
+    requests_with_cached_tokens: int = 0
+    restored_reads: int = 0
+    evictions: int = 0
+    preemptions: int = 0
+    captures_dropped: int = 0
+    aborts: int = 0
+    resets: int = 0
+    stopped_early: int = 0
+    prompt_stops: int = 0
+    prompt_captures_in_step: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: Totals) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class Stream:
+    """One scheduler + shadow worker playing one example's operations, checking as it goes."""
+
+    def __init__(self, model_dir, lag: int, config: PoolConfig) -> None:
+        self.scheduler, self.worker = build_scheduler(
+            model_dir,
+            num_blocks=config.num_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_retained_fraction=config.max_retained_fraction,
+            async_scheduling=bool(lag),
+            scheduler_reserve_full_isl=config.reserve_full_prompt,
+            prompt_capture=config.prompt_capture,
+        )
+        self.driver = Driver(self.scheduler, self.worker, lag=lag)
+        self.pool = self.scheduler.kv_cache_manager.block_pool
+        self.budget = int(self.pool.num_gpu_blocks * config.max_retained_fraction)
+        assert self.scheduler.checkpoint_store.max_blocks == self.budget
+        self.free_before = self.pool.get_num_free_blocks()
+        self.max_prompt = config.max_prompt
+        self.tracked: list[Tracked] = []
+        self.totals = Totals(examples=1)
+
+    # -- operations --
+    def apply(self, op) -> None:
+        handler = getattr(self, f"_op_{type(op).__name__.lower()}")
+        if handler(op) is False:
+            self.totals.noops += 1  # nothing left to abort, or a next turn too long for the pool
+        else:
+            self.totals.operations += 1
+        self.check()
+
+    def _add(self, prompt, salt, max_tokens, stop_at=None) -> None:
+        stop_ids: tuple[int, ...] = ()
+        if stop_at is not None:
+            plain = reference_output(prompt, max_tokens)
+            stop_ids = (plain[min(stop_at, len(plain) - 1)],)
+        request = make_request(prompt, max_tokens=max_tokens, salt=salt, stop_token_ids=list(stop_ids) or None)
+        earlier = [t.request for t in self.tracked if t.salt == salt]
+        expected = reference_output(prompt, max_tokens, stop_ids)
+        self.tracked.append(Tracked(request, list(prompt), salt, expected, earlier))
+        self.scheduler.add_request(request)
+        self.totals.requests += 1
+
+    def _op_fresh(self, op: Fresh) -> None:
+        self._add(random_tokens(op.seed, op.length), op.salt, op.max_tokens, op.stop_at)
+
+    def _op_resend(self, op: Resend):
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
+            return False
+        salt = original.salt if op.other_salt is False else op.other_salt
+        self._add(original.prompt, salt, op.max_tokens)
+
+    def _op_branch(self, op: Branch):
+        original = pick_tracked(self.tracked, op.which)
+        if original is None:
+            return False
+        prompt = original.prompt[: op.keep] + random_tokens(op.seed, op.extra)
+        self._add(prompt, original.salt, op.max_tokens)
+
+    def _op_continue(self, op: Continue):
+        previous = pick_tracked(self.tracked, op.which)
+        if previous is None:
+            return False
+        self._step_until(previous.request.is_finished)  # the client waits for the last turn
+        prompt = list(previous.request.all_token_ids) + random_tokens(op.seed, op.extra)
+        if len(prompt) > self.max_prompt:
+            return False
+        self._add(prompt, previous.salt, op.max_tokens, op.stop_at)
+
+    def _op_abort(self, op: Abort):
+        from vllm.v1.request import RequestStatus
+
+        live = [t for t in self.tracked if not t.request.is_finished()]
+        if not live:
+            return False
+        victim = live[op.which % len(live)]
+        victim.aborted = True
+        self.scheduler.finish_requests([victim.request.request_id], RequestStatus.FINISHED_ABORTED)
+        self.totals.aborts += 1
+
+    def _op_steps(self, op: Steps) -> None:
+        for _ in range(op.k):
+            self.driver.step()
+            self.totals.steps += 1
+
+    def _op_reset(self, op: Reset) -> None:
+        assert self.scheduler.reset_prefix_cache(reset_running_requests=True), "vLLM's reset failed"
+        assert len(self.scheduler.checkpoint_store) == 0 and not self.scheduler._pending
+        self.totals.resets += 1
+
+    def _step_until(self, done) -> None:
+        for _ in range(STEP_LIMIT):
+            if done():
+                return
+            self.driver.step()
+            self.totals.steps += 1
+        live = [(t.request.request_id, t.request.status) for t in self.tracked if not t.request.is_finished()]
+        raise AssertionError(f"requests did not finish: {live}")
+
+    # -- invariants --
+    def check(self) -> None:
+        stats = self.scheduler.boundary_stats()
+        assert self.scheduler.checkpoint_store.budgeted_blocks <= self.budget, stats
+        store = self.scheduler.checkpoint_store
+        bundles = store.checkpoints()
+        sizes = {block_id: size for c in bundles for block_id, size in c.block_bytes().items()}
+        assert (stats["checkpoints_retained"], stats["bytes_retained"]) == (len(bundles), sum(sizes.values())), stats
+        self.check_provenance()
+        for t in self.tracked:
+            rid = t.request.request_id
+            out = list(t.request.output_token_ids)
+            if t.request.is_finished() and not t.aborted:
+                assert out == t.expected, f"{rid}: output {out} != cold output {t.expected}"
+            else:
+                assert out == t.expected[: len(out)], f"{rid}: output {out} diverges from cold output {t.expected}"
+            if rid in self.driver.cached_tokens and not t.checked_cached:
+                t.checked_cached = True
+                cached = self.driver.cached_tokens[rid]
+                bound = max([common_prefix(t.prompt, r.all_token_ids) for r in t.earlier_same_salt], default=0)
+                bound = min(bound, len(t.prompt) - 1)
+                assert 0 <= cached <= bound, (
+                    f"{rid} (salt {t.salt!r}, prompt {len(t.prompt)}) reports {cached} cached tokens; "
+                    f"longest same-salt common prefix allows {bound}"
+                )
+                self.totals.requests_with_cached_tokens += cached > 0
+
+    def check_provenance(self) -> None:
+        """Every retained checkpoint is a boundary some request really reached: ``P - 1`` of a
+        prompt, or the committed length of a request that finished STOPPED or LENGTH_CAPPED (an
+        aborted producer publishes nothing)."""
+        from boundary_checkpoints.core.keys import make_key, root_discriminator
+
+        possible = set()
+        for t in self.tracked:
+            request, root = t.request, root_discriminator(t.salt, None)
+            candidates = [("prompt", len(t.prompt) - 1)]
+            if request.is_finished() and not t.aborted:
+                candidates += [("response", request.num_tokens - 1), ("response", request.num_tokens)]
+            for kind, n in candidates:
+                if n > 0:
+                    possible.add((kind, make_key(request.all_token_ids, n, request.block_hashes, BLOCK, root)))
+        for checkpoint in self.scheduler.checkpoint_store.checkpoints():
+            assert (checkpoint.kind, checkpoint.key) in possible, (
+                f"{checkpoint.kind} checkpoint at {checkpoint.num_tokens} tokens matches no boundary of a request"
+            )
+
+    def finish(self) -> None:
+        # Like vLLM's engine loop: keep stepping while the scheduler has requests, including
+        # finished ones whose ids the next SchedulerOutput still has to carry to the workers.
+        self._step_until(lambda: not self.scheduler.has_requests())
+        self.driver.drain()
+        self._step_until(lambda: not self.scheduler.has_requests())  # the drain may finish some
+        assert all(t.request.is_finished() for t in self.tracked)
+        self.check()
+        for t in self.tracked:
+            if not t.aborted and t.request.status.name == "FINISHED_STOPPED":
+                self.totals.stopped_early += len(t.expected) < t.request.max_tokens
+        stats = self.scheduler.boundary_stats()
+        assert stats["captures_pending"] == 0, stats
+        assert len(self.scheduler._ledgers) == 0, "a freed request left its ledger behind"
+        self.totals.checkpoint_hits = stats["hits"]
+        self.totals.evictions = stats["evictions"]
+        self.totals.captures_dropped = stats["captures_dropped"]
+        self.totals.prompt_stops = stats["prompt_stops"]
+        self.totals.prompt_captures_in_step = stats["prompt_captures_in_step"]
+        self.totals.restored_reads = self.worker.restored_reads
+        self.totals.preemptions = sum(t.request.num_preemptions for t in self.tracked)
+        assert not self.scheduler.requests, "finished requests still known to the scheduler"
+        self.scheduler.checkpoint_store.clear()
+        assert self.pool.get_num_free_blocks() == self.free_before, (
+            f"block leak: {self.pool.get_num_free_blocks()} free after clearing, {self.free_before} before"
+        )
+
+
+# ---- the tests --------------------------------------------------------------------------------
+def test_reference_output_honours_stops_and_max_tokens():
+    prompt = random_tokens(0, 20)
+    full = reference_output(prompt, 10)
+    assert len(full) == 10
+    assert reference_output(prompt, 3) == full[:3]
+    stop = full[4]
+    stopped = reference_output(prompt, 10, (stop,))
+    assert stopped == full[: full.index(stop) + 1]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_operation_streams_keep_every_contract(model_dir, mode):
+    lag = MODES[mode]
+    totals = Totals()
+    started = time.monotonic()
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @seed(SEED + lag)  # fixed streams per mode: reruns are reproducible, modes see different streams
+    @given(config=pool_configs, ops=streams)
+    def play(config, ops):
+        note(f"{mode}: {config}")
+        stream = Stream(model_dir, lag, config)
+        for op in ops:
+            stream.apply(op)
+        stream.finish()
+        totals.add(stream.totals)
+
+    play()
+    totals.seconds = time.monotonic() - started
+    print(f"\n[property {mode}] {totals}")
+    # The streams must have exercised what they claim to test.
+    assert totals.checkpoint_hits > 0 and totals.restored_reads > 0, totals
+    assert totals.requests_with_cached_tokens > 0, totals
+    assert totals.evictions > 0, totals
+    assert totals.preemptions > 0, totals
+    assert totals.aborts > 0 and totals.captures_dropped > 0, totals
+    assert totals.resets > 0, totals
+    assert totals.stopped_early > 0, totals
+    assert totals.prompt_stops > 0 and totals.prompt_captures_in_step > 0, totals  # both capture modes ran
+    if TARGET_OPS:
+        assert totals.operations >= math.ceil(TARGET_OPS / len(MODES)), totals
+
+
+@settings(max_examples=BOUNDARY_EXAMPLES, deadline=None, database=None, print_blob=True)
+@seed(SEED)
+@given(
+    length=prompt_lengths,
+    max_tokens=max_tokens,
+    stop_at=stops,
+    extra=st.integers(0, 20),
+    salt=st.sampled_from(SALTS),
+    lag=st.sampled_from([0, 1]),
+    token_seed=seeds,
+    prompt_capture=st.sampled_from(["in_step", "stop"]),
+)
+def test_boundaries_hit_exactly_on_a_roomy_pool(
+    model_dir, length, max_tokens, stop_at, extra, salt, lag, token_seed, prompt_capture
+):
+    """Without pressure nothing is lost: an exact resend restores ``P - 1`` tokens and each next
+    turn restores at least the committed length of the turn before (the streams above only bound
+    cached tokens from above; this catches captures that silently go missing)."""
+    stream = Stream(model_dir, lag, PoolConfig(256, 64, 0.5, reserve_full_prompt=True, prompt_capture=prompt_capture))
+
+    def turn(op, drain: bool = True) -> Tracked:
+        """One request at a time, like a client: send it and wait for its last token. With
+        ``drain`` also let the engine return the step still in flight (async); without it the
+        next request is looked up before that step returned, while the turn's response bundle
+        is still pending, and must restore it all the same (scheduler contract 6)."""
+        stream.apply(op)
+        stream._step_until(stream.tracked[-1].request.is_finished)
+        if drain:
+            stream.driver.drain()
+        return stream.tracked[-1]
+
+    def floor(previous: Tracked, extra: int) -> int:
+        """Least a next turn (``extra`` new tokens) of ``previous`` must restore."""
+        committed = len(previous.prompt) + len(previous.expected) - 1  # tokens whose state it computed
+        # Under async scheduling the response checkpoint may include the last sampled token (its
+        # step was in flight), which a next turn without new tokens cannot use: the prompt one remains.
+        return committed if extra or not lag else len(previous.prompt) - 1
+
+    first = turn(Fresh(token_seed, length, max_tokens, salt, stop_at))
+    resend = turn(Resend(0, max_tokens))  # a branch: it must not drop the first turn's bundles
+    next_turn = turn(Continue(0, extra, token_seed + 1, max_tokens, stop_at), drain=False)
+    third = turn(Continue(2, extra, token_seed + 2, max_tokens, None))  # arrives before the drain
+    cold = turn(Resend(3, max_tokens, other_salt="cold"))  # the same third turn, computed cold
+    stream.finish()
+
+    cached = stream.driver.cached_tokens
+    assert cached[first.request.request_id] == 0
+    assert cached[resend.request.request_id] == length - 1
+    assert floor(first, extra) <= cached[next_turn.request.request_id] <= len(next_turn.prompt) - 1
+    assert floor(next_turn, extra) <= cached[third.request.request_id] <= len(third.prompt) - 1
+    assert cached[cold.request.request_id] == 0
+    assert list(third.request.output_token_ids) == list(cold.request.output_token_ids) == third.expected

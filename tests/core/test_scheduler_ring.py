@@ -1,0 +1,267 @@
+"""The GLM indexer tail ring on vLLM's real scheduler (CPU, shadow runner): a KV cache layout with
+an attention group, two recurrent groups and a ``CircularBufferSpec`` ring group of ``kpool``
+slots (``core/scheduler.py`` contract 11).
+
+The shadow worker keeps, per ring block, the tokens of the pool in progress, and refuses a step that
+starts off the pool grid unless it is one token that finds exactly those tokens in its ring
+(``tests/helpers/shadow_engine.py``). So every boundary restore below, at ``N`` on or off the grid, passes
+only if the capture copied the producer's ring at ``N``, the restore copied it into the consumer's
+own fresh ring block, and the consumer's steps stayed one token until the next pool boundary. The
+negative controls take each of the two away and see the shadow worker object.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from spec_shadow import SpecDriver, SpecShadowWorker
+
+from boundary_checkpoints.core import layout
+from boundary_checkpoints.core.group_kinds import GroupKind
+from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.settings import BoundaryConfigError
+
+KPOOL = 4
+RING = 3  # the ring group's index: attention, two recurrent groups, ring
+
+
+def ring_scheduler(model_dir, **kwargs):
+    kwargs = dict(ring_kpool=KPOOL, max_num_batched_tokens=64, max_model_len=1024, **kwargs)
+    return build_scheduler(model_dir, **kwargs)
+
+
+def recorded_steps(scheduler) -> list:
+    """Every ``SchedulerOutput`` the scheduler returns, in order."""
+    outputs = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        outputs.append(schedule(*args, **kwargs))
+        return outputs[-1]
+
+    scheduler.schedule = recording_schedule
+    return outputs
+
+
+def test_layout_is_accepted_with_the_pool_size(model_dir):
+    scheduler, _ = ring_scheduler(model_dir)
+    assert scheduler.boundaries_active
+    kinds = [GroupKind.ATTENTION, GroupKind.RECURRENT, GroupKind.RECURRENT, GroupKind.RING]
+    assert [g.kind for g in scheduler._geometries] == kinds
+    assert scheduler._kpool == KPOOL
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag):
+    scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag))
+    driver = Driver(scheduler, worker, lag=lag)
+    # P - 1 and P + answer on and off the grid of 4; without drafts every next turn restores its
+    # exact response boundary
+    restore_rounds(driver, random.Random(lag), (5, 8, 15, 16, 17, 30, 45), new_tokens=23, exact_response=True)
+    assert worker.restored_reads > 0
+
+
+def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir):
+    """Prompt of 18: capture at P - 1 = 17 (off the grid) copies the producer's ring block in the
+    step that copies its recurrent state; the resend's admitting step copies that bundle block into
+    the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
+    copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
+    restores at the committed length 25 (18 + 8 - 1) and steps 1, 1, 1 token to the pool boundary
+    28; from there vLLM's block-aligned split (block 16) runs to 32, the plugin stops at P - 1 = 37
+    and the last prompt token runs alone."""
+    scheduler, worker = ring_scheduler(model_dir)
+    outputs = recorded_steps(scheduler)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(3)
+    prompt = tokens(rng, 18)
+    producer = make_request(prompt, salt="s")
+    [answer] = driver.run([producer])
+    captures = [getattr(o, "boundary_capture_copies", None) for o in outputs]
+    [capture] = [c for c in captures if c]
+    assert len(capture) == 4  # in group order: the attention tail page, two recurrent states, the ring
+    ring_capture = capture[RING]
+    resend = make_request(prompt, salt="s")
+    scheduler.add_request(resend)
+    driver.step()
+    admitted = outputs[-1]
+    ring_block = scheduler.kv_cache_manager.coordinator.single_type_managers[RING].req_to_blocks[resend.request_id][0]
+    ring_copies = [c for c in admitted.kv_cache_block_copies or () if c.dst_block_id == ring_block.block_id]
+    assert [(c.src_block_id, c.dst_block_id) for c in ring_copies] == [(ring_capture[1], ring_block.block_id)]
+    driver.finish([resend])
+
+    follow_up = prompt + answer + tokens(rng, 12)
+    nxt = make_request(follow_up, salt="s")
+    first = len(outputs)
+    driver.run([nxt])
+    steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
+    steps = [step for step in steps if step]
+    n = len(prompt) + len(answer) - 1
+    assert driver.cached_tokens[nxt.request_id] == n == 25
+    assert len(follow_up) == 38 and steps[:6] == [1, 1, 1, 4, 5, 1]
+
+
+def test_without_the_ring_copy_a_restore_off_the_grid_reads_a_fresh_ring(model_dir, monkeypatch):
+    scheduler, worker = ring_scheduler(model_dir)
+    monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(5), 18)
+    driver.run([make_request(prompt, salt="s")])
+    with pytest.raises(ShadowMismatch, match="ring group 3 at 17 is wrong"):
+        driver.run([make_request(prompt, salt="s")])
+
+
+def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_dir, monkeypatch):
+    scheduler, worker = ring_scheduler(model_dir)
+    monkeypatch.setattr(scheduler, "_kpool", None)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(6)
+    prompt = tokens(rng, 18)
+    [answer] = driver.run([make_request(prompt, salt="s")])
+    with pytest.raises(ShadowMismatch, match="step starts off the pool grid at 25"):
+        driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
+
+
+def test_a_ring_of_another_size_is_not_restorable(model_dir):
+    """A ring of more slots than vLLM sizes without speculation falls back, naming why."""
+    scheduler, _ = build_scheduler(model_dir, ring_kpool=KPOOL, ring_slots=2 * KPOOL, policy="auto")
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    _, reasons = describe_layout(scheduler.kv_cache_config, managers, kpool=KPOOL)
+    assert not scheduler.boundaries_active
+    assert reasons == [
+        "GLM indexer tail ring (1 layers, 8 slots, CircularBufferManager) is not the ring of 4 slots vLLM sizes for "
+        "a pool of 4 tokens and 0 draft tokens: vLLM gives a restored request a fresh ring, so a restore off the "
+        "kpool grid would compress its open pool from keys it never wrote (docs/notes/model-families.md 6.1-6.2)"
+    ]
+
+
+# ---- under MTP: the lookahead ring (docs/notes/model-families.md §10) ---------------------------
+SLOTS = 8  # vLLM's ring for a pool of 4 at k = 1..3: 4 * next_pow2(cdiv(4 + k, 4))
+
+
+def spec_ring_engine(model_dir, k: int, accept, async_scheduling: bool = False, slots: int = SLOTS):
+    scheduler, worker = ring_scheduler(
+        model_dir, ring_slots=slots, num_speculative_tokens=k, worker_cls=SpecShadowWorker,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    worker.num_spec, worker.accept, worker.async_scheduling, worker.kpool = k, accept, async_scheduling, KPOOL
+    return scheduler, worker, SpecDriver(scheduler, worker, lag=int(async_scheduling))
+
+
+ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
+    "none": lambda k: lambda r, s: 0, "all": lambda k: lambda r, s: k, "cycle": lambda k: lambda r, s: s % (k + 1),
+}  # fmt: skip
+
+
+def restore_rounds(
+    driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, exact_response: bool = False
+) -> None:
+    """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn of
+    ``new_tokens`` more (restored at the response boundary when one was kept, or every time with
+    ``exact_response``), each answering as a cold run."""
+    for length in lengths:
+        prompt = tokens(rng, length)
+        [answer] = driver.run([make_request(prompt, salt="s")])
+        resend = make_request(prompt, salt="s")
+        assert driver.run([resend]) == [answer]
+        assert driver.cached_tokens[resend.request_id] == length - 1
+        follow_up = prompt + answer + tokens(rng, new_tokens)
+        nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
+        assert driver.run([nxt]) == driver.run([cold])
+        if exact_response:
+            assert driver.cached_tokens[nxt.request_id] == length + len(answer) - 1
+        else:
+            assert driver.cached_tokens[nxt.request_id] >= length - 1
+        assert driver.cached_tokens[cold.request_id] == 0
+
+
+def test_lookahead_ring_is_accepted_with_the_model_pool(model_dir):
+    """Under MTP the ring group has the lookahead slots and the pool grid is the model's kpool."""
+    scheduler, _, _ = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    assert scheduler.boundaries_active
+    ring = scheduler._geometries[RING]
+    assert (ring.kind, ring.block_size, ring.pool, ring.label) == (GroupKind.RING, SLOTS, KPOOL, "ring/8 p4")
+    assert scheduler._kpool == KPOOL
+
+
+@pytest.mark.parametrize("accept", sorted(ACCEPT))
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_lookahead_ring_restores_exactly_under_mtp(model_dir, k, accept):
+    """Prompt and response bundles restore both rings (the target's and the MTP layer's) exactly:
+    every decode step that completes a pool open at a restore reads the committed keys.
+    Synchronous scheduling only: the async shadow (``spec_shadow.py``) does not model a request
+    whose first step is scheduled with draft placeholders, which these resends are."""
+    _, worker, driver = spec_ring_engine(model_dir, k, ACCEPT[accept](k))
+    restore_rounds(driver, random.Random(10 * k))
+    assert worker.ring_reads > 0
+
+
+def test_under_mtp_without_the_ring_copy_a_restore_reads_a_fresh_ring(model_dir, monkeypatch):
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
+    with pytest.raises(ShadowMismatch, match=r"ring group 3 at 18 is wrong \(position 16\)"):
+        restore_rounds(driver, random.Random(5), lengths=(18,))  # the resend's first verify step reads 16, 17
+
+
+def first_steps_after_prompt_restore(scheduler, driver, rng) -> list[int]:
+    """Step sizes of a longer prompt that restores at its producer's ``P - 1`` = 17."""
+    outputs = recorded_steps(scheduler)
+    prompt = tokens(rng, 18)
+    driver.run([make_request(prompt, salt="s")])
+    longer = make_request(prompt + tokens(rng, 30), salt="s")
+    first = len(outputs)
+    driver.run([longer])
+    assert driver.cached_tokens[longer.request_id] == 17
+    return [s for s in (o.num_scheduled_tokens.get(longer.request_id) for o in outputs[first:]) if s][:8]
+
+
+def test_under_mtp_the_pool_grid_is_the_model_pool_not_the_ring(model_dir, monkeypatch):
+    """From 17 the consumer steps one token at a time to the pool boundary 20 and then prefills; a
+    scheduler that took the pool from the ring's 8 slots would step one token at a time to 24."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    steps = first_steps_after_prompt_restore(scheduler, driver, random.Random(8))
+    assert steps[:3] == [1, 1, 1] and steps[3] > 1
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    monkeypatch.setattr(scheduler, "_kpool", SLOTS)
+    assert first_steps_after_prompt_restore(scheduler, driver, random.Random(8))[:7] == [1] * 7
+
+
+def test_under_mtp_a_pool_sized_ring_is_refused(model_dir):
+    """A ring of one pool under MTP is not the ring vLLM sizes: ``request_boundaries`` refuses."""
+    with pytest.raises(BoundaryConfigError, match="is not the ring of 8 slots vLLM sizes for a pool of 4 tokens and 3"):
+        spec_ring_engine(model_dir, 3, ACCEPT["all"](3), slots=KPOOL)
+
+
+def test_the_drafter_passes_overrun_the_lookahead_ring_at_k4(model_dir, monkeypatch):
+    """At k = 4 vLLM's ring of 8 slots holds the pool and the verify step's drafts, but the MTP
+    drafter's 3 later passes wrap onto the open pool: the plugin refuses, and with the span rule
+    taken away (counting the verify step's drafts only) the shadow sees a clobbered key."""
+    with pytest.raises(BoundaryConfigError, match="of 8 slots cannot hold the 10 positions"):
+        spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
+    monkeypatch.setattr(layout, "ring_span_at_boundary", lambda kpool, k: kpool - 1 + k)
+    _, _, driver = spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
+    with pytest.raises(ShadowMismatch, match="ring group 3 at .* is wrong"):
+        restore_rounds(driver, random.Random(4), lengths=(5, 8, 15, 17, 22, 30, 31, 33))
+
+
+def test_plan_bundle_takes_the_ring_block_whole():
+    """A ring group's bundle is its one block whatever N is; a request without one plans nothing."""
+    from dataclasses import dataclass
+
+    from boundary_checkpoints.core.boundaries import plan_bundle
+    from boundary_checkpoints.core.group_kinds import RecurrentGroup, RingGroup
+
+    @dataclass(frozen=True)
+    class Block:
+        block_id: int
+        is_null: bool = False
+
+    null = Block(0, is_null=True)
+    geometries = [RecurrentGroup(16, 1), RingGroup(KPOOL, 1)]
+    for n in (1, 4, 17, 32):
+        plan = plan_bundle(geometries, [[Block(1), Block(2), Block(3)], [Block(9)]], n, null)
+        assert plan.sources == (Block(1 + (n - 1) // 16), Block(9)) and plan.shared[1] == ()
+        assert plan.group_blocks([Block(20), Block(21)])[1] == (Block(21),)
+    assert plan_bundle(geometries, [[Block(1)], []], 3, null) is None
+    assert plan_bundle(geometries, [[Block(1)], [null]], 3, null) is None
