@@ -20,7 +20,7 @@ L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102
 case "$stage" in
   turns)
     bash benchmarks/gpu/serve_pair.sh 330 || exit 1
-    bc-bench $U $L --model q -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
+    bc-bench $U $L --model q --vocab-size 151936 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
       --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
     ;;
   chat)
