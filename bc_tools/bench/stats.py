@@ -202,9 +202,14 @@ def per_turn(records: Sequence[RequestRecord], phase: str = "conversation") -> d
 def lost_hits(records: Sequence[RequestRecord], labels: Sequence[str],
               stock: str = STOCK_POLICY) -> dict[str, dict[str, int]] | None:  # fmt: skip
     """Per label of ``labels`` other than ``stock``: ``requests`` (its conversation requests cached
-    below stock's for the same in-flight level, round, conversation and turn), ``tokens_lost``
-    (the sum of stock's cached minus its own over those) and ``compared`` (the pairs where both
-    requests succeeded with a known ``cached_tokens``). None when ``stock`` is not a label."""
+    below stock's), ``tokens_lost`` (the sum of stock's cached minus its own over those) and
+    ``compared`` (the pairs where both requests succeeded with a known ``cached_tokens``). None when
+    ``stock`` is not a label.
+
+    A request is paired with stock's of the same in-flight level, round, conversation and turn;
+    first turns by rank of their cached counts instead: conversations that share a prefix and
+    arrive at once take its one cold start in arrival order, so which conversation computes it
+    differs between servers while the hits are the same."""
     if stock not in labels:
         return None
 
@@ -217,7 +222,16 @@ def lost_hits(records: Sequence[RequestRecord], labels: Sequence[str],
     for label in labels:
         if label == stock:
             continue
-        pairs = [(r.cached_tokens, base[key(r)]) for r in usable if r.policy == label and key(r) in base]
+        paired = [(r, base[key(r)]) for r in usable if r.policy == label and key(r) in base]
+        pairs = [(r.cached_tokens, theirs) for r, theirs in paired if r.turn != 1]
+        first_turns: dict[tuple, tuple[list[int], list[int]]] = {}
+        for r, theirs in paired:
+            if r.turn == 1:
+                mine, stocks = first_turns.setdefault((r.in_flight, r.round), ([], []))
+                mine.append(r.cached_tokens)
+                stocks.append(theirs)
+        for mine, stocks in first_turns.values():
+            pairs += list(zip(sorted(mine), sorted(stocks)))
         below = [stock_cached - own for own, stock_cached in pairs if own < stock_cached]
         out[label] = {"requests": len(below), "tokens_lost": sum(below), "compared": len(pairs)}
     return out

@@ -145,6 +145,18 @@ def test_lost_hits_counts_requests_cached_below_stock():
     assert out["other"] == {"requests": 1, "tokens_lost": 412, "compared": 1}
 
 
+def test_first_turns_are_paired_by_rank_of_their_hits():
+    # A shared prefix's one cold start fell on another conversation: no hit is lost.
+    stock = [_rec("aligned", cached, conv=c, turn=1) for c, cached in enumerate((0, 7392, 7392))]
+    mine = [_rec("request_boundaries", cached, conv=c, turn=1) for c, cached in enumerate((7392, 0, 7392))]
+    assert stats.lost_hits(stock + mine, LABELS) == {
+        "request_boundaries": {"requests": 0, "tokens_lost": 0, "compared": 3}
+    }
+    # Two cold starts where stock had one: one request lost its hit.
+    mine[2] = _rec("request_boundaries", 0, conv=2, turn=1)
+    assert stats.lost_hits(stock + mine, LABELS)["request_boundaries"]["tokens_lost"] == 7392
+
+
 def test_no_lost_hits_and_no_stock_label():
     records = [_rec("aligned", 256, conv=c) for c in range(3)] + [
         _rec("request_boundaries", cached, conv=c) for c, cached in enumerate((256, 300, 511))
