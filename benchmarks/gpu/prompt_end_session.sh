@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU host, from the repository root, bundle parts in /tmp/gpu-parts, results under /tmp/r. Two
 # commands of under 10 minutes each, on one warm machine:
-#   prompt_end_session.sh turns  install; stock (:8100) and the default prompt checkpoint at P
-#                                (:8102) up at once; 8k-token fresh prompts and next turns at 1 and
-#                                8 in flight, 6 interleaved rounds
+#   prompt_end_session.sh turns  install; stock and the default prompt checkpoint at P up at once
+#                                (serve_pair.sh; $PAIR picks ports and launch order); 8k-token
+#                                fresh prompts and next turns at 1 and 8 in flight, 6 rounds
 #   prompt_end_session.sh chat   the same servers: a shared system prompt of 2000 and 200 tokens
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight)
@@ -15,7 +15,10 @@ source .gpu-bundle/install_on_host.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/r/pip.log 2>&1 || { tail /tmp/r/pip.log; exit 1; }
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn BC_RESULTS_DIR=/tmp/r
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gpu-host.txt; date -u >> /tmp/r/gpu-host.txt
-U="--url http://127.0.0.1:8100 --label aligned --url http://127.0.0.1:8102 --label end"
+# Labels follow serve_pair.sh's $PAIR; the second of an A/A pair is "aligned_b".
+IFS=, read -r first second <<< "${PAIR:-aligned,end}"
+[[ $second == "$first" ]] && second=${second}_b
+U="--url http://127.0.0.1:8100 --label $first --url http://127.0.0.1:8102 --label $second"
 L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102.log"
 case "$stage" in
   turns)

@@ -4,8 +4,10 @@
 # (0.45 of the GPU each with a fixed 16 GB KV cache: two engines that profile memory at the same time
 # count each other's allocations, and one finds none left for its cache), CUDA graphs on, the FLA
 # Triton GDN prefill kernel for both (the bundle cannot load FlashInfer's):
-#   :8100 stock (policy aligned), :8102 the plugin with prompt_capture end (the prompt checkpoint at P,
-#   copied after the step that computes it).
+#   $PAIR (default "aligned,end") names what runs on :8100 and :8102, started in that order:
+#   aligned = stock, end = the plugin's default (the prompt checkpoint at P, copied after the step
+#   that computes it). "end,aligned" swaps ports and launch order; "aligned,aligned" is an A/A pair
+#   that measures what the pairing itself adds.
 # Waits until both answer /health (or $1 seconds pass); PIDs in /tmp/bc-servers.pids, logs in $LOGS.
 set -u
 deadline=$(( $(date +%s) + ${1:-420} ))
@@ -13,15 +15,17 @@ LOGS=${LOGS:-/tmp/r/logs}; mkdir -p "$LOGS"
 MODEL=/tmp/q12
 [[ -d $MODEL ]] || bc-bench --write-model "$MODEL" --arch qwen3_next_80b_12l > "$LOGS/write-model.log" 2>&1 || exit 1
 declare -A CONFIG=(
-  [8100]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"aligned"}}'
-  [8102]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"request_boundaries","prompt_capture":"end","stats_log_interval_s":5}}'
+  [aligned]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"aligned"}}'
+  [end]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"request_boundaries","prompt_capture":"end","stats_log_interval_s":5}}'
 )
+IFS=, read -r first second <<< "${PAIR:-aligned,end}"
+declare -A ROLE=([8100]=$first [8102]=$second)
 : > /tmp/bc-servers.pids
 for port in 8100 8102; do
   setsid python3 -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name q --port "$port" \
     --host 127.0.0.1 --dtype bfloat16 --mamba-ssm-cache-dtype float32 --max-model-len 16384 --load-format dummy \
     --enable-prefix-caching --enable-prompt-tokens-details --gpu-memory-utilization 0.45 --kv-cache-memory-bytes 16000000000 \
-    --additional-config "${CONFIG[$port]}" > "$LOGS/server-$port.log" 2>&1 &
+    --additional-config "${CONFIG[${ROLE[$port]}]}" > "$LOGS/server-$port.log" 2>&1 &
   echo $! >> /tmp/bc-servers.pids
 done
 for port in 8100 8102; do
