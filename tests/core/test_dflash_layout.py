@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from test_family_layouts import grouped
+from vllm_layouts import grouped
 
 from boundary_checkpoints.core.boundaries import plan_bundle
 from boundary_checkpoints.core.group_kinds import AttentionGroup, GroupKind, WindowGroup, first_window_page

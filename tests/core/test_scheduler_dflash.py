@@ -25,7 +25,7 @@ import random
 import pytest
 from dflash_shadow import BLOCK, LAYOUT, QUERY, WINDOW, dflash_engine, write_drafter_config
 from shadow_engine import ShadowMismatch, make_request, tokens
-from test_scheduler_spec import (
+from spec_expectations import (
     CASES,
     async_path,
     check_next_turn,
