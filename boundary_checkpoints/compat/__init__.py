@@ -24,6 +24,7 @@ from boundary_checkpoints.compat.engine import (
     platform_is_cpu,
     platform_name,
     reclass_instance,
+    restore_class,
 )
 from boundary_checkpoints.compat.frontend import AggregateStatLoggerBase, openai_serving_classes
 from boundary_checkpoints.compat.scheduler import (
@@ -110,6 +111,7 @@ __all__ = [
     "reclass_instance",
     "recurrent_layer_base",
     "request_blocks",
+    "restore_class",
     "sampled_token_ids",
     "single_type_managers",
     "v1_model_runner_class",

@@ -15,7 +15,8 @@ function that reads it, on first call. Names and the behaviour relied on:
   (:func:`mixed_batches_replay_full_graphs`); the model's tokenizer (:func:`engine_tokenizer`).
 * Instances vLLM builds (scheduler's KV cache manager and coordinator, model runner, GDN layers,
   OpenAI serving objects) get a plugin subclass by ``__class__`` assignment
-  (:func:`reclass_instance`); no vLLM function is replaced.
+  (:func:`reclass_instance`), and one re-classed only for a while gets vLLM's class back
+  (:func:`restore_class`); no vLLM function is replaced.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "platform_is_cpu",
     "platform_name",
     "reclass_instance",
+    "restore_class",
 ]
 
 
@@ -111,3 +113,10 @@ def reclass_instance(obj: object, subclass: type) -> None:
     if type(obj) not in subclass.__mro__[1:]:
         raise TypeError(f"{subclass.__name__} does not extend {type(obj).__name__}")
     obj.__class__ = subclass
+
+
+def restore_class(obj: object, base: type) -> None:
+    """Give ``obj`` back ``base``, a class it had before :func:`reclass_instance`."""
+    if base not in type(obj).__mro__[1:]:
+        raise TypeError(f"{type(obj).__name__} does not extend {base.__name__}")
+    obj.__class__ = base

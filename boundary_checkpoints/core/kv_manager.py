@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
-from boundary_checkpoints.compat import KVCacheManager, RequestStatus, reclass_instance, watermark_blocks
+from boundary_checkpoints.compat import KVCacheManager, RequestStatus, reclass_instance, restore_class, watermark_blocks
 
 _COUNTING_COORDINATORS: dict[type, type] = {}
 
@@ -67,7 +67,7 @@ def count_cut_chunks(coordinator: Any) -> None:
 def stop_counting(coordinator: Any) -> None:
     """``coordinator`` back to vLLM's class (a no-op if it is there)."""
     if type(coordinator) in _COUNTING_COORDINATORS.values():
-        coordinator.__class__ = type(coordinator).__base__
+        restore_class(coordinator, type(coordinator).__base__)
 
 
 @contextmanager

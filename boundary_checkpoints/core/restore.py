@@ -45,26 +45,36 @@ class RestoreMixin:
         def parents(start: int):
             return parent_of(start, request.block_hashes, self.hash_block_size, root)
 
-        hit = self.checkpoint_store.lookup(request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size)
         pending = self._scheduled_pending_hit(request)
-        if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
-            hit = pending
-        # A longer bundle the next-token guard refused (MTP), classified once per request.
         ledger = self._ledgers[request.request_id]
         counting = not ledger.counted
-        refused = self._guard_refusal(request, parents) if counting and self._next_token_guard else None
+        # A longer bundle the next-token guard refused (MTP), looked for once per request.
+        guarding = counting and self._next_token_guard
+        pending_any = self._scheduled_pending_hit(request, guarded=False) if guarding else None
+        # A request that waits for room is looked up every step; its miss is classified once (the
+        # classification records a regret, core/store_query.py), and only when no pending bundle
+        # serves it or was refused in place of a hit longer than vLLM's.
+        answer = self.checkpoint_store.query(
+            request.all_token_ids,
+            request.num_tokens - 1,
+            parents,
+            self.hash_block_size,
+            with_refusal=guarding,
+            classify_miss=counting and pending is None and (pending_any is None or pending_any.num_tokens <= num_hit),
+            stock_hit=num_hit,
+        )
+        hit = answer.hit
+        if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
+            hit = pending
+        refused = self._guard_refusal(request, answer.refused, pending_any) if guarding else None
         if hit is None or hit.num_tokens <= num_hit:
-            # A request that waits for room is looked up every step; classify its miss once (the
-            # classification records a regret, see CheckpointStore.miss_reason).
             if counting:
                 if refused is not None and refused.num_tokens > num_hit:
                     reason = MissReason.DRAFT_NEXT_TOKEN
                 elif hit is not None:
                     reason = MissReason.BLOCK_GRID_AS_LONG
                 else:
-                    reason = self.checkpoint_store.miss_reason(
-                        request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
-                    )
+                    reason = answer.miss_reason
                 self._count_lookup(request, None, reason, num_hit)
             ledger.restored_from = None
             return blocks, num_hit, shared_boundary, diverged
@@ -137,16 +147,14 @@ class RestoreMixin:
                     best = pending.checkpoint
         return best
 
-    def _guard_refusal(self, request: Request, parents) -> Checkpoint | None:
-        """The longest bundle (retained, or pending and readable) that holds a prefix of ``request``
-        if the next-token guard refuses it (its MTP draft row ``N - 1`` was computed from another
-        token ``N``), else None. The lookup restored a shorter prefix instead, or none: the caller
-        counts it (``draft_next_token_fallbacks``, or the miss reason ``draft_next_token``)."""
-        found = (
-            self.checkpoint_store.refused_by_guard(
-                request.all_token_ids, request.num_tokens - 1, parents, self.hash_block_size
-            ),
-            self._scheduled_pending_hit(request, guarded=False),
-        )
+    def _guard_refusal(
+        self, request: Request, store_refused: Checkpoint | None, pending_any: Checkpoint | None
+    ) -> Checkpoint | None:
+        """The longer of the store's refusal and the longest readable pending bundle
+        (``_scheduled_pending_hit(guarded=False)``) if the next-token guard refuses it (its MTP
+        draft row ``N - 1`` was computed from another token ``N``), else None. The lookup restored
+        a shorter prefix instead, or none: the caller counts it (``draft_next_token_fallbacks``, or
+        the miss reason ``draft_next_token``)."""
+        found = (store_refused, pending_any)
         longest = max((c for c in found if c is not None), key=lambda c: c.num_tokens, default=None)
         return longest if longest is not None and not longest.serves(request.all_token_ids) else None

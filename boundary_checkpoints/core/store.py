@@ -8,8 +8,8 @@ Contract
   producer's; recurrent: null padding then one block holding the state after exactly ``N`` tokens).
   A bundle with a ``next_token`` (speculative decoding: its MTP draft K/V row ``N - 1`` was
   computed from token ``N``, which the key does not cover) serves only prefixes whose token ``N``
-  is that token; :meth:`lookup` skips it for others (miss reason ``draft_next_token``, or
-  ``draft_next_token_fallbacks`` when a shorter bundle serves them instead: :meth:`refused_by_guard`).
+  is that token; :meth:`query` skips it for others and can name it as the refusal (miss reason
+  ``draft_next_token``, or ``draft_next_token_fallbacks`` when a shorter bundle serves them instead).
 * The store owns exactly one reference (``ref_cnt``) per distinct block of every retained bundle.
   :meth:`publish` takes over references the caller already holds; eviction (the budget's, in
   :meth:`publish`, and :meth:`evict_to_free`), dedup and :meth:`clear` give them back through
@@ -52,6 +52,7 @@ from boundary_checkpoints.core.eviction import LruEvictionPolicy
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 from boundary_checkpoints.core.reuse import ReuseTracker
+from boundary_checkpoints.core.store_query import StoreAnswer, miss_reason, scan
 
 
 @dataclass
@@ -97,67 +98,39 @@ class CheckpointStore:
     def checkpoints(self) -> list[Checkpoint]:
         return [ckpt for tails in self._by_parent.values() for ckpt in tails.values()]
 
-    def lookup(
+    def query(
         self,
         tokens: Sequence[int],
         max_tokens: int,
         parents: Callable[[int], Hashable | None],
         hash_block_size: int,
-    ) -> Checkpoint | None:
-        """Longest retained prefix of ``tokens`` with ``N <= max_tokens`` that serves ``tokens``
-        (:meth:`Checkpoint.serves`).
+        *,
+        with_refusal: bool,
+        classify_miss: bool,
+        stock_hit: int = 0,
+    ) -> StoreAnswer:
+        """What the store holds for ``tokens``, from one scan of their tails (``N <= max_tokens``).
 
         ``parents(start)`` returns the key parent of a tail starting at ``start`` for this
         request (its chained block hash or its root discriminator), or None when unknown.
+        :attr:`StoreAnswer.hit` is the longest bundle that serves ``tokens``
+        (:meth:`Checkpoint.serves`); a hit is touched in the eviction policy. With
+        ``with_refusal``, :attr:`StoreAnswer.refused` is the longest bundle when it does not serve
+        them (its draft rows were computed from another token ``N``). With ``classify_miss`` and no
+        hit, :attr:`StoreAnswer.miss_reason` says why (``core/store_query.py``; ``draft_next_token``
+        without more when the refusal is longer than ``stock_hit``, vLLM's own block-grid hit).
         """
-        best = self._longest(tokens, max_tokens, parents, hash_block_size, guarded=True)
-        if best is not None:
-            self.policy.touch(best)  # its reuse distance is recorded once, where the hit is counted
-        return best
-
-    def refused_by_guard(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        parents: Callable[[int], Hashable | None],
-        hash_block_size: int,
-    ) -> Checkpoint | None:
-        """The longest retained prefix of ``tokens`` with ``N <= max_tokens`` if it does not serve
-        ``tokens`` (:meth:`Checkpoint.serves`: its draft rows were computed from another token
-        ``N``), else None. :meth:`lookup` skipped it, for a shorter bundle or for none. No side
-        effects."""
-        longest = self._longest(tokens, max_tokens, parents, hash_block_size, guarded=False)
-        return longest if longest is not None and not longest.serves(tokens) else None
-
-    def _longest(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        parents: Callable[[int], Hashable | None],
-        hash_block_size: int,
-        guarded: bool,
-    ) -> Checkpoint | None:
-        """Longest retained prefix of ``tokens`` with ``N <= max_tokens`` (serving ``tokens`` if
-        ``guarded``); no side effects."""
-        if max_tokens <= 0:
-            return None
-        for start in range((max_tokens - 1) // hash_block_size * hash_block_size, -1, -hash_block_size):
-            parent = parents(start)
-            if parent is None:
-                continue
-            tails = self._by_parent.get((parent, start))
-            if not tails:
-                continue
-            best: Checkpoint | None = None
-            for tail, ckpt in tails.items():
-                end = start + len(tail)
-                if end > max_tokens or (best is not None and end <= best.num_tokens):
-                    continue
-                if tuple(tokens[start:end]) == tail and (not guarded or ckpt.serves(tokens)):
-                    best = ckpt
-            if best is not None:
-                return best
-        return None
+        hit, longest = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
+        if hit is not None:
+            self.policy.touch(hit)  # its reuse distance is recorded once, where the hit is counted
+        refused = longest if with_refusal and longest is not None and not longest.serves(tokens) else None
+        reason = None
+        if classify_miss and hit is None:
+            if refused is not None and refused.num_tokens > stock_hit:
+                reason = MissReason.DRAFT_NEXT_TOKEN
+            else:
+                reason = miss_reason(self._by_parent, self.reuse, tokens, max_tokens, parents, hash_block_size, longest)
+        return StoreAnswer(hit, refused, reason)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def publish(self, checkpoint: Checkpoint) -> bool:
@@ -281,36 +254,6 @@ class CheckpointStore:
         for checkpoint in dropped:
             self._drop(checkpoint)
         return len(dropped)
-
-    def miss_reason(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        parents: Callable[[int], Hashable | None],
-        hash_block_size: int,
-    ) -> MissReason:
-        """Why :meth:`lookup` found nothing for ``tokens``: ``evicted`` when a bundle evicted
-        earlier would have served them (a regret: its reuse distance is recorded, see
-        ``core/reuse.py``); ``draft_next_token`` when a retained bundle holds their prefix but
-        its draft rows were computed from another next token; ``diverged`` when a retained
-        bundle shares a prefix with them beyond a common hash block (or, under the root, at least
-        the first token) but parts before its own end (an edited or re-rendered turn, a truncated
-        answer, a shorter prompt); else
-        ``no_checkpoint``."""
-        if max_tokens <= 0:
-            return MissReason.NO_CHECKPOINT
-        if self.reuse.regret(tokens, max_tokens, parents, hash_block_size):
-            return MissReason.EVICTED
-        if self._longest(tokens, max_tokens, parents, hash_block_size, guarded=False) is not None:
-            return MissReason.DRAFT_NEXT_TOKEN
-        for start in range(0, (max_tokens - 1) // hash_block_size * hash_block_size + 1, hash_block_size):
-            parent = parents(start)
-            tails = self._by_parent.get((parent, start)) if parent is not None else None
-            if not tails:
-                continue
-            if start > 0 or any(tail[:1] == tuple(tokens[:1]) for tail in tails):
-                return MissReason.DIVERGED
-        return MissReason.NO_CHECKPOINT
 
     def record_lookup(self, hit: Checkpoint | None, reason: MissReason | None = None) -> None:
         if hit is None:
