@@ -28,6 +28,7 @@ from boundary_checkpoints.compat.engine import (
 )
 from boundary_checkpoints.compat.frontend import AggregateStatLoggerBase, openai_serving_classes
 from boundary_checkpoints.compat.scheduler import (
+    STATS_CARRIER_FIELD,
     AsyncScheduler,
     CircularBufferManager,
     FullAttentionManager,
@@ -68,6 +69,7 @@ from boundary_checkpoints.compat.worker import (
 )
 
 __all__ = [
+    "STATS_CARRIER_FIELD",
     "AggregateStatLoggerBase",
     "AsyncScheduler",
     "CircularBufferManager",

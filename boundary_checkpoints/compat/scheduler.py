@@ -89,6 +89,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
 __all__ = [
+    "STATS_CARRIER_FIELD",
     "AsyncScheduler",
     "CircularBufferManager",
     "FullAttentionManager",
@@ -120,6 +121,11 @@ def sampled_token_ids(model_runner_output, request_id: str) -> list[int]:
     if index is None or not rows or index >= len(rows):
         return []
     return list(rows[index])
+
+
+# The ``SchedulerStats`` field the plugin's per-step counters ride in to the frontend (see the
+# module docstring: a fresh ``dict[str, int]`` per call whose stock readers look up only their keys).
+STATS_CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
 
 
 def single_type_managers(kv_cache_manager) -> list:

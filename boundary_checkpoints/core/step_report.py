@@ -16,13 +16,14 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from boundary_checkpoints.compat import STATS_CARRIER_FIELD
 from boundary_checkpoints.core.checkpoint import ReportedGauges
 
 logger = init_logger(f"vllm.{__name__}")
 
 STAT_LOGGER_NAME = "boundary_checkpoints"  # entry point name; same as the general plugin's
 STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"
-CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
+CARRIER_FIELD = STATS_CARRIER_FIELD
 PAYLOAD_PREFIX = "boundary_checkpoints:"
 REPORTED_GAUGES = frozenset(spec.name for spec in fields(ReportedGauges))  # sent as they are, not as deltas
 
