@@ -1,8 +1,8 @@
 """The vLLM 0.32.0 signatures the plugin relies on, and the checks that compare them with the
 installed vLLM.
 
-Contract: :func:`interface_mismatches` (scheduler, KV cache manager and coordinator methods, and
-``SchedulerOutput`` fields) and :func:`frontend_interface_mismatches` (the OpenAI serving methods)
+Contract: :func:`interface_mismatches` (scheduler, KV cache manager, coordinator and block pool
+methods, and ``SchedulerOutput`` fields) and :func:`frontend_interface_mismatches` (the OpenAI serving methods)
 return how the installed vLLM differs, empty when it matches; they never raise for a difference.
 The plugin asks them before it installs anything, so a different vLLM falls back at startup
 instead of failing at the first request.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
 from boundary_checkpoints.compat.frontend import openai_serving_classes
@@ -36,6 +37,11 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
     (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
     (KVCacheCoordinator, "find_longest_cache_hit", ("block_hashes", "max_cache_hit_length")),
+    # The block pool's own API, which the plugin calls for its bundles' references.
+    (BlockPool, "get_new_blocks", ("num_blocks",)),
+    (BlockPool, "touch", ("blocks",)),
+    (BlockPool, "free_blocks", ("ordered_blocks",)),
+    (BlockPool, "get_num_free_blocks", ()),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),
