@@ -38,6 +38,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
         max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
+        retention=args.retention,
     )  # fmt: skip
     driver = Driver(scheduler, worker)
     system = tokens(rng, args.system)
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
     parser.add_argument("--prompt-capture", default="auto", help="the plugin's prompt_capture (default auto)")
+    parser.add_argument("--retention", default="borrow", help="the plugin's retention (default borrow)")
     parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
     args = parser.parse_args(argv)

@@ -95,6 +95,15 @@ def _check_prompt_capture(value: Any, name: str) -> str:
 
 
 CHAT_INSTRUCTION_BOUNDARIES = ("auto", "off")
+RETENTIONS = ("hold", "borrow")
+
+
+def _check_retention(value: Any, name: str) -> str:
+    if not isinstance(value, str) or value not in RETENTIONS:
+        raise BoundaryConfigError(
+            f"{name} must be one of: {', '.join(RETENTIONS)} (got {type(value).__name__} {value!r})"
+        )
+    return value
 
 
 def _check_chat_instruction(value: Any, name: str) -> str:
@@ -118,6 +127,7 @@ _FIELD_CHECKS = {
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
     "chat_instruction_boundary": _check_chat_instruction,
+    "retention": _check_retention,
 }
 
 
@@ -162,6 +172,15 @@ class BoundaryConfig:
     (``core/chat_markers.py``) and gives a request with no explicit instruction boundary the end of
     its leading system/developer block(s), when its prompt starts with one; the startup line says
     whether the markers were learned and why not. ``off``: only explicit values."""
+
+    retention: str = "borrow"
+    """How a retained checkpoint keeps its blocks. ``borrow`` (default): it holds only its private
+    blocks (the last partial page, the states off the block grid) and borrows the rest from vLLM's
+    prefix cache (its full pages, block-grid states), serving while vLLM keeps them; vLLM then
+    evicts its cached blocks in the order it would without the plugin, and before vLLM hands out a
+    cached block the least recently used checkpoint gives back its private blocks instead.
+    ``hold``: it holds every block (and the block-grid states below it) until the budget or an
+    allocation that does not fit evicts it (``docs/notes/retention.md``)."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

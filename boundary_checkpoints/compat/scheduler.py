@@ -73,7 +73,10 @@ override their hooks. Names and the behaviour relied on:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -91,6 +94,7 @@ from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 __all__ = [
     "STATS_CARRIER_FIELD",
     "AsyncScheduler",
+    "BlockPool",
     "CircularBufferManager",
     "FullAttentionManager",
     "KVCacheBlock",
@@ -106,6 +110,7 @@ __all__ = [
     "SlidingWindowManager",
     "block_grid_hit",
     "copy_kv_cache_blocks_inplace",
+    "free_queue_order",
     "request_blocks",
     "sampled_token_ids",
     "single_type_managers",
@@ -136,6 +141,12 @@ def single_type_managers(kv_cache_manager) -> list:
 def request_blocks(kv_cache_manager, request_id: str) -> list[list]:
     """Per KV group, the blocks vLLM's manager holds for ``request_id`` (``req_to_blocks``)."""
     return [manager.req_to_blocks.get(request_id, []) for manager in single_type_managers(kv_cache_manager)]
+
+
+def free_queue_order(block_pool) -> Iterator:
+    """The pool's free blocks in the order ``get_new_blocks`` hands them out (the free queue's head
+    first: ``FreeKVCacheBlockQueue.iter_blocks_after(None)``)."""
+    return block_pool.free_block_queue.iter_blocks_after(None)
 
 
 def watermark_blocks(kv_cache_manager) -> int:

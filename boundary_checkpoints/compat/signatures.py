@@ -14,6 +14,7 @@ import inspect
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
 from boundary_checkpoints.compat.frontend import openai_serving_classes
 from boundary_checkpoints.compat.scheduler import KVCacheManager, Scheduler, SchedulerOutput
@@ -42,6 +43,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (BlockPool, "touch", ("blocks",)),
     (BlockPool, "free_blocks", ("ordered_blocks",)),
     (BlockPool, "get_num_free_blocks", ()),
+    (FreeKVCacheBlockQueue, "iter_blocks_after", ("cursor",)),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),

@@ -254,7 +254,10 @@ class CaptureMixin:
 
     def _grid_blocks(self, request: Request, num_tokens: int, plan) -> tuple[tuple, ...]:
         """Per KV group, the blocks of vLLM's own block-grid hit for ``request``'s first
-        ``num_tokens`` tokens that the bundle planned by ``plan`` does not hold (contract 7)."""
+        ``num_tokens`` tokens that the bundle planned by ``plan`` does not hold (contract 7). None
+        under retention ``borrow``: vLLM's cache keeps them as it would without the bundle."""
+        if self.checkpoint_store.borrow:
+            return ()
         blocks, num_hit = block_grid_hit(self.kv_cache_manager, request.block_hashes, num_tokens)
         if not num_hit:
             return ()

@@ -43,6 +43,10 @@ class Checkpoint:
     # released with it, so a request that loses the bundle still finds the hit stock would give.
     # Never restored from.
     grid_blocks: tuple[tuple[BlockLike, ...], ...] = ()
+    # Retention ``borrow``: the blocks vLLM's prefix cache names (full pages, grid states), with the
+    # hash each had at publication. The bundle holds no reference to them; it serves while every
+    # one still carries that hash (:meth:`intact`).
+    borrowed: tuple[tuple[BlockLike, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.producer:
@@ -63,13 +67,28 @@ class Checkpoint:
 
     def budget_blocks(self) -> list[BlockLike]:
         """The blocks the retained budget counts: every non-null block of the groups once (the grid
-        blocks are vLLM's own cache, held with the bundle but not counted)."""
+        blocks are vLLM's own cache, held with the bundle but not counted; borrowed blocks are
+        not held)."""
+        borrowed = {block.block_id for block, _ in self.borrowed}
         seen: dict[int, BlockLike] = {}
         for blocks in self.group_blocks:
             for block in blocks:
-                if not block.is_null:
+                if not block.is_null and block.block_id not in borrowed:
                     seen.setdefault(block.block_id, block)
         return list(seen.values())
+
+    def held_sized_blocks(self) -> dict[int, tuple[BlockLike, int]]:
+        """:meth:`sized_blocks` without the borrowed ones: the blocks the store holds."""
+        borrowed = {block.block_id for block, _ in self.borrowed}
+        return {block_id: sized for block_id, sized in self.sized_blocks().items() if block_id not in borrowed}
+
+    def held_blocks(self) -> list[BlockLike]:
+        return [block for block, _ in self.held_sized_blocks().values()]
+
+    def intact(self) -> bool:
+        """Every borrowed block still carries the hash it had at publication: vLLM has not given
+        it out since (a block it hands out loses its hash before the new owner writes)."""
+        return all(getattr(block, "block_hash", None) == block_hash for block, block_hash in self.borrowed)
 
     def distinct_blocks(self) -> list[BlockLike]:
         """Every non-null block of the bundle once, in group order."""
@@ -137,11 +156,15 @@ class StoreCounters:
     )
     duplicates: int = 0
     evictions: int = exported(
-        "Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: an allocation did not fit).",
+        "Retained checkpoints evicted, by cause (budget: max_retained_fraction, pressure: an allocation did not "
+        "fit, borrowed: vLLM evicted a page of its prefix cache the checkpoint borrowed, cached: a new block "
+        "would otherwise evict a block of vLLM's prefix cache).",
         label="cause",
-    )  # all causes: the two below
+    )  # all causes: the four below
     evictions_budget: int = label_value("evictions", "budget")  # the retained share would exceed max_retained_fraction
     evictions_pressure: int = label_value("evictions", "pressure")  # an allocation did not fit in the free pool
+    evictions_borrowed: int = label_value("evictions", "borrowed")  # vLLM evicted a page it borrowed (borrow)
+    evictions_cached: int = label_value("evictions", "cached")  # vLLM would otherwise evict a cached block
     # a newcomer alone larger than the budget
     refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
     # a newcomer refused: the bundle it would evict is likely reused soon

@@ -1,7 +1,9 @@
 """The KV cache manager and coordinator subclasses the boundary scheduler installs on vLLM's.
 
 Contract: :class:`PressureRelievingKVCacheManager` evicts retained checkpoints (through the
-scheduler's ``relieve_pressure``) before it refuses an allocation; :func:`counting_coordinator_class`
+scheduler's ``relieve_pressure``) before it refuses an allocation; :class:`YieldingBlockPool`
+lets them yield (the scheduler's ``yield_to_cache``) before it hands out a block of vLLM's prefix
+cache; :func:`counting_coordinator_class`
 is a coordinator that remembers its last block count and counts a chunk the plugin cut short as if
 the prefill ended there. vLLM's instances are re-classed (see ``compat``): the manager for the
 engine's life, the coordinator only while its count matters (:func:`counting_blocks`), so an
@@ -15,7 +17,14 @@ from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any
 
-from boundary_checkpoints.compat import KVCacheManager, RequestStatus, reclass_instance, restore_class, watermark_blocks
+from boundary_checkpoints.compat import (
+    BlockPool,
+    KVCacheManager,
+    RequestStatus,
+    reclass_instance,
+    restore_class,
+    watermark_blocks,
+)
 
 _COUNTING_COORDINATORS: dict[type, type] = {}
 
@@ -122,3 +131,16 @@ class PressureRelievingKVCacheManager(KVCacheManager):
             needed += watermark_blocks(self)
         needed += kwargs.get("reserved_blocks", 0)
         return max(needed - self.block_pool.get_num_free_blocks(), 1)
+
+
+class YieldingBlockPool(BlockPool):
+    """vLLM's block pool that calls ``yield_to_cache(num_blocks)`` before it hands out new blocks:
+    the scheduler evicts retained checkpoints there while those blocks would include one that
+    vLLM's prefix cache still holds, so a checkpoint never displaces a block stock would keep."""
+
+    yield_to_cache: Any = None  # (num_blocks) -> None, set by the scheduler
+
+    def get_new_blocks(self, num_blocks: int):  # type: ignore[override]
+        if self.yield_to_cache is not None:
+            self.yield_to_cache(num_blocks)
+        return super().get_new_blocks(num_blocks)

@@ -10,6 +10,7 @@ returns. The numbered contracts the code cites ("contract N") are in ``docs/desi
 from __future__ import annotations
 
 import time
+from itertools import islice
 from typing import Any
 
 from vllm.logger import init_logger
@@ -21,6 +22,7 @@ from boundary_checkpoints.compat import (
     RequestStatus,
     Scheduler,
     SchedulerOutput,
+    free_queue_order,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
@@ -33,7 +35,7 @@ from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
-from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, stop_counting
+from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.restore import RestoreMixin
@@ -94,7 +96,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._block_pool = block_pool
         max_blocks = int(block_pool.num_gpu_blocks * self.boundary_config.max_retained_fraction)
         self._page_bytes = tuple(g.page_bytes for g in geometries)
-        self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks)
+        self.checkpoint_store = CheckpointStore(
+            release=block_pool.free_blocks, max_blocks=max_blocks, borrow=self.boundary_config.retention == "borrow"
+        )
         self._pending: list[PendingCapture] = []
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
         # of at most max_model_len - 1 tokens.
@@ -112,6 +116,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._coordinator = self.kv_cache_manager.coordinator
         self._coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
+        if self.checkpoint_store.borrow:
+            reclass_instance(block_pool, YieldingBlockPool)
+            block_pool.yield_to_cache = self._yield_to_cache
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks, prompt checkpoints %s, chat instruction boundaries %s",
@@ -251,6 +258,21 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         if store.freeable_blocks(is_free) < shortfall:
             return False
         return store.evict_to_free(is_free)
+
+    def _yield_to_cache(self, num_blocks: int) -> None:
+        """Before vLLM hands out ``num_blocks`` new blocks: while they would include a block of its
+        prefix cache, evict the least recently used bundle whose release gives back a block no
+        cache entry names (freed to the free queue's head, so handed out first)."""
+        store = self.checkpoint_store
+        if not len(store):
+            return
+
+        def frees_uncached(block) -> bool:  # the store's reference is the last one, no cache entry
+            return block.ref_cnt == 1 and block.block_hash is None
+
+        while any(block.block_hash is not None for block in islice(free_queue_order(self._block_pool), num_blocks)):
+            if not store.evict_to_free(frees_uncached, cause="cached"):
+                return
 
     # ---- metrics --------------------------------------------------------------------------
     def boundary_stats(self) -> dict[str, int]:

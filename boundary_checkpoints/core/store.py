@@ -15,6 +15,10 @@ Contract
   :meth:`publish`, and :meth:`evict_to_free`), dedup and :meth:`clear` give them back through
   ``release``. Nothing else ever frees a retained block, so a
   bundle is never half-evicted: losing any block means dropping the whole bundle first.
+* With ``borrow`` (retention ``borrow``) a bundle publishes holding only its private blocks:
+  the references to blocks vLLM's prefix cache names go back at once, and the bundle keeps their
+  hashes. vLLM's own LRU then orders those blocks exactly as without the plugin; :meth:`query`
+  drops a bundle whose borrowed block lost its hash (``evictions_borrowed``) and scans again.
 * Readers pin a hit's blocks themselves (the scheduler does, for the step that restores it), so
   evicting a bundle that a reader is restoring from is safe.
 * Eviction is least-recently-used over bundles (:class:`LruEvictionPolicy` in
@@ -28,7 +32,8 @@ Contract
   held and released with it but not counted, since stock's cache would hold them as well. A
   newcomer that alone exceeds the budget is refused without evicting anything; otherwise bundles
   go in eviction order until the budget holds (the newcomer itself only once every other bundle
-  left is lasting and it is not). Pressure relief (:meth:`evict_to_free`) evicts only bundles that
+  left is lasting and it is not). Pressure relief (:meth:`evict_to_free`: an allocation that does not
+  fit, or new blocks that would evict a block of vLLM's prefix cache) evicts only bundles that
   give at least one block back to the pool (``is_free(block)`` after the release), one at a time,
   so the caller can stop as soon as its allocation fits.
 * Lineage (``core/scheduler.py`` contract 5: a few states per conversation, not one per turn):
@@ -61,6 +66,9 @@ class CheckpointStore:
 
     release: Callable[[Sequence[BlockLike]], None]
     max_blocks: int
+    # Retention ``borrow``: at publication a bundle gives back its references to blocks vLLM's
+    # prefix cache names and keeps their hashes instead (:meth:`Checkpoint.intact`).
+    borrow: bool = False
     policy: LruEvictionPolicy = field(default_factory=LruEvictionPolicy)
     counters: StoreCounters = field(default_factory=StoreCounters)
     reuse: ReuseTracker = field(default_factory=ReuseTracker)
@@ -121,6 +129,11 @@ class CheckpointStore:
         without more when the refusal is longer than ``stock_hit``, vLLM's own block-grid hit).
         """
         hit, longest = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
+        while self.borrow and (stale := [c for c in (hit, longest) if c is not None and not c.intact()]):
+            for checkpoint in stale:  # vLLM gave out a page it borrowed: it can serve no one
+                self._evict(checkpoint)
+                self.counters.evictions_borrowed += 1
+            hit, longest = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
         if hit is not None:
             self.policy.touch(hit)  # its reuse distance is recorded once, where the hit is counted
         refused = longest if with_refusal and longest is not None and not longest.serves(tokens) else None
@@ -149,7 +162,11 @@ class CheckpointStore:
             return False
         tails[key.tail] = checkpoint
         checkpoint.published_at = self.reuse.stamp()
-        for block_id, sized in checkpoint.sized_blocks().items():
+        if self.borrow:
+            cached = [b for b in checkpoint.distinct_blocks() if getattr(b, "block_hash", None) is not None]
+            checkpoint.borrowed = tuple((block, block.block_hash) for block in cached)  # type: ignore[attr-defined]
+            self.release(cached[::-1])
+        for block_id, sized in checkpoint.held_sized_blocks().items():
             self._block_users[block_id] = self._block_users.get(block_id, 0) + 1
             if block_id not in self._blocks:
                 self._bytes += sized[1]
@@ -235,16 +252,17 @@ class CheckpointStore:
         """Blocks that evicting every bundle would give back to the pool."""
         return sum(1 for block, _ in self._blocks.values() if is_free(block))
 
-    def evict_to_free(self, is_free: Callable[[BlockLike], bool]) -> bool:
+    def evict_to_free(self, is_free: Callable[[BlockLike], bool], cause: str = "pressure") -> bool:
         """Evict the least recently used bundle whose release frees a block; False if none would.
 
         A block frees only when the store holds its last reference: it is in no other retained
         bundle and ``is_free(block)`` (the caller's view: no running request holds it) is true.
+        ``cause`` names the eviction counter (``evictions_<cause>``).
         """
         for victim in self.policy.in_order():
-            if any(self._block_users[b.block_id] == 1 and is_free(b) for b in victim.distinct_blocks()):
+            if any(self._block_users[b.block_id] == 1 and is_free(b) for b in victim.held_blocks()):
                 self._evict(victim)
-                self.counters.evictions_pressure += 1
+                setattr(self.counters, f"evictions_{cause}", getattr(self.counters, f"evictions_{cause}") + 1)
                 return True
         return False
 
@@ -326,7 +344,7 @@ class CheckpointStore:
                 self._budget_users[block.block_id] = users
             else:
                 del self._budget_users[block.block_id]
-        blocks = checkpoint.distinct_blocks()
+        blocks = checkpoint.held_blocks()
         for block in blocks:
             users = self._block_users[block.block_id] - 1
             if users:

@@ -168,7 +168,7 @@ def test_tables_come_from_the_counter_fields_and_kinds():
     assert [k.value for k in CheckpointKind] == ["prompt", "response", "instruction"] == list(metrics.KNOWN_KINDS)
     assert [r.value for r in MissReason] == ["no_checkpoint", "diverged", "evicted", "block_grid_as_long",
                                              "ineligible", "cache_bypassed", "draft_next_token", "unknown"]  # fmt: skip
-    assert metrics.KNOWN_EVICTION_CAUSES == ("budget", "pressure")
+    assert metrics.KNOWN_EVICTION_CAUSES == ("budget", "pressure", "borrowed", "cached")
     counters = StoreCounters()
     counters.hits_by_kind[CheckpointKind.INSTRUCTION] = 1
     counters.misses_by_reason[MissReason.DRAFT_NEXT_TOKEN] = 2

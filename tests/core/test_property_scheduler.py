@@ -273,7 +273,7 @@ class Stream:
         assert self.scheduler.checkpoint_store.budgeted_blocks <= self.budget, stats
         store = self.scheduler.checkpoint_store
         bundles = store.checkpoints()
-        sizes = {block_id: size for c in bundles for block_id, size in c.block_bytes().items()}
+        sizes = {block_id: size for c in bundles for block_id, (_, size) in c.held_sized_blocks().items()}
         assert (stats["checkpoints_retained"], stats["bytes_retained"]) == (len(bundles), sum(sizes.values())), stats
         self.check_provenance()
         for t in self.tracked:

@@ -1,4 +1,5 @@
-"""A retained bundle keeps vLLM's own block-grid hit below its boundary alive (contract 7).
+"""Retention ``hold``: a retained bundle keeps vLLM's own block-grid hit below its boundary alive
+(contract 7). (Under the default ``borrow`` a bundle holds no block of vLLM's cache.)
 
 Scheduler-level (vLLM's real scheduler and KV cache manager, the shadow runner): a finished turn's
 response bundle holds its pages and, with them, the recurrent states vLLM cached on the block
@@ -29,7 +30,7 @@ def evict_free_queue(scheduler) -> None:
 def next_turn_after_pressure(model_dir, lag: int) -> tuple[int, int, int]:
     """(cached tokens of the next turn, its block-grid position, its exact boundary) after the
     first turn's bundles are retired under a pressure that emptied vLLM's free queue."""
-    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), num_blocks=96)
+    scheduler, worker = build_scheduler(model_dir, async_scheduling=bool(lag), num_blocks=96, retention="hold")
     driver = Driver(scheduler, worker, lag=lag)
     rng = random.Random(7)
     prompt = tokens(rng, 200)
@@ -59,7 +60,7 @@ def test_negative_control_a_bundle_without_its_grid_blocks_loses_the_stock_hit(m
 
 
 def test_grid_blocks_are_held_outside_the_budget_and_leave_with_the_bundle(model_dir):
-    scheduler, worker = build_scheduler(model_dir, num_blocks=96)
+    scheduler, worker = build_scheduler(model_dir, num_blocks=96, retention="hold")
     driver = Driver(scheduler, worker)
     pool = scheduler.kv_cache_manager.block_pool
     first = make_request(tokens(random.Random(3), 200), salt="s", max_tokens=8)

@@ -108,7 +108,7 @@ def test_pause_abort_then_reset_succeeds(model_dir):
 
 
 def _fill_store(model_dir, conversations: int):
-    scheduler, worker = build_scheduler(model_dir, num_blocks=64, max_retained_fraction=1.0)
+    scheduler, worker = build_scheduler(model_dir, num_blocks=64, max_retained_fraction=1.0, retention="hold")
     driver = Driver(scheduler, worker)
     rng = random.Random(102)
     for i in range(conversations):
@@ -322,7 +322,7 @@ def test_an_aborted_response_is_counted(model_dir):
 def cyclic_exact_hits(model_dir, protect: bool, conversations: int = 12, turns: int = 5) -> tuple[int, int]:
     """Round-robin turns of ``conversations`` (each comes back after all the others), a retention
     budget that holds the bundles of only a few of them: (exact boundary hits, later turns)."""
-    scheduler, worker = build_scheduler(model_dir, num_blocks=256, max_retained_fraction=0.2)
+    scheduler, worker = build_scheduler(model_dir, num_blocks=256, max_retained_fraction=0.2, retention="hold")
     if not protect:  # the negative control: plain least-recently-used eviction
         scheduler.checkpoint_store.reuse.protects = lambda published_at, publications_ahead=0: False
     driver = Driver(scheduler, worker)

@@ -267,6 +267,7 @@ def build_scheduler(
     prompt_checkpoints: bool = True,
     prompt_checkpoint_min_tokens: int = 0,
     prompt_capture: str = "in_step",
+    retention: str = "borrow",
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
@@ -356,6 +357,7 @@ def build_scheduler(
                 "prompt_checkpoints": prompt_checkpoints,
                 "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
                 "prompt_capture": prompt_capture,
+                "retention": retention,
             }
         },
     ).create_engine_config()
