@@ -470,14 +470,19 @@ def test_single_module_mtp_up_to_k3_turns_on_under_auto(k):
 def test_single_module_mtp_above_k3_is_unvalidated(k):
     """Larger k is in the unvalidated tier: auto falls back naming the measured range, an explicit
     request_boundaries runs and says so."""
-    fake = mtp_fake(k)
+    check_unvalidated_above_k3(mtp_fake(k), "mtp", k)
+
+
+def check_unvalidated_above_k3(fake, method: str, k: int) -> None:
+    """``auto`` falls back naming the measured range; an explicit ``request_boundaries`` runs and
+    says so."""
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled and auto.reasons == (
-        f"speculative decoding (mtp, k={k}) is measured up to k=3, not validated on GPU",
+        f"speculative decoding ({method}, k={k}) is measured up to k=3, not validated on GPU",
     )
     explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
-    assert explicit.boundaries_enabled and "not validated on GPU" in explicit.summary()
+    assert explicit.boundaries_enabled and "measured up to k=3, not validated on GPU" in explicit.summary()
 
 
 def dflash_fake(k: int = 3, architecture: str = "DFlashDraftModel", **spec) -> SimpleNamespace:
@@ -504,14 +509,7 @@ def test_dflash_drafters_up_to_k3_turn_on_under_auto(architecture, k):
 def test_dflash_drafters_above_k3_are_unvalidated(architecture, k):
     """Larger k is in the unvalidated tier (like single-module MTP): auto falls back naming the
     measured range, an explicit request_boundaries runs and says so."""
-    fake = dflash_fake(k, architecture)
-    assert unsupported_reasons(fake) == []
-    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
-    assert not auto.boundaries_enabled and auto.reasons == (
-        f"speculative decoding (dflash, k={k}) is measured up to k=3, not validated on GPU",
-    )
-    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
-    assert explicit.boundaries_enabled and "measured up to k=3" in explicit.summary()
+    check_unvalidated_above_k3(dflash_fake(k, architecture), "dflash", k)
 
 
 @pytest.mark.parametrize(

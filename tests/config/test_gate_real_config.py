@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import transformers  # a plain import: a broken install fails this module, it is never skipped
 
+from bc_tools.fixtures.qwen3_next_family import qwen3_next_config
 from boundary_checkpoints.gate import decide_policy, unsupported_reasons
 from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
 
@@ -31,29 +32,10 @@ def engine_args_cls():
 def hybrid_dir(tmp_path_factory):
     """A tiny Qwen3-Next (3 Gated DeltaNet layers + 1 attention layer), config.json only."""
     path = tmp_path_factory.mktemp("tiny_qwen3_next")
-    transformers.Qwen3NextConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        num_hidden_layers=4,
-        full_attention_interval=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        intermediate_size=512,
-        dtype="bfloat16",
-        # Without an explicit architecture vLLM resolves Qwen3NextModel as a *pooling* model.
-        architectures=["Qwen3NextForCausalLM"],
+    # The project's tiny dims; without an explicit architecture vLLM resolves Qwen3NextModel as a
+    # *pooling* model.
+    qwen3_next_config(
+        num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen3NextForCausalLM"]
     ).save_pretrained(path)
     return str(path)
 
