@@ -121,12 +121,15 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             block_pool.yield_to_cache = self._yield_to_cache
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
-            "retaining at most %d of %d blocks, prompt checkpoints %s, chat instruction boundaries %s",
+            "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s",
             len(geometries),
             ", ".join(g.label for g in geometries),
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
+            "private blocks only, the cache's pages borrowed; yielding before a cached block goes"
+            if self.checkpoint_store.borrow
+            else "every block held until evicted",
             prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
             self._chat_markers.describe(),
         )
