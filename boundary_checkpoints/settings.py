@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -87,30 +87,20 @@ def _check_token_count(value: Any, name: str) -> int:
     return value
 
 
-def _check_prompt_capture(value: Any, name: str) -> str:
-    allowed = ", ".join(PROMPT_CAPTURES)
-    if not isinstance(value, str) or value not in PROMPT_CAPTURES:
-        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
-    return value
-
-
 CHAT_INSTRUCTION_BOUNDARIES = ("auto", "off")
 RETENTIONS = ("hold", "borrow")
 
 
-def _check_retention(value: Any, name: str) -> str:
-    if not isinstance(value, str) or value not in RETENTIONS:
-        raise BoundaryConfigError(
-            f"{name} must be one of: {', '.join(RETENTIONS)} (got {type(value).__name__} {value!r})"
-        )
-    return value
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    """A check that a value is one of ``choices`` (strings)."""
 
+    def check(value: Any, name: str) -> str:
+        if not isinstance(value, str) or value not in choices:
+            allowed = ", ".join(choices)
+            raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
+        return value
 
-def _check_chat_instruction(value: Any, name: str) -> str:
-    allowed = ", ".join(CHAT_INSTRUCTION_BOUNDARIES)
-    if not isinstance(value, str) or value not in CHAT_INSTRUCTION_BOUNDARIES:
-        raise BoundaryConfigError(f"{name} must be one of: {allowed} (got {type(value).__name__} {value!r})")
-    return value
+    return check
 
 
 def _check_flag(value: Any, name: str) -> bool:
@@ -123,11 +113,11 @@ _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
     "prompt_checkpoint_min_tokens": _check_token_count,
-    "prompt_capture": _check_prompt_capture,
+    "prompt_capture": _one_of(PROMPT_CAPTURES),
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
-    "chat_instruction_boundary": _check_chat_instruction,
-    "retention": _check_retention,
+    "chat_instruction_boundary": _one_of(CHAT_INSTRUCTION_BOUNDARIES),
+    "retention": _one_of(RETENTIONS),
 }
 
 
