@@ -32,6 +32,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"
 from shadow_engine import Driver, build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
 
 
+def conversation_order(rng: random.Random, args) -> list[int]:
+    """Which conversation sends each request. Default: every conversation once per round, rounds
+    in a seeded order. With ``--active A``: A conversations run at once, the next turn goes to a
+    random one of them, each ends after 1 to 2 * ``--turns`` - 1 turns and the next conversation
+    takes its place (traffic whose finished conversations stay in the cache)."""
+    if not args.active:
+        return [c for _ in range(args.turns) for c in rng.sample(range(args.conversations), args.conversations)]
+    left = {c: rng.randint(1, 2 * args.turns - 1) for c in range(args.conversations)}
+    active, waiting, order = list(range(args.active)), list(range(args.active, args.conversations)), []
+    while active:
+        conversation = rng.choice(active)
+        order.append(conversation)
+        left[conversation] -= 1
+        if not left[conversation]:
+            active.remove(conversation)
+            if waiting:
+                active.append(waiting.pop(0))
+    return order
+
+
 def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> list[int]:
     """Cached tokens of each request of the seeded workload, in the order they ran."""
     rng = random.Random(seed)
@@ -43,7 +63,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     driver = Driver(scheduler, worker)
     system = tokens(rng, args.system)
     history = {c: system + tokens(rng, rng.randint(20, 120)) for c in range(args.conversations)}
-    order = [c for _ in range(args.turns) for c in rng.sample(range(args.conversations), args.conversations)]
+    order = conversation_order(rng, args)
     cached = []
     for conversation in order:
         request = make_request(history[conversation], max_tokens=8)
@@ -59,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=6, help="workloads per pool size (default 6)")
     parser.add_argument("--conversations", type=int, default=8, help="conversations (default 8)")
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    parser.add_argument("--active", type=int, default=0, help="conversations at once (default 0: all, in rounds)")
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
     parser.add_argument("--prompt-capture", default="auto", help="the plugin's prompt_capture (default auto)")

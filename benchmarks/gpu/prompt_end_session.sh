@@ -8,7 +8,10 @@
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight)
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi}
+#   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on an 80 MB KV pool that
+#                                32 conversations of 2,000-6,700 tokens overflow: stock, the plugin
+#                                (retention borrow, the default) and retention hold, all up at once
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|pressure}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -38,5 +41,15 @@ case "$stage" in
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py \
       -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
+    ;;
+  pressure)
+    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
+    sleep 10
+    timeout 540 bc-bench --write-model /tmp/tiny --arch tiny --launch /tmp/tiny --policies aligned,request_boundaries \
+      --variant 'hold={"policy":"request_boundaries","retention":"hold"}' --log-dir /tmp/r/logs \
+      --server-arg='--kv-cache-memory-bytes 80000000' --server-arg='--gpu-memory-utilization 0.2' \
+      --server-arg='--max-model-len 8192' --additional-config '{"gdn_prefill_backend":"triton"}' \
+      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --repeat 2 --time-budget 330 --startup-timeout 180 \
+      --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
 esac

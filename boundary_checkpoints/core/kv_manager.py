@@ -134,13 +134,31 @@ class PressureRelievingKVCacheManager(KVCacheManager):
 
 
 class YieldingBlockPool(BlockPool):
-    """vLLM's block pool that calls ``yield_to_cache(num_blocks)`` before it hands out new blocks:
-    the scheduler evicts retained checkpoints there while those blocks would include one that
-    vLLM's prefix cache still holds, so a checkpoint never displaces a block stock would keep."""
+    """vLLM's block pool that calls ``yield_to_cache(num_blocks)`` before it hands out new blocks,
+    and stamps each block of vLLM's prefix cache it frees with ``clock()`` (:meth:`freed_at`).
+    The scheduler evicts retained checkpoints there, each only if it was last used no later than
+    the newest cached block those new blocks would take: checkpoints and vLLM's cached blocks
+    leave in one least-recently-used order."""
 
     yield_to_cache: Any = None  # (num_blocks) -> None, set by the scheduler
+    clock: Any = None  # () -> int, set by the scheduler
+    freed_stamps: Any = None  # block id -> clock() at its last free as a cached block
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[override]
         if self.yield_to_cache is not None:
             self.yield_to_cache(num_blocks)
         return super().get_new_blocks(num_blocks)
+
+    def free_blocks(self, ordered_blocks) -> None:  # type: ignore[override]
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        if self.clock is None:
+            return
+        now = self.clock()
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None and getattr(block, "pool", None) in (None, self):
+                self.freed_stamps[block.block_id] = now
+
+    def freed_at(self, block) -> int:
+        """``clock()`` when ``block`` (a free cached block) was last freed; 0 if before stamping."""
+        return self.freed_stamps.get(block.block_id, 0)

@@ -96,9 +96,10 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._block_pool = block_pool
         max_blocks = int(block_pool.num_gpu_blocks * self.boundary_config.max_retained_fraction)
         self._page_bytes = tuple(g.page_bytes for g in geometries)
-        self.checkpoint_store = CheckpointStore(
-            release=block_pool.free_blocks, max_blocks=max_blocks, borrow=self.boundary_config.retention == "borrow"
-        )
+        borrow = self.boundary_config.retention == "borrow"
+        if borrow:  # before the store binds the pool's free_blocks
+            reclass_instance(block_pool, YieldingBlockPool)
+        self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks, borrow=borrow)
         self._pending: list[PendingCapture] = []
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
         # of at most max_model_len - 1 tokens.
@@ -116,9 +117,10 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._coordinator = self.kv_cache_manager.coordinator
         self._coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
-        if self.checkpoint_store.borrow:
-            reclass_instance(block_pool, YieldingBlockPool)
+        if borrow:
             block_pool.yield_to_cache = self._yield_to_cache
+            block_pool.clock = self.checkpoint_store.now
+            block_pool.freed_stamps = {}
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s",
@@ -263,18 +265,28 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         return store.evict_to_free(is_free)
 
     def _yield_to_cache(self, num_blocks: int) -> None:
-        """Before vLLM hands out ``num_blocks`` new blocks: while they would include a block of its
-        prefix cache, evict the least recently used bundle whose release gives back a block no
-        cache entry names (freed to the free queue's head, so handed out first)."""
+        """Before vLLM hands out ``num_blocks`` new blocks, while they would include blocks of its
+        prefix cache: evict the least recently used bundle whose release gives back a block no
+        cache entry names (freed to the free queue's head, so handed out first). Once bundles are
+        seen reused within the time vLLM's cache keeps its blocks (``outwaits_cache``), only a
+        bundle last used no later than the newest of those cached blocks was freed goes: bundles
+        and cached blocks then leave in one least-recently-used order (a bundle is last used no
+        earlier than the pages it borrows were freed, so it never outlives them)."""
         store = self.checkpoint_store
         if not len(store):
             return
+        pool = self._block_pool
 
         def frees_uncached(block) -> bool:  # the store's reference is the last one, no cache entry
             return block.ref_cnt == 1 and block.block_hash is None
 
-        while any(block.block_hash is not None for block in islice(free_queue_order(self._block_pool), num_blocks)):
-            if not store.evict_to_free(frees_uncached, cause="cached"):
+        while True:
+            cached = [block for block in islice(free_queue_order(pool), num_blocks) if block.block_hash is not None]
+            if not cached:
+                return
+            newest = max(pool.freed_at(block) for block in cached)
+            used_by = None if store.outwaits_cache(newest) else newest
+            if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
 
     # ---- metrics --------------------------------------------------------------------------

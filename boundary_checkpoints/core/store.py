@@ -69,11 +69,11 @@ class CheckpointStore:
     # Retention ``borrow``: at publication a bundle gives back its references to blocks vLLM's
     # prefix cache names and keeps their hashes instead (:meth:`Checkpoint.intact`).
     borrow: bool = False
-    policy: LruEvictionPolicy = field(default_factory=LruEvictionPolicy)
     counters: StoreCounters = field(default_factory=StoreCounters)
     reuse: ReuseTracker = field(default_factory=ReuseTracker)
 
     def __post_init__(self) -> None:
+        self.policy = LruEvictionPolicy(clock=self.now)
         if self.max_blocks < 0:
             raise ValueError("max_blocks must be >= 0")
         self._by_parent: dict[tuple[Hashable, int], dict[tuple[int, ...], Checkpoint]] = {}
@@ -102,6 +102,17 @@ class CheckpointStore:
     @property
     def retained_bytes(self) -> int:
         return self._bytes
+
+    def now(self) -> int:
+        """The store's clock: bundles published so far (``core/reuse.py``)."""
+        return self.reuse.clock
+
+    def outwaits_cache(self, freed_at: int) -> bool:
+        """Whether bundles wait longer for their next use (the median reuse distance) than vLLM's
+        prefix cache kept the block it freed at ``freed_at`` (:meth:`now` then), or no reuse was
+        seen yet: then a bundle would lose its borrowed pages before its next use."""
+        distance = self.reuse.reuse_distance()
+        return distance is None or self.now() - freed_at < distance
 
     def checkpoints(self) -> list[Checkpoint]:
         return [ckpt for tails in self._by_parent.values() for ckpt in tails.values()]
@@ -252,14 +263,19 @@ class CheckpointStore:
         """Blocks that evicting every bundle would give back to the pool."""
         return sum(1 for block, _ in self._blocks.values() if is_free(block))
 
-    def evict_to_free(self, is_free: Callable[[BlockLike], bool], cause: str = "pressure") -> bool:
+    def evict_to_free(
+        self, is_free: Callable[[BlockLike], bool], cause: str = "pressure", used_by: int | None = None
+    ) -> bool:
         """Evict the least recently used bundle whose release frees a block; False if none would.
 
         A block frees only when the store holds its last reference: it is in no other retained
         bundle and ``is_free(block)`` (the caller's view: no running request holds it) is true.
-        ``cause`` names the eviction counter (``evictions_<cause>``).
+        ``cause`` names the eviction counter (``evictions_<cause>``). With ``used_by``, only a
+        bundle last used (:meth:`LruEvictionPolicy.used_at`) no later than that goes.
         """
         for victim in self.policy.in_order():
+            if used_by is not None and self.policy.used_at(victim) > used_by:
+                continue
             if any(self._block_users[b.block_id] == 1 and is_free(b) for b in victim.held_blocks()):
                 self._evict(victim)
                 setattr(self.counters, f"evictions_{cause}", getattr(self.counters, f"evictions_{cause}") + 1)

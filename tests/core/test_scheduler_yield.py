@@ -6,6 +6,11 @@ first turn leaves bundles holding private blocks, and a second conversation's ca
 in vLLM's free queue. New blocks that would take one of those cached blocks evict a bundle first
 (``evictions_cached``): the bundle's private blocks are handed out instead, and every cached
 block stays. The negative control turns the hook off: the same allocation takes a cached block.
+
+Once reuse was seen and the cache keeps blocks at least as long as bundles wait for their next
+use, a bundle yields only to cached blocks freed no earlier than its last use: a conversation
+newer than the cached blocks about to go keeps its bundle (the same allocation with the
+conversations in the other order is its control).
 """
 
 from __future__ import annotations
@@ -23,26 +28,57 @@ def cached_blocks(pool) -> int:
     return sum(1 for block in pool.blocks if block.block_hash is not None)
 
 
-def allocation_past_the_uncached_blocks(model_dir, yielding: bool) -> tuple[int, int, int]:
-    """(cached blocks before, cached blocks after, bundles evicted to spare the cache) around an
-    allocation of one block more than vLLM's free queue holds uncached, with conversation A's
-    bundles retained and conversation B's blocks cached in the free queue (its bundles retired)."""
-    scheduler, worker = build_scheduler(model_dir, num_blocks=96, max_retained_fraction=0.5)
+def two_conversations(model_dir, a_first: bool = True):
+    """(scheduler, store, pool) after conversations A and B ran (in that order, or B first), with
+    A's bundles retained and B's blocks cached in the free queue (its bundles retired). Response
+    bundles only: a demoted prompt bundle counts as used before anything."""
+    scheduler, worker = build_scheduler(model_dir, num_blocks=96, max_retained_fraction=0.5, prompt_checkpoints=False)
     driver = Driver(scheduler, worker)
     rng = random.Random(11)
-    driver.run([make_request(tokens(rng, 200), salt="a", max_tokens=8)])  # A: bundles with private blocks
+    a = make_request(tokens(rng, 200), salt="a", max_tokens=8)
     b = make_request(tokens(rng, 100), salt="b", max_tokens=8)
-    driver.run([b])
-    scheduler.checkpoint_store.retire(b.request_id)  # B's pages wait in the free queue, cached
-    pool = scheduler.kv_cache_manager.block_pool
-    assert len(scheduler.checkpoint_store) > 0
+    for request in (a, b) if a_first else (b, a):
+        driver.run([request])
+        if request is b:
+            scheduler.checkpoint_store.retire(b.request_id)
+    store = scheduler.checkpoint_store
+    assert len(store) > 0
+    return scheduler, store, scheduler.kv_cache_manager.block_pool
+
+
+def allocation_past_the_uncached_blocks(model_dir, yielding: bool) -> tuple[int, int, int]:
+    """(cached blocks before, cached blocks after, bundles evicted to spare the cache) around an
+    allocation of one block more than vLLM's free queue holds uncached (no reuse seen yet)."""
+    _, store, pool = two_conversations(model_dir)
     uncached = sum(1 for block in free_queue_order(pool) if block.block_hash is None)
     assert uncached < pool.get_num_free_blocks()
     if not yielding:
         pool.yield_to_cache = None
     before = cached_blocks(pool)
     pool.free_blocks(pool.get_new_blocks(uncached + 1))
-    return before, cached_blocks(pool), scheduler.checkpoint_store.counters.evictions_cached
+    return before, cached_blocks(pool), store.counters.evictions_cached
+
+
+def allocation_by_age(model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool) -> tuple[bool, int, int]:
+    """(A's bundle still retained, bundles evicted to spare the cache, cached blocks lost) after an
+    allocation of the free queue's blocks freed before A's bundle was last used, or
+    (``past_the_bundle``) through the first one freed after it, once the store has seen bundles
+    reused after ``reuse_distance`` publications."""
+    _, store, pool = two_conversations(model_dir, a_first)
+    [bundle] = store.checkpoints()
+    used = store.policy.used_at(bundle)
+    store.reuse.record_hit(store.reuse.clock - reuse_distance)
+    queue = list(free_queue_order(pool))
+    newer = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) > used]
+    older = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) < used]
+    if past_the_bundle:
+        num_blocks = newer[0] + 1
+    else:
+        num_blocks = next(i for i in range(older[-1], len(queue)) if i not in older)  # every older one, no newer
+        assert not newer or newer[0] >= num_blocks
+    before = cached_blocks(pool)
+    pool.free_blocks(pool.get_new_blocks(num_blocks))
+    return bundle in store.checkpoints(), store.counters.evictions_cached, before - cached_blocks(pool)
 
 
 def test_a_bundle_yields_before_a_cached_block_is_taken(model_dir):
@@ -55,6 +91,21 @@ def test_negative_control_without_yielding_a_cached_block_goes(model_dir):
     before, after, yielded = allocation_past_the_uncached_blocks(model_dir, yielding=False)
     assert yielded == 0
     assert after == before - 1
+
+
+def test_a_bundle_used_after_every_cached_block_about_to_go_stays(model_dir):
+    kept, yielded, lost = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False)
+    assert kept and yielded == 0 and lost > 0
+
+
+def test_negative_control_it_yields_while_bundles_wait_longer_than_the_cache_keeps_blocks(model_dir):
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=1000, past_the_bundle=False)
+    assert not kept and yielded >= 1
+
+
+def test_a_bundle_yields_to_a_cached_block_freed_after_its_last_use(model_dir):
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=True, reuse_distance=0, past_the_bundle=True)
+    assert not kept and yielded >= 1
 
 
 @pytest.mark.parametrize("free", [True, False])
