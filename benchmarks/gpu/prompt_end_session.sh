@@ -31,7 +31,7 @@ case "$stage" in
     ;;
   chat)
     for S in 2000 200; do
-      timeout 100 bc-bench $U $L --model q --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 \
+      timeout 100 bc-bench $U $L --model q --vocab-size 151936 --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 \
         --in-flight 8 --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
     done
     ;;

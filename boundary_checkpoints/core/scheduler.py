@@ -129,7 +129,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
-            "private blocks only, the cache's pages borrowed; yielding before a cached block goes"
+            "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
