@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     workload = Workload(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
                         user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                         concurrency=args.in_flight[0], vocab_size=vocab, seed=args.seed,
-                        shared_system=not args.turn1_only or args.mode == "chat", mode=args.mode)  # fmt: skip
+                        shared_system=not args.turn1_only or args.mode == "chat", mode=args.mode,
+                        turn_order=args.turn_order)  # fmt: skip
     words = chat_words.TINY_WORDS
     if args.mode == "chat":
         source = args.tokenizer or args.launch

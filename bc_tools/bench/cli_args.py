@@ -15,7 +15,7 @@ import json
 import shlex
 
 from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY
-from bc_tools.bench.workload import MODES
+from bc_tools.bench.workload import MODES, TURN_ORDERS
 from bc_tools.fixtures import tiny_models
 
 ARCHES = ("tiny", *tiny_models.REAL_SIZE_ARCHES)
@@ -204,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every conversation one turn (-T ignored); tokens mode: each with its own system ids, "
         "nothing is reused; chat mode: all share the system message",
+    )
+    wl.add_argument(
+        "--turn-order",
+        choices=TURN_ORDERS,
+        default="each",
+        help="each: a conversation's turns back to back; rounds: turn k of every conversation before "
+        "any turn k + 1, so a conversation's next turn waits for all others (KV cache pressure)",
     )
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
     wl.add_argument(

@@ -1,7 +1,8 @@
 """One label's slot of a round, and the warm-up that precedes a server's first slot.
 
 Contract: a :class:`Slot` drives ``max(N, C)`` conversations with C threads (C: the workload's
-concurrency), each conversation turn after turn, and keeps every request record and, per
+concurrency), each conversation turn after turn (``workload.turn_order`` "each") or turn k of
+every conversation before any turn k + 1 ("rounds"), and keeps every request record and, per
 conversation, each turn's (prompt, boundary). In ``workload.mode == "chat"`` a turn goes through
 ``/v1/chat/completions`` as messages (``workload.chat_messages``: the slot's shared system message,
 the user messages, the earlier answers' text as assistant messages), streamed, greedy,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import random
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from bc_tools.bench.chat_words import TINY_WORDS, draw_words
@@ -44,6 +46,18 @@ def _postfix(rec: RequestRecord) -> str:
         return f"{rec.policy} error"
     ttft = f"{rec.ttft_s * 1000:.0f}ms" if rec.ttft_s is not None else "-"
     return f"C={rec.in_flight} r{rec.round} {rec.policy} {rec.phase} t{rec.turn} ttft {ttft}"
+
+
+@dataclass
+class _ConversationState:
+    """One conversation's progress through its turns."""
+
+    prompt: list[int] = field(default_factory=list)
+    answer: list[int] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # chat: the answers' text
+    boundary: int = 0
+    history: list[tuple[list[int], int]] = field(default_factory=list)  # (prompt, boundary) per turn
+    stopped: bool = False
 
 
 class Slot:
@@ -79,43 +93,42 @@ class Slot:
             for fut in [pool.submit(fn, item) for item in items]:
                 fut.result()
 
-    def _conversation(self, plan: ConversationPlan | ChatConversationPlan) -> None:
+    def _turn(self, plan: ConversationPlan | ChatConversationPlan, state: _ConversationState, turn: int) -> None:
+        """Send turn ``turn`` of ``plan`` (tokens or chat), unless an earlier turn failed."""
+        if state.stopped:
+            return  # later turns need the failed turn's answer
         if isinstance(plan, ChatConversationPlan):
-            self._chat_conversation(plan)
-            return
-        w = self.workload
-        prompt, boundary, answer, history = first_prompt(plan), 0, [], []
-        for turn in range(1, w.turns + 1):
-            if turn > 1:
-                prompt = next_prompt(prompt, answer, plan.user_turns[turn - 1])
-            rec = self._send(prompt, w.answer_tokens, self.salt, phase="conversation", conversation=plan.index,
-                             turn=turn, boundary=boundary)  # fmt: skip
-            history.append((prompt, boundary))
-            if rec.error:
-                break  # later turns need this answer
-            answer = rec.answer_ids
-            boundary = exact_boundary(len(prompt), len(answer))
-        with self._lock:
-            self.turn_prompts[plan.index] = history
-
-    def _chat_conversation(self, plan: ChatConversationPlan) -> None:
-        """Turn after turn through the chat endpoint, each answer's text sent back; the history
-        keeps the prompt ids the server rendered (for the floor; a turn without them is left out)."""
-        answers: list[str] = []
-        boundary, history = 0, []
-        for turn in range(1, self.workload.turns + 1):
-            rec, res = self._send_chat(chat_messages(plan, answers), phase="conversation",
-                                       conversation=plan.index, turn=turn, boundary=boundary)  # fmt: skip
+            rec, res = self._send_chat(chat_messages(plan, state.answers), phase="conversation",
+                                       conversation=plan.index, turn=turn, boundary=state.boundary)  # fmt: skip
             if res is None:
-                break  # later turns need this answer
-            history.append((res.prompt_token_ids, boundary))
-            answers.append(res.text)
-            boundary = exact_boundary(rec.prompt_tokens, len(rec.answer_ids))
-        with self._lock:
-            self.turn_prompts[plan.index] = history
+                state.stopped = True
+                return
+            # Keep the prompt ids the server rendered (for the floor).
+            state.history.append((res.prompt_token_ids, state.boundary))
+            state.answers.append(res.text)
+            state.boundary = exact_boundary(rec.prompt_tokens, len(rec.answer_ids))
+            return
+        state.prompt = first_prompt(plan) if turn == 1 else next_prompt(state.prompt, state.answer, plan.user_turns[turn - 1])
+        rec = self._send(state.prompt, self.workload.answer_tokens, self.salt, phase="conversation",
+                         conversation=plan.index, turn=turn, boundary=state.boundary)  # fmt: skip
+        state.history.append((state.prompt, state.boundary))
+        if rec.error:
+            state.stopped = True
+            return
+        state.answer = rec.answer_ids
+        state.boundary = exact_boundary(len(state.prompt), len(state.answer))
 
     def run_conversations(self) -> None:
-        self._pool(self._conversation, self.plans)
+        """Every conversation's turns: each conversation's back to back (``turn_order`` "each"), or
+        turn k of every conversation before any turn k + 1 ("rounds")."""
+        states = {plan.index: _ConversationState() for plan in self.plans}
+        turns = range(1, self.workload.turns + 1)
+        if self.workload.turn_order == "rounds":
+            for turn in turns:
+                self._pool(lambda plan: self._turn(plan, states[plan.index], turn), self.plans)
+        else:
+            self._pool(lambda plan: [self._turn(plan, states[plan.index], turn) for turn in turns], self.plans)
+        self.turn_prompts = {index: state.history for index, state in states.items()}
 
     def floor_plan(self, index: int, block_size: int) -> list[tuple[int, FloorPrompts]]:
         """(turn, prompts) of the floor requests of one conversation (turns >= 2)."""

@@ -32,6 +32,9 @@ from bc_tools.bench.chat_words import TINY_WORDS, draw_words
 
 FIRST_RANDOM_ID = 4  # ids 0..3 are special tokens in every model the package writes
 MODES = ("tokens", "chat")  # /v1/completions with token ids; /v1/chat/completions with messages
+# "each": a conversation's turns back to back; "rounds": turn k of every conversation before any
+# turn k + 1, so each conversation's next turn waits for every other one (pressure on the cache).
+TURN_ORDERS = ("each", "rounds")
 CHAT_TOKENS_PER_MESSAGE = 8  # a generous bound on what a chat template adds around one message
 
 
@@ -47,6 +50,7 @@ class Workload:
     seed: int = 0
     shared_system: bool = True
     mode: str = "tokens"  # one of MODES
+    turn_order: str = "each"  # one of TURN_ORDERS
 
     def max_prompt_tokens(self) -> int:
         """Length of the last turn's prompt (answers are exactly ``answer_tokens`` long; chat: plus

@@ -8,9 +8,10 @@
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight)
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
-#   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on an 80 MB KV pool that
-#                                32 conversations of 2,000-6,700 tokens overflow: stock, the plugin
-#                                (retention borrow, the default) and retention hold, all up at once
+#   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 60 MB KV pool that
+#                                32 conversations of 2,000-6,700 tokens overflow, turn k of every
+#                                conversation before any turn k + 1: stock, the plugin (retention
+#                                borrow, the default) and retention hold, all up at once
 stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|pressure}
 mkdir -p /tmp/r/logs
 set -u
@@ -47,9 +48,9 @@ case "$stage" in
     sleep 10
     timeout 540 bc-bench --write-model /tmp/tiny --arch tiny --launch /tmp/tiny --policies aligned,request_boundaries \
       --variant 'hold={"policy":"request_boundaries","retention":"hold"}' --log-dir /tmp/r/logs \
-      --server-arg='--kv-cache-memory-bytes 80000000' --server-arg='--gpu-memory-utilization 0.2' \
+      --server-arg='--kv-cache-memory-bytes 60000000' --server-arg='--gpu-memory-utilization 0.2' \
       --server-arg='--max-model-len 8192' --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --repeat 2 --time-budget 330 --startup-timeout 180 \
+      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 2 --time-budget 330 --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
 esac

@@ -419,6 +419,26 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
         assert (tmp_path / "plot.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("turn_order", ["each", "rounds"])
+def test_turn_order_rounds_sends_every_first_turn_before_any_second(tmp_path, turn_order):
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    out_json = tmp_path / "result.json"
+    with serve(CompletionsStub) as a:
+        argv = ["--url", a, "--label", "aligned", "--model", "m", "--vocab-size", "1024", "-N", "4", "-T", "3",
+                "-S", "40", "-U", "8", "-A", "4", "-C", "1", "--repeat", "1", "--no-floor", "--turn-order", turn_order,
+                "--out-json", str(out_json)]  # fmt: skip
+        assert cli.main(argv) == 0
+    rows = sorted((r for r in json.loads(out_json.read_text())["records"] if r["phase"] == "conversation"),
+                  key=lambda r: r["start_s"])  # fmt: skip
+    turns = [r["turn"] for r in rows]
+    if turn_order == "rounds":
+        assert turns == [1] * 4 + [2] * 4 + [3] * 4
+    else:  # one conversation at a time at 1 in flight: its turns back to back
+        assert turns == [1, 2, 3] * 4
+    # Either way every turn k >= 2 extends its own conversation's previous prompt and answer.
+    assert all(r["boundary"] > 0 for r in rows if r["turn"] > 1)
+
+
 class _JumpingClock(traffic.Clock):
     """The run's clock, plus ``offset`` seconds that the test advances (a slot "takes" that long)."""
 
