@@ -18,6 +18,7 @@ ids; chat conversations in chat mode) and raises if one fails.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import random
 import threading
 from dataclasses import dataclass, field
@@ -108,7 +109,10 @@ class Slot:
             state.answers.append(res.text)
             state.boundary = exact_boundary(rec.prompt_tokens, len(rec.answer_ids))
             return
-        state.prompt = first_prompt(plan) if turn == 1 else next_prompt(state.prompt, state.answer, plan.user_turns[turn - 1])
+        if turn == 1:
+            state.prompt = first_prompt(plan)
+        else:
+            state.prompt = next_prompt(state.prompt, state.answer, plan.user_turns[turn - 1])
         rec = self._send(state.prompt, self.workload.answer_tokens, self.salt, phase="conversation",
                          conversation=plan.index, turn=turn, boundary=state.boundary)  # fmt: skip
         state.history.append((state.prompt, state.boundary))
@@ -118,6 +122,9 @@ class Slot:
         state.answer = rec.answer_ids
         state.boundary = exact_boundary(len(state.prompt), len(state.answer))
 
+    def _turn_of(self, states: dict[int, _ConversationState], turn: int, plan) -> None:
+        self._turn(plan, states[plan.index], turn)
+
     def run_conversations(self) -> None:
         """Every conversation's turns: each conversation's back to back (``turn_order`` "each"), or
         turn k of every conversation before any turn k + 1 ("rounds")."""
@@ -125,7 +132,7 @@ class Slot:
         turns = range(1, self.workload.turns + 1)
         if self.workload.turn_order == "rounds":
             for turn in turns:
-                self._pool(lambda plan: self._turn(plan, states[plan.index], turn), self.plans)
+                self._pool(functools.partial(self._turn_of, states, turn), self.plans)
         else:
             self._pool(lambda plan: [self._turn(plan, states[plan.index], turn) for turn in turns], self.plans)
         self.turn_prompts = {index: state.history for index, state in states.items()}

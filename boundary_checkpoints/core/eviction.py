@@ -5,8 +5,9 @@ Contract: :class:`LruEvictionPolicy` orders every bundle the store retains (``ad
 recent, ``demote`` the next victim of its class), and lasting bundles (``Checkpoint.lasting``)
 after every other one. It stamps each bundle with ``clock()`` when it adds or touches it
 (:meth:`used_at`; a demoted bundle reads as used before anything), so the scheduler can compare a
-bundle's last use with a cached block's. It only orders: budget, protection and the release of blocks are the
-store's (``core/store.py``). The policy object is the seam for a cost-aware replacement.
+bundle's last use with a cached block's. It only orders: budget, protection and the release of
+blocks are the store's (``core/store.py``). The policy object is the seam for a cost-aware
+replacement.
 """
 
 from __future__ import annotations
