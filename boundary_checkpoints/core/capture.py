@@ -10,6 +10,7 @@ over) or discarded (they are given back). It reads the scheduler's state that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from vllm.logger import init_logger
@@ -18,6 +19,7 @@ from boundary_checkpoints.compat import (
     Request,
     SchedulerOutput,
     block_grid_hit,
+    free_queue_order,
     sampled_token_ids,
 )
 from boundary_checkpoints.core.boundaries import (
@@ -37,6 +39,12 @@ from boundary_checkpoints.core.ledger import StepRecord
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+def frees_uncached(block) -> bool:
+    """A retained block whose release gives the pool a block no cache entry names (the store's
+    reference is the last one)."""
+    return block.ref_cnt == 1 and block.block_hash is None
 
 
 @dataclass
@@ -229,6 +237,9 @@ class CaptureMixin:
             self._block_pool.free_blocks(grid_pins)
             self.checkpoint_store.counters.captures_dropped += 1
             return
+        elif self._capture_would_thrash(len(sources)):
+            self.checkpoint_store.counters.refused_thrashing += 1
+            return
         else:
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))
             destinations = tuple(None if s is None else next(fresh) for s in plan.sources)
@@ -251,6 +262,27 @@ class CaptureMixin:
         if adopt:
             pending.ready_seq = self._sched_seq if in_flight is None else in_flight.seq
         self._pending.append(pending)
+
+    def _cached_ahead(self, num_blocks: int) -> list:
+        """The blocks of vLLM's prefix cache among the next ``num_blocks`` the pool hands out."""
+        return [
+            block for block in islice(free_queue_order(self._block_pool), num_blocks) if block.block_hash is not None
+        ]
+
+    def _capture_would_thrash(self, num_blocks: int) -> bool:
+        """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
+        vLLM's prefix cache (more than yielding every bundle gives back) while bundles are seen
+        to wait longer for their next use than the cache keeps its blocks (a reuse distance is
+        known, ``outwaits_cache``). Such a bundle would lose its borrowed pages before its use,
+        and its private blocks would have cost stock those cached blocks. Before any reuse
+        distance is known, captures go ahead."""
+        store = self.checkpoint_store
+        if not store.borrow or store.reuse.reuse_distance() is None:
+            return False
+        cached = self._cached_ahead(num_blocks)
+        if len(cached) <= store.freeable_blocks(frees_uncached):
+            return False
+        return store.outwaits_cache(max(self._block_pool.freed_at(block) for block in cached))
 
     def _grid_blocks(self, request: Request, num_tokens: int, plan) -> tuple[tuple, ...]:
         """Per KV group, the blocks of vLLM's own block-grid hit for ``request``'s first

@@ -169,6 +169,11 @@ class StoreCounters:
     refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
     # a newcomer refused: the bundle it would evict is likely reused soon
     refused_protected: int = exported("Checkpoints not retained: the bundle they would evict is likely reused sooner.")
+    # retention borrow: its private blocks would evict cached blocks while bundles outwait the cache
+    refused_thrashing: int = exported(
+        "Checkpoints not taken: their private blocks would evict blocks of vLLM's prefix cache, which keeps "
+        "blocks for less time than checkpoints wait for their next use."
+    )
     superseded: int = 0
     captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")
     # finished aborted after generating: no response checkpoint

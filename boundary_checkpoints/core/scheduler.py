@@ -10,7 +10,6 @@ returns. The numbered contracts the code cites ("contract N") are in ``docs/desi
 from __future__ import annotations
 
 import time
-from itertools import islice
 from typing import Any
 
 from vllm.logger import init_logger
@@ -22,14 +21,13 @@ from boundary_checkpoints.compat import (
     RequestStatus,
     Scheduler,
     SchedulerOutput,
-    free_queue_order,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
     single_type_managers,
 )
 from boundary_checkpoints.core.boundaries import RESPONSE
-from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture
+from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, frees_uncached
 from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
@@ -275,16 +273,11 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         store = self.checkpoint_store
         if not len(store):
             return
-        pool = self._block_pool
-
-        def frees_uncached(block) -> bool:  # the store's reference is the last one, no cache entry
-            return block.ref_cnt == 1 and block.block_hash is None
-
         while True:
-            cached = [block for block in islice(free_queue_order(pool), num_blocks) if block.block_hash is not None]
+            cached = self._cached_ahead(num_blocks)
             if not cached:
                 return
-            newest = max(pool.freed_at(block) for block in cached)
+            newest = max(self._block_pool.freed_at(block) for block in cached)
             used_by = None if store.outwaits_cache(newest) else newest
             if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
