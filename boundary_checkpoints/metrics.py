@@ -45,7 +45,7 @@ from vllm.logger import init_logger
 from boundary_checkpoints.compat import AggregateStatLoggerBase
 from boundary_checkpoints.core.checkpoint import ReportedGauges, StoreCounters
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
-from boundary_checkpoints.core.step_report import take_payload
+from boundary_checkpoints.core.step_report import COPY_TIME_KEY, take_payload
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -83,6 +83,12 @@ GAUGE_HELP: dict[str, str] = {_metric(spec): spec.metadata["help"] for spec in f
 _GAUGE_KEYS: dict[str, str] = {spec.name: _metric(spec) for spec in fields(ReportedGauges)}
 GAUGE_KEYS = tuple(_GAUGE_KEYS)
 
+# One observation per launch of capture copies (the worker's time for them; only where the worker
+# shares the engine core's process, see core/step_copies.py).
+COPY_SECONDS = METRIC_PREFIX + "capture_copy_seconds"
+COPY_SECONDS_HELP = "Time of one launch of boundary capture copies (a step's copies before or after its forward)."
+COPY_SECONDS_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
 HITS = _metric(_EXPORTED["hits"])
 MISSES = _metric(_EXPORTED["misses"])
 EVICTIONS = _metric(_EXPORTED["evictions"])
@@ -103,7 +109,7 @@ class Sample:
     metric: str
     labels: tuple[str, ...]  # values of the metric's own label names (after model_name, engine)
     value: int
-    type: str  # "counter" or "gauge"
+    type: str  # "counter", "gauge" or "observation" (microseconds, into a histogram of seconds)
 
 
 def to_samples(payload: Mapping[str, int]) -> list[Sample]:
@@ -112,7 +118,9 @@ def to_samples(payload: Mapping[str, int]) -> list[Sample]:
     to a labelled series each; counters with a zero delta and unknown names give no sample."""
     samples: list[Sample] = []
     for name, value in payload.items():
-        if name in _GAUGE_KEYS:
+        if name.startswith(COPY_TIME_KEY):
+            samples.append(Sample(COPY_SECONDS, (), value, "observation"))
+        elif name in _GAUGE_KEYS:
             samples.append(Sample(_GAUGE_KEYS[name], (), value, "gauge"))
         elif value <= 0:
             continue
@@ -134,7 +142,7 @@ class BoundaryCheckpointPrometheus:
     """The ``prometheus_client`` counters and gauges, one series per engine (and label)."""
 
     def __init__(self, model_name: str, engine_indexes: Iterable[int], registry: Any = None) -> None:
-        from prometheus_client import REGISTRY, Counter, Gauge
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
         self.registry = REGISTRY if registry is None else registry
         for collector in _registered:
@@ -152,13 +160,16 @@ class BoundaryCheckpointPrometheus:
             self.metrics[name] = Gauge(
                 name, documentation, base, registry=self.registry, multiprocess_mode="mostrecent"
             )
+        self.metrics[COPY_SECONDS] = Histogram(
+            COPY_SECONDS, COPY_SECONDS_HELP, base, buckets=COPY_SECONDS_BUCKETS, registry=self.registry
+        )
         _registered.extend(self.metrics.values())
         known = {HITS: KNOWN_KINDS, MISSES: KNOWN_MISS_REASONS, EVICTIONS: KNOWN_EVICTION_CAUSES}
         for engine in engine_indexes:  # every known series from the start, at 0
             for name, (_, labels) in COUNTER_HELP.items():
                 for value in known[name] if labels else [None]:
                     self._series(name, engine, () if value is None else (value,))
-            for name in GAUGE_HELP:
+            for name in (*GAUGE_HELP, COPY_SECONDS):
                 self._series(name, engine, ())
 
     def _series(self, metric: str, engine: int, labels: tuple[str, ...]):
@@ -169,6 +180,8 @@ class BoundaryCheckpointPrometheus:
             series = self._series(sample.metric, engine, sample.labels)
             if sample.type == "gauge":
                 series.set(sample.value)
+            elif sample.type == "observation":
+                series.observe(sample.value / 1e6)
             else:
                 series.inc(sample.value)
 

@@ -37,7 +37,7 @@ from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.restore import RestoreMixin
-from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR
+from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
@@ -107,6 +107,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._instruction_counts: dict[str, int] = {}
         self._chat_markers = chat_markers_for(self.boundary_config, self.vllm_config)  # contract 10
         self._sched_seq = 0
+        self._copy_timers: list[Any] = []  # the worker's capture-copy timers not yet reported
         self._processed_seq = 0
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.is_recurrent)
@@ -198,6 +199,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
                 self._settle_speculative_step(scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.boundaries_active:
+            if self.log_stats:  # drained by make_stats, which reports nothing without
+                self._copy_timers.extend(getattr(scheduler_output, COPY_TIMES_ATTR, ()))
             self._publish_ready()
             self._maybe_log_stats()
         return outputs
@@ -292,6 +295,12 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         stats.update(sorted(self._instruction_counts.items()))
         return stats
 
+    def _finished_copy_seconds(self) -> list[float]:
+        """The times of the capture copies that ran since the last report (oldest first)."""
+        times = [timer.seconds() for timer in self._copy_timers]
+        self._copy_timers = [timer for timer, seconds in zip(self._copy_timers, times) if seconds is None]
+        return [seconds for seconds in times if seconds is not None]
+
     def _maybe_log_stats(self) -> None:
         interval = self.boundary_config.stats_log_interval_s
         now = time.monotonic()
@@ -319,7 +328,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         stats = super().make_stats(*args, **kwargs)
         if stats is not None and self.boundaries_active:
             reporter = self.__dict__.setdefault("_step_counter_reporter", StepCounterReporter())
-            reporter.attach(stats, self.boundary_stats)
+            reporter.attach(stats, self.boundary_stats, self._finished_copy_seconds())
         return stats
 
 

@@ -12,9 +12,16 @@ block)`` pairs of scheduler block ids, applied in every KV cache group of every 
 * :data:`POST_FORWARD_COPIES_ATTR`: right after the forward: pages the forward wrote (the
   attention tail page of an in-step capture).
 
+The worker sets :data:`COPY_TIMES_ATTR` on the ``SchedulerOutput`` it was handed: a list of
+timers (``seconds()``: the copies' time, None while they still run), one per launch of capture
+copies. The scheduler reads it in ``update_from_output``. Only a worker in the engine core's own
+process (vLLM's ``UniProcExecutor``: one GPU) hands back the same object; behind vLLM's
+multiprocess executor (the CPU engine, tensor parallelism) the attribute stays on the worker's copy.
+
 They live here, on the scheduler side, so that the scheduler never imports worker code.
 """
 
 CAPTURE_COPIES_ATTR = "boundary_capture_copies"
 IN_STEP_CAPTURES_ATTR = "boundary_in_step_captures"
 POST_FORWARD_COPIES_ATTR = "boundary_post_forward_copies"
+COPY_TIMES_ATTR = "boundary_copy_times"

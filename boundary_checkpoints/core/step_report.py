@@ -5,12 +5,13 @@ Contract: :class:`StepCounterReporter` adds ``boundary_checkpoints:<counter>`` e
 gauges as they are) to the one ``dict[str, int]`` field of ``SchedulerStats`` whose stock readers
 look up only their own keys (:data:`CARRIER_FIELD`), and only when the frontend's stat logger is
 active (:func:`frontend_collects`); :func:`take_payload` removes them before vLLM's loggers read
-the field. ``metrics.py`` turns them into Prometheus series.
+the field. ``metrics.py`` turns them into Prometheus series. Capture-copy times travel as one
+entry per observation, ``boundary_checkpoints:capture_copy_us.<i>`` (microseconds, an ``int``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -25,6 +26,7 @@ STAT_LOGGER_NAME = "boundary_checkpoints"  # entry point name; same as the gener
 STAT_LOGGER_GROUP = "vllm.stat_logger_plugins"
 CARRIER_FIELD = STATS_CARRIER_FIELD
 PAYLOAD_PREFIX = "boundary_checkpoints:"
+COPY_TIME_KEY = "capture_copy_us."  # + the observation's index in its step
 REPORTED_GAUGES = frozenset(spec.name for spec in fields(ReportedGauges))  # sent as they are, not as deltas
 
 _frontend_collects: bool | None = None
@@ -74,8 +76,9 @@ class StepCounterReporter:
                 out[name] = delta
         return out
 
-    def attach(self, stats: Any, current: Callable[[], Mapping[str, int]]) -> None:
-        """Add ``current()`` (read only when the frontend collects it) to ``stats``."""
+    def attach(self, stats: Any, current: Callable[[], Mapping[str, int]], copy_seconds: Sequence[float] = ()) -> None:
+        """Add ``current()`` (read only when the frontend collects it) and the capture-copy times
+        ``copy_seconds`` to ``stats``."""
         if self._enabled is None:
             self._enabled = frontend_collects()
         if not self._enabled:
@@ -84,6 +87,8 @@ class StepCounterReporter:
         if not isinstance(carrier, dict):
             return
         carrier.update({PAYLOAD_PREFIX + name: value for name, value in self.payload(current()).items()})
+        for index, seconds in enumerate(copy_seconds):
+            carrier[f"{PAYLOAD_PREFIX}{COPY_TIME_KEY}{index}"] = round(seconds * 1e6)
 
 
 def take_payload(scheduler_stats: Any) -> dict[str, int]:

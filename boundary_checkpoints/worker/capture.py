@@ -28,6 +28,9 @@ Contract:
 * Post-forward copies. Pages the scheduler lists under :data:`POST_FORWARD_COPIES_ATTR` (the
   attention tail page of an in-step capture, written by this step's forward) are copied right
   after the runner's ``execute_model`` returned, on the same stream, so before any later step.
+* Copy times. Each launch of capture or post-forward copies is timed (:class:`CopyTimer`), and the
+  timers go on the ``SchedulerOutput`` the worker was handed, under :data:`COPY_TIMES_ATTR`, for
+  the scheduler's ``/metrics`` histogram (``core/step_copies.py`` says where that reaches it).
 
 The copier (storage split and device-side region table) is built when vLLM warms the model up
 (``compile_or_warm_up_model``, after the KV cache is allocated), where it compiles its kernel
@@ -41,9 +44,43 @@ V1 (CPU) and V2 (GPU) runners.
 from __future__ import annotations
 
 import copy
+import time
 
-from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
+import torch
+
+from boundary_checkpoints.core.step_copies import (
+    CAPTURE_COPIES_ATTR,
+    COPY_TIMES_ATTR,
+    IN_STEP_CAPTURES_ATTR,
+    POST_FORWARD_COPIES_ATTR,
+)
 from boundary_checkpoints.worker.kernels import PageCopier
+
+
+class CopyTimer:
+    """The time of one launch of capture copies: CUDA events on a GPU (read once the copies ran,
+    no host sync), the host's clock elsewhere (the copies run synchronously there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._events = None
+        self._elapsed: float | None = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+        else:
+            self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._elapsed = time.perf_counter() - self._started
+
+    def seconds(self) -> float | None:
+        """The copies' time in seconds; None while they still run on the device."""
+        if self._elapsed is None and self._events is not None and self._events[1].query():
+            self._elapsed = self._events[0].elapsed_time(self._events[1]) / 1000
+        return self._elapsed
 
 
 class CaptureCopyWorkerMixin:
@@ -75,13 +112,15 @@ class CaptureCopyWorkerMixin:
         return super().compile_or_warm_up_model(*args, **kwargs)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        handed = scheduler_output
         captures = getattr(scheduler_output, CAPTURE_COPIES_ATTR, None)
         in_step = getattr(scheduler_output, IN_STEP_CAPTURES_ATTR, None)
         after = getattr(scheduler_output, POST_FORWARD_COPIES_ATTR, None)
         restores = scheduler_output.kv_cache_block_copies
         copier = self._copier() if captures or restores or after else None
+        timers = []
         if captures:
-            copier.copy(captures)
+            timers.append(self._timed_copy(copier, captures))
             self.boundary_capture_copies_applied += len(captures)
         if restores:
             copier.copy([(c.src_block_id, c.dst_block_id) for c in restores])
@@ -92,14 +131,22 @@ class CaptureCopyWorkerMixin:
             if scheduler_output.new_block_ids_to_zero:
                 to_zero = [b for b in scheduler_output.new_block_ids_to_zero if b not in copied]
                 scheduler_output.new_block_ids_to_zero = to_zero or None
+        if timers or after:  # on the scheduler's own object (``core/step_copies.py``)
+            setattr(handed, COPY_TIMES_ATTR, timers)
         if in_step:
             output = self._execute_with_in_step_captures(in_step, scheduler_output, *args, **kwargs)
         else:
             output = super().execute_model(scheduler_output, *args, **kwargs)
         if after:
-            copier.copy(after)
+            timers.append(self._timed_copy(copier, after))
             self.boundary_capture_copies_applied += len(after)
         return output
+
+    def _timed_copy(self, copier: PageCopier, pairs) -> CopyTimer:
+        timer = CopyTimer(self.model_runner.kv_caches[0].device)
+        copier.copy(pairs)
+        timer.stop()
+        return timer
 
     def _execute_with_in_step_captures(self, pairs, scheduler_output, *args, **kwargs):
         if self._step_captures is None:

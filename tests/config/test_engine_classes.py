@@ -16,14 +16,24 @@ import json, sys
 from vllm import LLM
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
           enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True,
+          disable_log_stats=False,
           additional_config={"boundary_checkpoints": {"policy": sys.argv[2], "prompt_capture": "in_step"}})
 core = llm.llm_engine.engine_core.engine_core
+copy_us = []  # the capture-copy times each step's SchedulerStats carries to the frontend
+make_stats = core.scheduler.make_stats
+def spy(*args, **kwargs):
+    stats = make_stats(*args, **kwargs)
+    if stats is not None:
+        copy_us.extend(v for k, v in stats.num_kv_fetch_reqs_by_stage.items() if "capture_copy_us" in k)
+    return stats
+core.scheduler.make_stats = spy
 worker = llm.collective_rpc(lambda self: type(self.worker).__module__ + "." + type(self.worker).__qualname__)[0]
 out = llm.generate([{"prompt_token_ids": list(range(4, 304))}] * 2, use_tqdm=False)
 out += llm.generate([{"prompt_token_ids": list(range(4, 304))}], use_tqdm=False)  # a resend
 copies = llm.collective_rpc("boundary_copy_counts")[0] if sys.argv[2] != "aligned" else None
 print("RESULT " + json.dumps({
     "copies": copies,
+    "copy_us": copy_us,
     "scheduler": type(core.scheduler).__module__ + "." + type(core.scheduler).__qualname__,
     "worker": worker,
     "cached": [o.num_cached_tokens for o in out],
@@ -47,6 +57,8 @@ def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):
     assert info["cached"][2] == 299
     captures, restores = info["copies"]
     assert captures > 0 and restores > 0
+    # The worker timed its capture copies, and the times rode the engine's stats (worker in process).
+    assert info["copy_us"] and all(us > 0 for us in info["copy_us"])
 
 
 def test_aligned_engine_uses_stock_classes(tiny_model_dir):
@@ -55,3 +67,4 @@ def test_aligned_engine_uses_stock_classes(tiny_model_dir):
     assert info["worker"] == "vllm.v1.worker.cpu_worker.CPUWorker"
     assert "boundary_checkpoints: policy=aligned -> aligned" in info["log"]
     assert info["cached"][2] < 299
+    assert info["copy_us"] == []

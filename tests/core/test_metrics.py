@@ -6,6 +6,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -118,8 +119,28 @@ def test_prometheus_series_per_model_and_engine():
     assert after[("vllm:boundary_checkpoints_retained", (*e1, ("model_name", "tiny")))] == 2
     assert after[("vllm:boundary_checkpoint_retained_bytes", (*e1, ("model_name", "tiny")))] == 81920
     assert after[("vllm:boundary_checkpoint_hits_total", (*base[:1], ("kind", "prompt"), *base[1:]))] == 0
-    names = {name.removesuffix("_total") for name, _ in after}
+    names = {name.removesuffix("_total") for name, _ in after if "capture_copy_seconds" not in name}
     assert names == set(COUNTER_HELP) | set(GAUGE_HELP)
+
+
+def test_capture_copy_times_travel_as_microseconds_into_a_histogram():
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from boundary_checkpoints.metrics import COPY_SECONDS
+
+    stats = SchedulerStats(num_kv_fetch_reqs_by_stage={})
+    StepCounterReporter(enabled=True).attach(stats, lambda: {}, [0.0003, 0.002])
+    payload = take_payload(stats)
+    assert payload == {"capture_copy_us.0": 300, "capture_copy_us.1": 2000}
+    assert to_samples(payload) == [Sample(COPY_SECONDS, (), 300, "observation"),
+                                   Sample(COPY_SECONDS, (), 2000, "observation")]  # fmt: skip
+    registry = CollectorRegistry()
+    BoundaryCheckpointPrometheus("tiny", [0], registry=registry).observe(payload, engine=0)
+    series = (("engine", "0"), ("model_name", "tiny"))
+    after = scrape(registry)
+    assert after[(COPY_SECONDS + "_count", series)] == 2
+    assert after[(COPY_SECONDS + "_sum", series)] == pytest.approx(0.0023)
+    assert after[(COPY_SECONDS + "_bucket", (*series[:1], ("le", "0.0005"), *series[1:]))] == 1
 
 
 def test_stat_logger_strips_payload_even_when_inactive():
