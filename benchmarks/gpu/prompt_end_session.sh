@@ -8,11 +8,14 @@
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight)
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
+#   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
+#                                against the default, started one by one: a 5,000-token shared
+#                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 60 MB KV pool that
 #                                32 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|pressure}
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glm|pressure}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -29,6 +32,9 @@ case "$stage" in
     bash benchmarks/gpu/serve_pair.sh 330 || exit 1
     bc-bench $U $L --model q --vocab-size 151936 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
       --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
+    for port in 8100 8102; do  # the capture-copy histogram (one GPU: the worker shares the engine core)
+      curl -s "http://127.0.0.1:$port/metrics" | grep "capture_copy_seconds_\(count\|sum\)" | sed "s/^/$port /"
+    done | tee /tmp/r/copy-histogram.txt
     ;;
   chat)
     for S in 2000 200; do
@@ -42,6 +48,16 @@ case "$stage" in
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py \
       -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
+    ;;
+  glm)
+    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
+    sleep 10
+    timeout 560 bc-bench --write-model /tmp/glm --arch glm5_next_flash_dense --launch /tmp/glm \
+      --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs \
+      --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
+      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
+      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight 1,8 --repeat 6 --time-budget 520 --startup-timeout 240 \
+      --out-json /tmp/r/glm.json --markdown 2>&1 | tee /tmp/r/glm.log | tail -60
     ;;
   pressure)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
