@@ -239,6 +239,9 @@ class CaptureMixin:
             return
         elif self._capture_would_thrash(len(sources)):
             self.checkpoint_store.counters.refused_thrashing += 1
+            # The store's clock counts it as a publication: the cache's lifetime is measured on that
+            # clock, and must keep growing while refusals stand in for publications.
+            self.checkpoint_store.reuse.stamp()
             return
         else:
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))

@@ -126,11 +126,11 @@ def test_nothing_yields_while_only_uncached_blocks_are_taken(model_dir, free):
     assert scheduler.checkpoint_store.counters.evictions_cached == 0
 
 
-def capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance: int | None) -> tuple[int, int]:
-    """(captures refused as thrashing, bundles published) after conversation C ran with every free
-    block the pool hands out first a block of B's, cached (the uncached ones taken and held). C's
-    prompt checkpoint (at P, the default) copies into new blocks; its response bundle adopts C's
-    own blocks and takes none."""
+def capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance: int | None) -> tuple[int, int, int]:
+    """(captures refused as thrashing, bundles published, ticks of the store's clock) after
+    conversation C ran with every free block the pool hands out first a block of B's, cached (the
+    uncached ones taken and held). C's prompt checkpoint (at P, the default) copies into new
+    blocks; its response bundle adopts C's own blocks and takes none."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="end")
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
@@ -139,22 +139,23 @@ def capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance: int | None) ->
     store = scheduler.checkpoint_store
     store.retire(b.request_id)
     assert len(store) == 0
-    published = store.counters.published
+    published, clock = store.counters.published, store.now()
     if reuse_distance is not None:
         store.reuse.record_hit(store.reuse.clock - reuse_distance)
     pool = scheduler.kv_cache_manager.block_pool
     pool.get_new_blocks(sum(1 for block in free_queue_order(pool) if block.block_hash is None))  # held
     assert all(block.block_hash is not None for block in free_queue_order(pool))
     driver.run([make_request(tokens(rng, 40), salt="c", max_tokens=8)])
-    return store.counters.refused_thrashing, store.counters.published - published
+    return store.counters.refused_thrashing, store.counters.published - published, store.now() - clock
 
 
 def test_a_capture_that_would_evict_cached_blocks_is_refused_while_the_cache_thrashes(model_dir):
-    refused, published = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=1000)
+    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=1000)
     assert refused == 1 and published == 1  # the response bundle only
+    assert ticks == 2  # the refusal counts on the store's clock, as a publication would
 
 
 @pytest.mark.parametrize("reuse_distance", [0, None])
 def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir, reuse_distance):
-    refused, published = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance)
-    assert refused == 0 and published == 2  # the prompt bundle too
+    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance)
+    assert refused == 0 and published == 2 and ticks == 2  # the prompt bundle too
