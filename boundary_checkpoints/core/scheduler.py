@@ -37,7 +37,7 @@ from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.restore import RestoreMixin
-from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR
+from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
@@ -122,7 +122,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             block_pool.freed_stamps = {}
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
-            "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s",
+            "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s, "
+            "capture-copy times %s",
             len(geometries),
             ", ".join(g.label for g in geometries),
             self.hash_block_size,
@@ -133,6 +134,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             else "every block held until evicted",
             prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
             self._chat_markers.describe(),
+            copy_times_reach_metrics(self.vllm_config),
         )
 
     # ---- keys -----------------------------------------------------------------------------

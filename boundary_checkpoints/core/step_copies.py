@@ -25,3 +25,13 @@ CAPTURE_COPIES_ATTR = "boundary_capture_copies"
 IN_STEP_CAPTURES_ATTR = "boundary_in_step_captures"
 POST_FORWARD_COPIES_ATTR = "boundary_post_forward_copies"
 COPY_TIMES_ATTR = "boundary_copy_times"
+IN_PROCESS_EXECUTORS = ("uni", "external_launcher")  # the worker runs in the engine core's process
+
+
+def copy_times_reach_metrics(vllm_config) -> str:
+    """For the startup line: whether the worker's copy timers reach the scheduler, and why."""
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend in IN_PROCESS_EXECUTORS:
+        return "on /metrics (the worker runs in the engine core's process)"
+    name = getattr(backend, "__name__", backend)
+    return f"not on /metrics (executor {name}: the worker is another process)"

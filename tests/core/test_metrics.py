@@ -197,3 +197,16 @@ def test_tables_come_from_the_counter_fields_and_kinds():
         Sample("vllm:boundary_checkpoint_hits", ("instruction",), 1, "counter"),
         Sample("vllm:boundary_checkpoint_misses", ("draft_next_token",), 2, "counter"),
     }
+
+
+@pytest.mark.parametrize(("backend", "reaches"), [("uni", True), ("external_launcher", True), ("mp", False)])
+def test_the_startup_line_says_whether_copy_times_reach_metrics(backend, reaches):
+    from types import SimpleNamespace
+
+    from boundary_checkpoints.core.step_copies import copy_times_reach_metrics
+
+    said = copy_times_reach_metrics(
+        SimpleNamespace(parallel_config=SimpleNamespace(distributed_executor_backend=backend))
+    )
+    assert said.startswith("on /metrics") == reaches
+    assert reaches or "executor mp" in said
