@@ -122,8 +122,9 @@ class Slot:
         state.answer = rec.answer_ids
         state.boundary = exact_boundary(len(state.prompt), len(state.answer))
 
-    def _turn_of(self, states: dict[int, _ConversationState], turn: int, plan) -> None:
-        self._turn(plan, states[plan.index], turn)
+    def _turns(self, states: dict[int, _ConversationState], turns: range, plan) -> None:
+        for turn in turns:
+            self._turn(plan, states[plan.index], turn)
 
     def run_conversations(self) -> None:
         """Every conversation's turns: each conversation's back to back (``turn_order`` "each"), or
@@ -132,9 +133,9 @@ class Slot:
         turns = range(1, self.workload.turns + 1)
         if self.workload.turn_order == "rounds":
             for turn in turns:
-                self._pool(functools.partial(self._turn_of, states, turn), self.plans)
+                self._pool(functools.partial(self._turns, states, range(turn, turn + 1)), self.plans)
         else:
-            self._pool(lambda plan: [self._turn(plan, states[plan.index], turn) for turn in turns], self.plans)
+            self._pool(functools.partial(self._turns, states, turns), self.plans)
         self.turn_prompts = {index: state.history for index, state in states.items()}
 
     def floor_plan(self, index: int, block_size: int) -> list[tuple[int, FloorPrompts]]:
