@@ -1,7 +1,8 @@
 """What a slot measures on its server besides the request records.
 
 Contract: ``scrape_counters`` reads vLLM's ``SLOT_COUNTERS`` from a server's ``/metrics``
-(preemptions; with speculative decoding, drafts and accepted tokens), ``counter_deltas`` gives
+(preemptions; with speculative decoding, drafts and accepted tokens; the plugin's capture copies
+and their time in microseconds), ``counter_deltas`` gives
 their growth over a slot and ``slot_counters`` the slot's summary entries from it (with the mean
 acceptance length, None without speculative decoding). ``flush_plugin_stats`` makes the engine log
 one more plugin stats line, so that the log's peak ``bytes_retained`` covers the whole slot.
@@ -23,7 +24,10 @@ SLOT_COUNTERS = {  # summary key -> vLLM's Prometheus counter, read from /metric
     "preemptions": "vllm:num_preemptions",
     "spec_drafts": "vllm:spec_decode_num_drafts",  # only with --speculative-config
     "spec_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "capture_copies": "vllm:boundary_checkpoint_capture_copy_seconds_count",  # plugin, worker in-process
+    "capture_copy_us": "vllm:boundary_checkpoint_capture_copy_seconds_sum",
 }
+SCALES = {"capture_copy_us": 1_000_000}  # key -> factor from the series' unit (seconds) to the key's
 PROMETHEUS_SAMPLE = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{.*\})?\s+(?P<value>\S+)")
 
 
@@ -42,7 +46,7 @@ def parse_counters(text: str, names: dict[str, str]) -> dict[str, int | None]:
         if match and match["name"] in wanted:
             key = wanted[match["name"]]
             sums[key] = sums.get(key, 0.0) + float(match["value"])
-    return {key: round(sums[key]) if key in sums else None for key in names}
+    return {key: round(sums[key] * SCALES.get(key, 1)) if key in sums else None for key in names}
 
 
 def scrape_counters(base_url: str, names: dict[str, str] = SLOT_COUNTERS) -> dict[str, int | None]:

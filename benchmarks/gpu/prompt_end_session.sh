@@ -8,6 +8,7 @@
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight)
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
+#   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
@@ -15,7 +16,7 @@
 #                                32 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glm|pressure}
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|glm|pressure}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -48,6 +49,10 @@ case "$stage" in
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py \
       -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
+    ;;
+  glmfix)
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5 and not mtp" \
+      2>&1 | tee /tmp/r/glmfix.log | tail -40
     ;;
   glm)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done

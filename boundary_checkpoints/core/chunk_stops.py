@@ -100,7 +100,7 @@ class ChunkStopMixin:
         """The plugin's chunk stops (contract 1) applied to vLLM's prefill chunk ``[start, start +
         num_new_tokens)``: the number of tokens to schedule."""
         if self._kpool and start % self._kpool:  # a prefill step (the caller's fast path took decodes)
-            return min(num_new_tokens, 1)  # off the pool grid: decode steps up to the next pool (item 11)
+            num_new_tokens = min(num_new_tokens, self._open_pool_step(start))  # off the pool grid (item 11)
         if not request_is_eligible(request):
             return num_new_tokens
         instruction = self._instruction_target(request)
@@ -118,6 +118,14 @@ class ChunkStopMixin:
             return num_new_tokens
         self._ledgers[request.request_id].stopped_at = stop  # counted once the step is scheduled
         return stop - start
+
+    def _open_pool_step(self, start: int) -> int:
+        """Tokens a prefill step from ``start``, off the indexer's pool grid, may take (contract 11):
+        every token of the open pool but its last, which then runs alone as a decode step and
+        completes the pool from the ring. Under speculative decoding every step is one token."""
+        if self.num_spec_tokens:
+            return 1
+        return max(1, self._kpool - 1 - start % self._kpool)
 
     def _prompt_target(self, request: Request) -> int:
         """Token count of ``request``'s prompt checkpoint (0: none): ``P - 1``, except under

@@ -3,11 +3,12 @@ an attention group, two recurrent groups and a ``CircularBufferSpec`` ring group
 slots (``core/scheduler.py`` contract 11).
 
 The shadow worker keeps, per ring block, the tokens of the pool in progress, and refuses a step that
-starts off the pool grid unless it is one token that finds exactly those tokens in its ring
-(``tests/helpers/shadow_engine.py``). So every boundary restore below, at ``N`` on or off the grid, passes
-only if the capture copied the producer's ring at ``N``, the restore copied it into the consumer's
-own fresh ring block, and the consumer's steps stayed one token until the next pool boundary. The
-negative controls take each of the two away and see the shadow worker object.
+starts off the pool grid unless its ring holds exactly those tokens and, if the step completes the
+open pool, it is one (decode) token (``tests/helpers/shadow_engine.py``). So every boundary restore
+below, at ``N`` on or off the grid, passes only if the capture copied the producer's ring at ``N``,
+the restore copied it into the consumer's own fresh ring block, and the consumer's first prefill
+step stopped before the open pool's last token, which then ran alone. The negative controls take
+each of the two away and see the shadow worker object.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir)
     step that copies its recurrent state; the resend's admitting step copies that bundle block into
     the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
     copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
-    restores at the committed length 25 (18 + 8 - 1) and steps 1, 1, 1 token to the pool boundary
-    28; from there vLLM's block-aligned split (block 16) runs to 32, the plugin stops at P - 1 = 37
+    restores at the committed length 25 (18 + 8 - 1), prefills 2 tokens and runs the open pool's last
+    token alone to the pool boundary 28; from there vLLM's block-aligned split (block 16) runs to 32, the plugin stops at P - 1 = 37
     and the last prompt token runs alone."""
     scheduler, worker = ring_scheduler(model_dir)
     outputs = recorded_steps(scheduler)
@@ -99,7 +100,7 @@ def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir)
     steps = [step for step in steps if step]
     n = len(prompt) + len(answer) - 1
     assert driver.cached_tokens[nxt.request_id] == n == 25
-    assert len(follow_up) == 38 and steps[:6] == [1, 1, 1, 4, 5, 1]
+    assert len(follow_up) == 38 and steps[:5] == [2, 1, 4, 5, 1]
 
 
 def test_without_the_ring_copy_a_restore_off_the_grid_reads_a_fresh_ring(model_dir, monkeypatch):
@@ -119,7 +120,21 @@ def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_d
     rng = random.Random(6)
     prompt = tokens(rng, 18)
     [answer] = driver.run([make_request(prompt, salt="s")])
-    with pytest.raises(ShadowMismatch, match="step starts off the pool grid at 25"):
+    with pytest.raises(ShadowMismatch, match="a 7-token step from 25 completes the open pool"):
+        driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
+
+
+def test_a_prefill_that_takes_the_open_pools_last_token_is_caught(model_dir, monkeypatch):
+    """The first step after a restore off the grid stops one token short of the pool boundary: one
+    token more would run the pool's completion on the indexer's prefill path."""
+    scheduler, worker = ring_scheduler(model_dir)
+    step = scheduler._open_pool_step
+    monkeypatch.setattr(scheduler, "_open_pool_step", lambda start: step(start) + 1)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(6)
+    prompt = tokens(rng, 18)
+    [answer] = driver.run([make_request(prompt, salt="s")])
+    with pytest.raises(ShadowMismatch, match="a 3-token step from 25 completes the open pool"):
         driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
 
 

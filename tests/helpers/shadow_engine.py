@@ -19,8 +19,9 @@ pair's destination (a step of fewer than two tokens, or a pair no request takes,
 
 A "ring" group (the GLM indexer tail ring, block size = the pool size ``kpool``) holds, in the
 request's one block, the tokens of the pool in progress. Like GLM's indexer, a step that starts off
-the pool grid must be a single (decode) token, which reads the ring: a longer step, or a ring that
-does not hold exactly the tokens ``[start // kpool * kpool, start)``, is a mismatch.
+the pool grid and completes the open pool must be a single (decode) token, which reads the ring; a
+longer (prefill) step there never writes the pool's key. Such a step, or a step off the grid whose
+ring does not hold exactly the tokens ``[start // kpool * kpool, start)``, is a mismatch.
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ class ShadowWorker:
     def _ring_step(self, req_id: str, req: ShadowRequest, group: int, start: int, end: int) -> None:
         kpool, [block] = self.block_sizes[group], req.block_ids[group]
         if start % kpool:
-            if end - start > 1:
-                raise ShadowMismatch(f"{req_id}: a {end - start}-token step starts off the pool grid at {start}")
+            if end - start > 1 and end >= start // kpool * kpool + kpool:
+                raise ShadowMismatch(f"{req_id}: a {end - start}-token step from {start} completes the open pool")
             if self.rings.get(block) != tuple(req.tokens[start // kpool * kpool : start]):
                 raise ShadowMismatch(f"{req_id}: ring group {group} at {start} is wrong")
         self.rings[block] = tuple(req.tokens[end // kpool * kpool : end])

@@ -58,16 +58,26 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3-
 
 def test_parse_counters_sums_engines_and_skips_neighbouring_series():
     counters = slot_metrics.parse_counters(COMMON + SPEC, slot_metrics.SLOT_COUNTERS)
-    assert counters == {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350}
+    assert counters == {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350,
+                        "capture_copies": None, "capture_copy_us": None}  # fmt: skip
 
 
 def test_parse_counters_without_speculation_or_endpoint():
     assert slot_metrics.parse_counters(COMMON, slot_metrics.SLOT_COUNTERS) == {
-        "preemptions": 5, "spec_drafts": None, "spec_accepted_tokens": None}  # fmt: skip
+        "preemptions": 5, "spec_drafts": None, "spec_accepted_tokens": None, "capture_copies": None,
+        "capture_copy_us": None}  # fmt: skip
     assert slot_metrics.parse_counters("", slot_metrics.SLOT_COUNTERS) == dict.fromkeys(slot_metrics.SLOT_COUNTERS)
     # a counter exposed under its bare name (no `_total`) counts too
     bare = 'vllm:spec_decode_num_drafts{engine="0"} 7\n'
     assert slot_metrics.parse_counters(bare, {"d": "vllm:spec_decode_num_drafts"}) == {"d": 7}
+
+
+def test_parse_counters_reads_the_capture_copy_histogram_in_microseconds():
+    text = ('vllm:boundary_checkpoint_capture_copy_seconds_bucket{engine="0",le="0.0001"} 3.0\n'
+            'vllm:boundary_checkpoint_capture_copy_seconds_count{engine="0"} 12.0\n'
+            'vllm:boundary_checkpoint_capture_copy_seconds_sum{engine="0"} 0.0031415\n')  # fmt: skip
+    counters = slot_metrics.parse_counters(text, slot_metrics.SLOT_COUNTERS)
+    assert (counters["capture_copies"], counters["capture_copy_us"]) == (12, 3142)
 
 
 def test_counter_deltas_and_slot_counters():
