@@ -58,7 +58,7 @@ case "$stage" in
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
     sleep 10
     timeout 560 bc-bench --write-model /tmp/glm --arch glm5_next_flash_dense --launch /tmp/glm \
-      --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs \
+      --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
       --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight 1,8 --repeat 6 --time-budget 520 --startup-timeout 240 \
