@@ -70,9 +70,9 @@ case "$stage" in
     timeout 540 bc-bench --write-model /tmp/tiny --arch tiny --launch /tmp/tiny --policies aligned,request_boundaries \
       --variant 'hold={"policy":"request_boundaries","retention":"hold"}' --log-dir /tmp/r/logs \
       --server-arg='--kv-cache-memory-bytes 60000000' --server-arg='--gpu-memory-utilization 0.2' \
-      --server-arg='--max-model-len 8192' --server-arg=--no-enforce-eager \
+      --server-arg='--max-model-len 8192' --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 2 --time-budget 330 --startup-timeout 180 \
+      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 2 --time-budget 250 --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
 esac
