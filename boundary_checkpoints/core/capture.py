@@ -345,6 +345,8 @@ class CaptureMixin:
         return in_step + after
 
     def _publish_ready(self) -> None:
+        if not self._pending and not self._ledgers.unsettled:
+            return  # nothing to publish or settle (most decode steps)
         still_pending: list[PendingCapture] = []
         for pending in self._pending:
             if pending.ready_seq is None or pending.ready_seq > self._processed_seq:

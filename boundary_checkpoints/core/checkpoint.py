@@ -199,6 +199,12 @@ class StoreCounters:
     hits_by_kind: dict[CheckpointKind, int] = label_values("hits", "hit_")
     misses_by_reason: dict[MissReason, int] = label_values("misses", "miss_")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Every assignment also bumps ``version`` (not a counter), which tells a step that counted
+        nothing from one that did. The labelled dicts change only beside their totals."""
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "version", self.__dict__.get("version", 0) + 1)
+
     def as_dict(self) -> dict[str, int]:
         """Flat counters; the counts by label value under their prefix: hits by kind as
         ``hit_<kind>``, misses by reason as ``miss_<reason>``."""

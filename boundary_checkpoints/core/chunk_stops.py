@@ -80,14 +80,14 @@ class ChunkStopMixin:
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if not is_prefill_step(request, start):
+            return num_new_tokens  # a decode step: vLLM's split keeps it too, no stop applies, none cut
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
         if not self.boundaries_active:
             return num_new_tokens
-        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
-        if not is_prefill_step(request, start):
-            return num_new_tokens  # a decode step: no stop applies (and this schedule() cut none)
         cut = self._boundary_split(request, start, num_new_tokens)
         if cut < num_new_tokens and not is_prefill_step(request, start + num_new_tokens):
             self._cut_prefill_ends[request.request_id] = start + cut  # vLLM's chunk reached the prefill's end

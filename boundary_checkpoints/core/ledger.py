@@ -86,6 +86,11 @@ class Ledgers:
             )
             self._unsettled.add(request_id)
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether a tainted or freed ledger waits for :meth:`settle`."""
+        return bool(self._unsettled)
+
     def settle(self, with_captures_pending: set[str]) -> None:
         """After publication: a request without pending captures is no longer tainted, and a freed
         one's ledger is dropped. Looks only at tainted and freed ledgers: O(1) on a step where

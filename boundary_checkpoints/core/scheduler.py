@@ -299,6 +299,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
 
     def _finished_copy_seconds(self) -> list[float]:
         """The times of the capture copies that ran since the last report (oldest first)."""
+        if not self._copy_timers:
+            return []
         times = [timer.seconds() for timer in self._copy_timers]
         self._copy_timers = [timer for timer, seconds in zip(self._copy_timers, times) if seconds is None]
         return [seconds for seconds in times if seconds is not None]
@@ -328,10 +330,23 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         """vLLM's per-step ``SchedulerStats`` plus this step's boundary counters, on their way to
         the frontend's ``/metrics`` (``boundary_checkpoints/metrics.py``)."""
         stats = super().make_stats(*args, **kwargs)
-        if stats is not None and self.boundaries_active:
+        if stats is None or not self.boundaries_active:
+            return stats
+        copy_seconds = self._finished_copy_seconds()
+        state = self._stats_state()
+        if copy_seconds or state != self.__dict__.get("_reported_stats_state"):  # else nothing to send
+            self._reported_stats_state = state
             reporter = self.__dict__.setdefault("_step_counter_reporter", StepCounterReporter())
-            reporter.attach(stats, self.boundary_stats, self._finished_copy_seconds())
+            reporter.attach(stats, self.boundary_stats, copy_seconds)
         return stats
+
+    def _stats_state(self) -> tuple[int, ...]:
+        """What changes whenever a value of :meth:`boundary_stats` does (counters bump their version)."""
+        store = self.checkpoint_store
+        return (
+            store.counters.version, len(store), store.retained_blocks, store.retained_bytes, len(self._pending),
+            sum(self._instruction_counts.values()),
+        )  # fmt: skip
 
 
 class BoundaryScheduler(BoundaryCheckpointMixin, Scheduler):

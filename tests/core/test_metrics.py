@@ -210,3 +210,31 @@ def test_the_startup_line_says_whether_copy_times_reach_metrics(backend, reaches
     )
     assert said.startswith("on /metrics") == reaches
     assert reaches or "executor mp" in said
+
+
+def test_a_step_that_changed_nothing_sends_no_payload(model_dir, monkeypatch):
+    """The scheduler attaches its counters only to steps after which one of them changed: a decode
+    step that captured, restored and evicted nothing costs no payload. Negative control: with the
+    step state frozen, the resend's hit would never reach ``/metrics``."""
+    import random
+
+    from shadow_engine import Driver, build_scheduler, make_request, tokens
+
+    scheduler, worker = build_scheduler(model_dir)
+    scheduler._step_counter_reporter = StepCounterReporter(enabled=True)
+    payloads = []  # per make_stats call (vLLM's update_from_output makes one per step)
+    make_stats = scheduler.make_stats
+    monkeypatch.setattr(scheduler, "make_stats", lambda *a, **k: payloads.append(take_payload(make_stats(*a, **k))))
+    driver = Driver(scheduler, worker)
+    prompt = tokens(random.Random(1), 40)
+    driver.run([make_request(prompt, salt="s", max_tokens=24)])
+    assert sum(p.get("published", 0) for p in payloads) > 0
+    assert sum(1 for p in payloads if not p) >= 10  # the decode steps after the prompt's capture
+    payloads.clear()
+    driver.run([make_request(prompt, salt="s")])  # a resend: a hit
+    assert sum(p.get("hits", 0) for p in payloads) == 1
+    monkeypatch.setattr(scheduler, "_stats_state", lambda: ())
+    make_stats()
+    payloads.clear()
+    driver.run([make_request(prompt, salt="s")])
+    assert sum(p.get("hits", 0) for p in payloads) == 0
