@@ -70,8 +70,8 @@ def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir)
     the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
     copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
     restores at the committed length 25 (18 + 8 - 1), prefills 2 tokens and runs the open pool's last
-    token alone to the pool boundary 28; from there vLLM's block-aligned split (block 16) runs to 32, the plugin stops at P - 1 = 37
-    and the last prompt token runs alone."""
+    token alone to the pool boundary 28; from there vLLM's block-aligned split (block 16) runs to 32,
+    the plugin stops at P - 1 = 37 and the last prompt token runs alone."""
     scheduler, worker = ring_scheduler(model_dir)
     outputs = recorded_steps(scheduler)
     driver = Driver(scheduler, worker)
