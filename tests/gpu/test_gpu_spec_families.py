@@ -449,6 +449,20 @@ def test_glm5_next_boundaries_above_index_topk():
     check_corrupted_run(info, rows, bounds)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_nemotron_h_mtp_boundaries(k):
+    """Nemotron-H under MTP (``nemotron_h_mtp``: the tiny Nemotron-H plus one random attention MTP
+    layer, which vLLM builds as ``NemotronHMTP``), as the Qwen MTP test: exact counts, the first-token
+    bound, the negative control. Its random drafter's drafts are rejected (as the random GLM
+    drafter's were), so acceptance is not judged here: that needs a planted drafter."""
+    info, rows, bounds = run_case(f"nemotron_h_mtp-k{k}", "nemotron_h_mtp", k=k, extra_lengths=(DECODED_BLOCK_LENGTH,))
+    setup = info["request_boundaries"]["setup"]
+    print(f"nemotron_h_mtp k={k} setup: {setup}")
+    print(f"nemotron_h_mtp k={k} acceptance: {info['request_boundaries']['acceptance']}")
+    check_plugin_run(info, rows, bounds, k)
+    check_corrupted_run(info, rows, bounds, speculative=True)
+
+
 REFUSAL_SCRIPT = r"""
 import sys
 from vllm import LLM

@@ -13,9 +13,10 @@ Run in its own process: it initialises torch.distributed.
 
 ``--mtp`` builds the MTP drafter instead, as vLLM's proposer does: the ``VllmConfig`` of
 ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}``, the class of its draft model
-config (``Glm5NextMTPModel`` -> ``Glm5NextMTP`` for GLM), constructed over the target's
-``VllmConfig`` and loaded from the same ``model.safetensors`` (it takes the tensors of its layers,
-``model.layers.{num_hidden_layers + i}.``, and skips the rest). The JSON line then also gives
+config (``Glm5NextMTPModel`` -> ``Glm5NextMTP`` for GLM, ``NemotronHMTPModel`` for Nemotron-H),
+constructed over the target's ``VllmConfig`` and loaded from the same ``model.safetensors`` (it
+takes the tensors of its layers, ``model.layers.{num_hidden_layers + i}.`` for GLM, or ``mtp.``, the
+embedding and the head for Nemotron-H, and skips the rest). The JSON line then also gives
 ``mtp_tensor_elements`` (elements of the checkpoint tensors under those prefixes) and
 ``parameter_elements``: with nothing unset and the two equal, every MTP tensor went into a
 parameter (none was skipped by a ``continue`` of the loader).
@@ -36,6 +37,8 @@ import sys
 import tempfile
 import types
 from unittest import mock
+
+MTP_PREFIX = "mtp."  # where Nemotron-H and Qwen3-Next checkpoints keep their MTP layers
 
 
 class _StandIn:
@@ -174,6 +177,8 @@ def main(model_dir: str, shims: bool = False, mtp: bool = False) -> None:
         text = model_config.hf_text_config
         first = text.num_hidden_layers
         prefixes = tuple(f"model.layers.{first + i}." for i in range(text.num_nextn_predict_layers))
+        if any(name.startswith(MTP_PREFIX) for name in tensors):  # Nemotron-H: its own embedding and head too
+            prefixes = (MTP_PREFIX, "lm_head.", "backbone.embeddings.")
         extra = {
             "mtp_tensor_elements": sum(t.numel() for name, t in tensors.items() if name.startswith(prefixes)),
             "parameter_elements": sum(p.numel() for p in named.values()),

@@ -24,7 +24,7 @@ from bc_tools.fixtures import tiny_models as tm
 from bc_tools.fixtures.families import FAMILIES
 
 NEW_FAMILIES = ("glm5_next", "kimi_linear", "nemotron_h")
-BUILT = (*NEW_FAMILIES, "glm5_next_mtp")
+BUILT = (*NEW_FAMILIES, "glm5_next_mtp", "nemotron_h_mtp")
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,24 @@ def test_nemotron_h_config_parses_to_mamba2_and_attention(family_dirs):
     assert (config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size) == (8, 64, 1, 64)
 
 
+def test_nemotron_h_mtp_is_nemotron_h_plus_one_attention_mtp_layer(family_dirs):
+    """The same base tensors byte for byte, and one MTP layer of pattern ``*`` that vLLM's
+    speculative config turns into its ``NemotronHMTPModel`` drafter."""
+    from safetensors.torch import load_file
+    from vllm.config.speculative import SpeculativeConfig
+
+    base = load_file(str(family_dirs["nemotron_h"] / "model.safetensors"))
+    mtp = load_file(str(family_dirs["nemotron_h_mtp"] / "model.safetensors"))
+    assert {name for name in mtp if not name.startswith("mtp.")} == set(base)
+    assert all(bool((mtp[name] == tensor).all()) for name, tensor in base.items())
+    assert {name for name in mtp if name.startswith("mtp.layers.0.mixer.")} == {
+        f"mtp.layers.0.mixer.{p}_proj.weight" for p in "qkvo"
+    }
+    config = vllm_hf_config(family_dirs["nemotron_h_mtp"])
+    assert (config.num_nextn_predict_layers, config.mtp_hybrid_override_pattern) == (1, "*")
+    assert SpeculativeConfig.hf_config_override(config).architectures == ["NemotronHMTPModel"]
+
+
 def test_architectures_are_registered():
     from vllm.model_executor.models.registry import ModelRegistry
 
@@ -128,6 +146,15 @@ def check_loader(model_dir: Path, architecture: str, cpu_shims: bool = False, mt
 
 def test_vllm_loader_takes_nemotron_h_weights(family_dirs):
     check_loader(family_dirs["nemotron_h"], "NemotronHForCausalLM")
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["target", "drafter"])
+def test_vllm_loader_takes_nemotron_h_mtp_weights(family_dirs, mtp):
+    """The target skips the ``mtp.`` tensors; vLLM's ``NemotronHMTP`` takes them all (with the
+    embedding and the head): a misspelt name is skipped and changes the element count, a missing
+    one leaves a parameter NaN."""
+    architecture = "NemotronHMTPModel" if mtp else "NemotronHForCausalLM"
+    check_loader(family_dirs["nemotron_h_mtp"], architecture, mtp=mtp)
 
 
 @pytest.mark.parametrize("family", ["glm5_next", "kimi_linear"])
