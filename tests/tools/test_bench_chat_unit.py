@@ -353,3 +353,18 @@ def test_chat_turn1_only_shares_the_system_message(tmp_path, capsys):
     assert result["levels"][0]["summary"]["turn1_cached_median"] == {"aligned": 20.0}
     assert "turn-1 cached tokens: median per policy (all rounds; the system message's reuse): aligned 20" in printed
     assert result["levels"][0]["summary"]["lost_hits"] == {}  # stock alone: no label to compare
+
+
+def test_capture_copy_rows_appear_where_metrics_carry_them():
+    """The capture-copy rows show the plugin's launches and their time per round (from
+    ``/metrics``); a run whose servers report none (a multiprocess executor) has no such rows."""
+    level = _level(None)
+    table = report.summary_table(_result(), level, markdown=True)
+    assert "capture-copy launches" not in table
+    level["summary"]["policies"]["request_boundaries"].update(
+        capture_copies={"median": 20, "p25": 12, "p75": 24, "n": 3},
+        capture_copy_us={"median": 5635, "p25": 3775, "p75": 6000, "n": 3},
+    )
+    table = report.summary_table(_result(), level, markdown=True)
+    assert _row(table, "capture-copy launches")[1].startswith("20")
+    assert _row(table, "capture-copy time ms")[1].startswith("5.63")
