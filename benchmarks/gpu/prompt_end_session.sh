@@ -9,7 +9,7 @@
 #                                flight)
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
-#   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its tiny fixture (GPU test)
+#   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds

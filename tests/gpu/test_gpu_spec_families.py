@@ -99,6 +99,9 @@ MTP_FAMILY = "qwen3_next_mtp_planted"  # its MTP layer predicts the target: draf
 # accepted. The random ``glm5_next_mtp`` drafter has none accepted on a GPU (1.000 tokens per
 # drafting step), so the boundaries of its runs never saw an accepted draft.
 GLM_MTP_FAMILY = "glm5_next_mtp_planted"
+# Nemotron-H plus one attention MTP layer that drafts the same planted successor (0.71 of drafts
+# accepted at k = 1 offline, tests/tools/test_planted_nemotron_mtp.py).
+NEMOTRON_MTP_FAMILY = "nemotron_h_mtp_planted"
 # Least mean tokens per drafting step (``1 + accepted / steps``) of GLM's restored and cold
 # continuations: drafts are really accepted at GLM's boundaries (1.000 means none ever was).
 GLM_MIN_TOKENS_PER_STEP = 1.2
@@ -284,7 +287,8 @@ def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str,
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
-    case = make_case(k, extra_lengths, planted_seed=0 if family == MTP_FAMILY else None, decode_path=decode_path)
+    planted_seed = 0 if family in (MTP_FAMILY, NEMOTRON_MTP_FAMILY) else None  # the Qwen fixture's successor
+    case = make_case(k, extra_lengths, planted_seed=planted_seed, decode_path=decode_path)
     info, log = run_engine_script(SCRIPT, str(model), HELPERS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
@@ -451,16 +455,18 @@ def test_glm5_next_boundaries_above_index_topk():
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_nemotron_h_mtp_boundaries(k):
-    """Nemotron-H under MTP (``nemotron_h_mtp``: the tiny Nemotron-H plus one random attention MTP
-    layer, which vLLM builds as ``NemotronHMTP``), as the Qwen MTP test: exact counts, the first-token
-    bound, the negative control. Its random drafter's drafts are rejected (as the random GLM
-    drafter's were), so acceptance is not judged here: that needs a planted drafter."""
-    info, rows, bounds = run_case(f"nemotron_h_mtp-k{k}", "nemotron_h_mtp", k=k, extra_lengths=(DECODED_BLOCK_LENGTH,))
+    """Nemotron-H under MTP (``nemotron_h_mtp_planted``: the tiny Nemotron-H plus one attention MTP
+    layer, which vLLM builds as ``NemotronHMTP``, drafting the planted successor), as the Qwen MTP
+    test: exact counts, the first-token bound, the negative control, and drafts accepted after a
+    restore as often as cold (``check_acceptance``)."""
+    name = f"{NEMOTRON_MTP_FAMILY}-k{k}"
+    info, rows, bounds = run_case(name, NEMOTRON_MTP_FAMILY, k=k, extra_lengths=(DECODED_BLOCK_LENGTH,))
     setup = info["request_boundaries"]["setup"]
-    print(f"nemotron_h_mtp k={k} setup: {setup}")
-    print(f"nemotron_h_mtp k={k} acceptance: {info['request_boundaries']['acceptance']}")
+    print(f"{NEMOTRON_MTP_FAMILY} k={k} setup: {setup}")
+    assert setup["async_scheduling"] is True and setup["scheduler"] == "BoundaryAsyncScheduler", setup
     check_plugin_run(info, rows, bounds, k)
     check_corrupted_run(info, rows, bounds, speculative=True)
+    check_acceptance(info, k)
 
 
 REFUSAL_SCRIPT = r"""
