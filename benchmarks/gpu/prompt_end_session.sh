@@ -13,8 +13,8 @@
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
-#   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 60 MB KV pool that
-#                                32 conversations of 2,000-6,700 tokens overflow, turn k of every
+#   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
+#                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
 stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|nemotronmtp|glm|pressure}
@@ -74,10 +74,10 @@ case "$stage" in
     sleep 10
     timeout 540 bc-bench --write-model /tmp/tiny --arch tiny --launch /tmp/tiny --policies aligned,request_boundaries \
       --variant 'hold={"policy":"request_boundaries","retention":"hold"}' --log-dir /tmp/r/logs \
-      --server-arg='--kv-cache-memory-bytes 60000000' --server-arg='--gpu-memory-utilization 0.2' \
+      --server-arg='--kv-cache-memory-bytes 32000000' --server-arg='--gpu-memory-utilization 0.2' \
       --server-arg='--max-model-len 8192' --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 32 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 2 --time-budget 250 --startup-timeout 180 \
+      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget 380 --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
 esac
