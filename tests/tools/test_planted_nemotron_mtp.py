@@ -90,33 +90,21 @@ def test_mtp_drafts_the_planted_successor_of_every_token(weights, family):
         assert len(wrong) > family_spec.VOCAB_SIZE // 2  # the random drafter knows no successor
 
 
-def offline_acceptance(model_dir, w: dict) -> float:
-    """Acceptance per draft at ``k = 1`` on greedy answers of random prompts: each answer token
-    after the first was drafted from the previous row's target hidden state and token."""
+def acceptance(model_dir, w: dict) -> float:
+    """``planted_acceptance.offline_acceptance`` of the target in ``model_dir`` and the drafter ``w``."""
     import torch
+    from planted_acceptance import offline_acceptance
     from transformers import NemotronHForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     model = NemotronHForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    accepted = drafted = 0
-    for length in (1, 40, 97):
-        prompts = torch.randint(4, family_spec.VOCAB_SIZE, (32, length), generator=generator)
-        with torch.no_grad():
-            ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=16,
-                                 do_sample=False, pad_token_id=family_spec.PAD_ID)  # fmt: skip
-            hidden = model(ids, output_hidden_states=True).hidden_states[-1]
-        rows = torch.arange(length - 1, ids.shape[1] - 2)  # rows whose drafted token is an answer token
-        drafts = mtp_logits(w, ids[:, rows + 1], hidden[:, rows]).argmax(-1)
-        accepted += int((drafts == ids[:, rows + 2]).sum())
-        drafted += drafts.numel()
-    return accepted / drafted
+    return offline_acceptance(model, lambda tokens, hidden: mtp_logits(w, tokens, hidden))
 
 
 def test_drafts_are_accepted_on_the_targets_greedy_answers(dirs, weights):
-    planted = offline_acceptance(dirs[FAMILY], weights[FAMILY])
-    random = offline_acceptance(dirs[BASE], weights[BASE])
+    planted = acceptance(dirs[FAMILY], weights[FAMILY])
+    random = acceptance(dirs[BASE], weights[BASE])
     print(f"offline acceptance per draft (k = 1): planted {planted:.3f}, random {random:.3f}")
     assert planted >= MIN_OFFLINE_ACCEPTANCE > random
 
