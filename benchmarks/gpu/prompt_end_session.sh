@@ -34,9 +34,6 @@ case "$stage" in
     bash benchmarks/gpu/serve_pair.sh 330 || exit 1
     bc-bench $U $L --model q --vocab-size 151936 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
       --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
-    for port in 8100 8102; do  # the capture-copy histogram (one GPU: the worker shares the engine core)
-      curl -s "http://127.0.0.1:$port/metrics" | grep "capture_copy_seconds_\(count\|sum\)" | sed "s/^/$port /"
-    done | tee /tmp/r/copy-histogram.txt
     ;;
   chat)
     for S in 2000 200; do
