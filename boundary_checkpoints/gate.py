@@ -7,7 +7,8 @@ Contract
   human clause per feature that boundary retention does not support.
   ``unvalidated_reasons(vllm_config)`` lists the layouts it is built for but has not been
   measured on (model architectures other than the measured ones, tensor parallel, decode context
-  parallel, single-module MTP and DFlash above ``k = 3``: not validated on GPU). The tables behind
+  parallel, single-module MTP and DFlash above ``k = 3``, a speculative method on an architecture
+  not measured with it: not validated on GPU). The tables behind
   both are :mod:`boundary_checkpoints.support`; the plugin's own classes are
   :mod:`boundary_checkpoints.wiring` (a configured ``scheduler_cls`` that subclasses the plugin's
   ``BoundaryCheckpointMixin`` is kept; any other custom scheduler class is a reason against).
@@ -41,8 +42,8 @@ from boundary_checkpoints.support import (
     UNSUPPORTED_PARALLEL_SIZES,
     VALIDATED_ARCHITECTURES,
     VALIDATED_SPECULATIVE,
-    VALIDATED_SPECULATIVE_ARCHITECTURES,
     failures_on_gpu,
+    speculative_architectures,
 )
 from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES, extends_boundary_scheduler
 
@@ -213,8 +214,10 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     is measured on the CPU engine (V1 runner, synchronous scheduling) and on a GPU (Model Runner
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
     vLLM runs on GPUs only) on a GPU at ``k`` 3 with a planted drafter whose drafts are accepted
-    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), all on Qwen3-Next: on another
-    architecture speculative decoding is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
+    (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), on Qwen3-Next; single-module
+    MTP also on Nemotron-H at ``k`` 1 and 3 (a planted MTP layer, drafts accepted). Another
+    architecture, or another method on these, is not validated
+    (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -237,12 +240,12 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
             reasons.append(
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
             )
-        if architectures and not set(architectures) & set(VALIDATED_SPECULATIVE_ARCHITECTURES):
+        measured = speculative_architectures(method)
+        if architectures and not set(architectures) & set(measured):
             failures = failures_on_gpu(architectures, method, k or 1)
             reasons.append(
                 f"speculative decoding ({method}) on {', '.join(architectures)} is not validated yet "
-                f"(measured with it: {', '.join(VALIDATED_SPECULATIVE_ARCHITECTURES)})"
-                + "".join(f"; {what}" for what in failures)
+                f"(measured with it: {', '.join(measured)})" + "".join(f"; {what}" for what in failures)
             )
     return reasons
 

