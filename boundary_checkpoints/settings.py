@@ -118,6 +118,7 @@ _FIELD_CHECKS = {
     "stats_log_interval_s": _check_interval,
     "chat_instruction_boundary": _one_of(CHAT_INSTRUCTION_BOUNDARIES),
     "retention": _one_of(RETENTIONS),
+    "pool_grid_snapshots": _check_flag,
 }
 
 
@@ -171,6 +172,13 @@ class BoundaryConfig:
     cached block the least recently used checkpoint gives back its private blocks instead.
     ``hold``: it holds every block (and the block-grid states below it) until the budget or an
     allocation that does not fit evicts it (``docs/notes/retention.md``)."""
+    pool_grid_snapshots: bool = True
+    """Models with a pooled sparse-attention indexer (GLM-5.3-Flash), without speculative decoding:
+    each decoding request keeps a copy of its recurrent state at its last indexer pool boundary
+    (one block per recurrent group, while the retained budget and free blocks allow, given back
+    first under pressure), and its response checkpoint sits there, up to ``pool - 1`` tokens below
+    the committed length. The next turn then prefills from the pool grid in one step instead of two.
+    False: the response checkpoint sits at the committed length."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -6,7 +6,8 @@ the top two candidates are nearly tied. Whole-answer equality would measure roun
 plugin. The criteria judge what the plugin controls (the resume point and the restored state):
 
 1. Exact cached counts (``==`` the boundary): resend ``max(P - 1, 0)``, continuation the committed
-   length ``P + answer - 1``, every cold run 0 (:func:`count_failures`).
+   length ``P + answer - 1`` (GLM: the pool boundary below it), every cold run 0
+   (:func:`count_failures`).
 2. First-token top-k logprobs of a restored run within :attr:`Bounds.first_token` of its cold
    control (:func:`first_token_deviation`). The first token is computed straight from the
    restored state, before any decode step adds its own rounding.
@@ -229,12 +230,13 @@ def state_failures(name: str, run: Answer, cold: Answer, bounds: Bounds) -> list
     return failures
 
 
-def count_failures(row: ProbeRow) -> list[str]:
-    """Cached counts that are not exactly the boundaries."""
+def count_failures(row: ProbeRow, pool: int = 0) -> list[str]:
+    """Cached counts that are not exactly the boundaries; ``pool``: the response boundary sits on
+    that pool grid below the committed length (GLM-5.3-Flash's pool-grid snapshots)."""
     expected = {
         "producer": (row.producer.cached, 0),
         "resend": (row.resend.cached, max(row.prompt_len - 1, 0)),
-        "continuation": (row.restored.cached, row.committed),
+        "continuation": (row.restored.cached, row.committed // pool * pool if pool else row.committed),
         "cold control": (row.cold.cached, 0),
         "second cold control": (row.cold_again.cached, 0),
     }
@@ -299,13 +301,15 @@ def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
     return [(row.cold_decoded, row.cold) for row in rows if row.cold_decoded is not None]
 
 
-def probe_failures(rows: Sequence[ProbeRow], bounds: Bounds, continuation_bounds: Bounds | None = None) -> list[str]:
-    """Why a plugin run is not exact (empty when it is): counts, then per restore the state
-    criteria against ``bounds`` (from :func:`calibrate`); continuations against
-    ``continuation_bounds`` where given (calibrated with :func:`decode_path_pairs`)."""
+def probe_failures(
+    rows: Sequence[ProbeRow], bounds: Bounds, continuation_bounds: Bounds | None = None, pool: int = 0
+) -> list[str]:
+    """Why a plugin run is not exact (empty when it is): counts (``count_failures``, with ``pool``),
+    then per restore the state criteria against ``bounds`` (from :func:`calibrate`); continuations
+    against ``continuation_bounds`` where given (calibrated with :func:`decode_path_pairs`)."""
     failures = []
     for row in rows:
-        failures += count_failures(row)
+        failures += count_failures(row, pool)
         for name, run, cold in row.restored_pairs():
             judged = continuation_bounds if name == "continuation" and continuation_bounds else bounds
             failures += state_failures(f"P={row.prompt_len} {name}", run, cold, judged)

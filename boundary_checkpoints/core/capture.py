@@ -36,6 +36,7 @@ from boundary_checkpoints.core.checkpoint import LASTING_KINDS, Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.ledger import StepRecord
+from boundary_checkpoints.core.pool_snapshots import with_state_blocks
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -177,6 +178,7 @@ class CaptureMixin:
         state_end: int | None = None,
         in_flight: StepRecord | None = None,
         in_step: bool = False,
+        state_blocks: tuple[Any, ...] | None = None,
     ) -> None:
         """Plan a bundle of ``request`` at ``num_tokens`` (its recurrent state written by the step
         that ended at ``state_end``, default ``num_tokens``); under MTP the bundle serves only
@@ -184,7 +186,8 @@ class CaptureMixin:
         from it). ``in_flight``: the adopted state is written by that step, still in flight, whose
         output gives that token (contract 3). ``in_step``: the step being scheduled computes the
         prompt through ``state_end`` and takes the state after ``num_tokens`` inside its GDN
-        layers (contract 2)."""
+        layers (contract 2). ``state_blocks``: the recurrent states are those blocks' (a pool-grid
+        snapshot, contract 12), not the request's own."""
         if num_tokens > self._max_useful_tokens:
             return  # no prompt vLLM accepts could resume there
         key = self._key(request, num_tokens)
@@ -206,9 +209,12 @@ class CaptureMixin:
                 if kind == INSTRUCTION:
                     pending.checkpoint.kind = INSTRUCTION
                 return
+        blocks = self._request_blocks(request.request_id)
+        if state_blocks is not None:
+            blocks = with_state_blocks(self._geometries, blocks, state_blocks, num_tokens)
         plan = plan_bundle(
             self._geometries,
-            self._request_blocks(request.request_id),
+            blocks,
             num_tokens,
             self._block_pool.null_block,
             state_end,

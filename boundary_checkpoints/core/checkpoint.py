@@ -195,6 +195,15 @@ class StoreCounters:
     prompt_captures_in_step: int = exported(
         "Prompt checkpoints taken inside the step that computed the prompt (no P - 1 stop)."
     )
+    # GLM's indexer pool grid (core/pool_snapshots.py)
+    responses_on_pool_grid: int = exported(
+        "Response checkpoints taken at the indexer's pool boundary below the committed length, from a snapshot: "
+        "the next turn prefills from there in one step."
+    )
+    pool_snapshot_copies: int = exported("Block copies into pool-grid snapshots of decoding requests.")
+    pool_snapshots_released: int = exported(
+        "Pool-grid snapshots given back to make room: that response keeps its checkpoint at the committed length."
+    )
     # by the restored checkpoint's kind, and by miss reason (core/kinds.py)
     hits_by_kind: dict[CheckpointKind, int] = label_values("hits", "hit_")
     misses_by_reason: dict[MissReason, int] = label_values("misses", "miss_")
@@ -231,3 +240,7 @@ class ReportedGauges:
         "Bytes of KV cache held by retained boundary checkpoints.", metric="vllm:boundary_checkpoint_retained_bytes"
     )
     captures_pending: int = gauge("Captures planned and not yet published.")
+    snapshot_blocks: int = gauge(
+        "KV cache blocks held by pool-grid snapshots of decoding requests.",
+        metric="vllm:boundary_checkpoint_snapshot_blocks",
+    )

@@ -36,6 +36,7 @@ from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discrim
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.ledger import Ledgers
+from boundary_checkpoints.core.pool_snapshots import PoolGridMixin
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
@@ -57,9 +58,10 @@ def prompt_checkpoint_mode(config: BoundaryConfig, decision: PromptCaptureDecisi
     return text
 
 
-class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
+class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGridMixin):
     """Boundary capture/restore on top of vLLM's Scheduler: ``__init__``, the step hooks, the
-    request lifecycle and the stats; restore, chunk stops and capture are its bases."""
+    request lifecycle and the stats; restore, chunk stops, capture and pool-grid snapshots are its
+    bases."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -111,6 +113,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         self._processed_seq = 0
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.is_recurrent)
+        self._pool_snapshots = self._make_pool_snapshots()
         self._last_stats_log = time.monotonic()
         reclass_instance(self.kv_cache_manager, PressureRelievingKVCacheManager)
         self._coordinator = self.kv_cache_manager.coordinator
@@ -123,7 +126,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s, "
-            "capture-copy times %s",
+            "capture-copy times %s%s",
             len(geometries),
             ", ".join(g.label for g in geometries),
             self.hash_block_size,
@@ -135,6 +138,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
             self._chat_markers.describe(),
             copy_times_reach_metrics(self.vllm_config),
+            self._pool_grid_line(),
         )
 
     # ---- keys -----------------------------------------------------------------------------
@@ -170,6 +174,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         all_copies = copies + self._emit_in_step_captures(output)
         if all_copies:
             self._record_capture_cost(all_copies)
+        if self._pool_snapshots is not None:
+            self._attach_snapshot_copies(output)
         if self._ring_restores:
             self._copy_restored_rings(output)
         if self._lookup_pins:
@@ -213,7 +219,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         if self.boundaries_active:
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
                 num_tokens, state_end, in_flight = self._response_boundary(request)
-                if num_tokens:
+                if num_tokens and not self._plan_response_on_pool_grid(request, num_tokens):
                     self._plan_capture(
                         request, num_tokens, RESPONSE, adopt=True, state_end=state_end, in_flight=in_flight
                     )
@@ -222,6 +228,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
                     self.checkpoint_store.counters.responses_aborted += 1
                 if any(p.request_id == request_id for p in self._pending):
                     self._ledgers.taint(request_id)
+            if self._pool_snapshots is not None:
+                self._pool_snapshots.release(request_id)
         result = super()._free_request(request, delay_free_blocks)
         if self.boundaries_active:
             self._ledgers.free(request_id, captures_pending=any(p.request_id == request_id for p in self._pending))
@@ -233,6 +241,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             if any(p.request_id == request.request_id for p in self._pending):
                 self._ledgers.taint(request.request_id)
             self._ledgers[request.request_id].last_step = None
+            if self._pool_snapshots is not None:
+                self._pool_snapshots.release(request.request_id)
         super()._preempt_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
@@ -247,6 +257,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
             num_pending = len(self._pending)
             self._pending = []
             self._ledgers.forget_captures()
+            while self._pool_snapshots is not None and self._pool_snapshots.release_one():
+                pass
             dropped = self.checkpoint_store.clear()
             logger.info(
                 "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
@@ -258,6 +270,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
     def _relieve_pressure(self, shortfall: int) -> bool:
         """Evict one retained bundle that gives blocks back to the pool, unless evicting every
         such bundle would still leave ``shortfall`` unmet; False when nothing was evicted."""
+        if self._release_snapshot():
+            return True
         store = self.checkpoint_store
 
         def is_free(block) -> bool:  # the store's reference is the last one
@@ -275,6 +289,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         bundle last used no later than the newest of those cached blocks was freed goes: bundles
         and cached blocks then leave in one least-recently-used order (a bundle is last used no
         earlier than the pages it borrows were freed, so it never outlives them)."""
+        while self._cached_ahead(num_blocks) and self._release_snapshot():
+            pass
         store = self.checkpoint_store
         if not len(store):
             return
@@ -294,6 +310,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         stats["blocks_retained"] = self.checkpoint_store.retained_blocks
         stats["bytes_retained"] = self.checkpoint_store.retained_bytes
         stats["captures_pending"] = len(self._pending)
+        stats["snapshot_blocks"] = self._snapshot_blocks
         stats.update(sorted(self._instruction_counts.items()))
         return stats
 
@@ -345,7 +362,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin):
         store = self.checkpoint_store
         return (
             store.counters.version, len(store), store.retained_blocks, store.retained_bytes, len(self._pending),
-            sum(self._instruction_counts.values()),
+            sum(self._instruction_counts.values()), self._snapshot_blocks,
         )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """The GLM indexer tail ring on vLLM's real scheduler (CPU, shadow runner): a KV cache layout with
 an attention group, two recurrent groups and a ``CircularBufferSpec`` ring group of ``kpool``
-slots (``core/scheduler.py`` contract 11).
+slots (``docs/design.md`` contracts 11 and 12).
 
 The shadow worker keeps, per ring block, the tokens of the pool in progress, and refuses a step that
 starts off the pool grid unless its ring holds exactly those tokens and, if the step completes the
@@ -9,6 +9,11 @@ below, at ``N`` on or off the grid, passes only if the capture copied the produc
 the restore copied it into the consumer's own fresh ring block, and the consumer's first prefill
 step stopped before the open pool's last token, which then ran alone. The negative controls take
 each of the two away and see the shadow worker object.
+
+By default a response checkpoint sits on the pool grid below the committed length, its recurrent
+state from the producer's pool-grid snapshot (contract 12); the tests of the off-grid path turn the
+snapshots off (``pool_grid_snapshots=False``). The shadow worker checks every restored state
+against the token prefix, so a snapshot of the wrong step is a mismatch.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from spec_shadow import SpecDriver, SpecShadowWorker
 from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.group_kinds import GroupKind
 from boundary_checkpoints.core.layout import describe_layout
+from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.settings import BoundaryConfigError
 
 KPOOL = 4
@@ -54,14 +60,25 @@ def test_layout_is_accepted_with_the_pool_size(model_dir):
     assert scheduler._kpool == KPOOL
 
 
+def on_pool_grid(committed: int) -> int:
+    return committed // KPOOL * KPOOL
+
+
+@pytest.mark.parametrize("snapshots", [True, False], ids=["pool-grid", "committed"])
 @pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
-def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag):
-    scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag))
+def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag, snapshots):
+    scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag), pool_grid_snapshots=snapshots)
     driver = Driver(scheduler, worker, lag=lag)
     # P - 1 and P + answer on and off the grid of 4; without drafts every next turn restores its
-    # exact response boundary
-    restore_rounds(driver, random.Random(lag), (5, 8, 15, 16, 17, 30, 45), new_tokens=23, exact_response=True)
+    # response boundary: the pool boundary below the committed length from a snapshot, else that length
+    restore_rounds(
+        driver, random.Random(lag), (5, 8, 15, 16, 17, 30, 45), new_tokens=23,
+        response_at=on_pool_grid if snapshots else (lambda committed: committed),
+    )  # fmt: skip
     assert worker.restored_reads > 0
+    counters = scheduler.checkpoint_store.counters
+    assert (counters.responses_on_pool_grid > 0) == snapshots
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0  # none outlives its request
 
 
 def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir):
@@ -69,10 +86,10 @@ def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir)
     step that copies its recurrent state; the resend's admitting step copies that bundle block into
     the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
     copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
-    restores at the committed length 25 (18 + 8 - 1), prefills 2 tokens and runs the open pool's last
-    token alone to the pool boundary 28; from there vLLM's block-aligned split (block 16) runs to 32,
-    the plugin stops at P - 1 = 37 and the last prompt token runs alone."""
-    scheduler, worker = ring_scheduler(model_dir)
+    restores at the committed length 25 (18 + 8 - 1; no pool-grid snapshots), prefills 2 tokens and
+    runs the open pool's last token alone to the pool boundary 28; from there vLLM's block-aligned
+    split (block 16) runs to 32, the plugin stops at P - 1 = 37 and the last prompt token runs alone."""
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
     outputs = recorded_steps(scheduler)
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
@@ -114,7 +131,7 @@ def test_without_the_ring_copy_a_restore_off_the_grid_reads_a_fresh_ring(model_d
 
 
 def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_dir, monkeypatch):
-    scheduler, worker = ring_scheduler(model_dir)
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
     monkeypatch.setattr(scheduler, "_kpool", None)
     driver = Driver(scheduler, worker)
     rng = random.Random(6)
@@ -127,7 +144,7 @@ def test_without_the_grid_rule_a_next_turn_prefills_across_the_open_pool(model_d
 def test_a_prefill_that_takes_the_open_pools_last_token_is_caught(model_dir, monkeypatch):
     """The first step after a restore off the grid stops one token short of the pool boundary: one
     token more would run the pool's completion on the indexer's prefill path."""
-    scheduler, worker = ring_scheduler(model_dir)
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
     step = scheduler._open_pool_step
     monkeypatch.setattr(scheduler, "_open_pool_step", lambda start: step(start) + 1)
     driver = Driver(scheduler, worker)
@@ -136,6 +153,115 @@ def test_a_prefill_that_takes_the_open_pools_last_token_is_caught(model_dir, mon
     [answer] = driver.run([make_request(prompt, salt="s")])
     with pytest.raises(ShadowMismatch, match="a 3-token step from 25 completes the open pool"):
         driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
+
+
+def next_turn_steps(scheduler, driver, rng) -> tuple[int, list[int]]:
+    """(cached tokens, step sizes) of the next turn of a conversation: prompt 18, answer 8
+    (committed 25), 12 more tokens (38)."""
+    outputs = recorded_steps(scheduler)
+    prompt = tokens(rng, 18)
+    [answer] = driver.run([make_request(prompt, salt="s")])
+    follow_up = prompt + answer + tokens(rng, 12)
+    nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt="cold")
+    first = len(outputs)
+    assert driver.run([nxt]) == driver.run([cold])
+    steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
+    return driver.cached_tokens[nxt.request_id], [step for step in steps if step]
+
+
+@pytest.mark.parametrize("lag", [0, 1], ids=["sync", "async"])
+def test_a_next_turn_restores_on_the_pool_grid_and_prefills_in_one_step(model_dir, lag):
+    """The producer's decode steps that end on the pool grid (20, 24) copy its recurrent states
+    into its snapshot after their forward; it finishes at 25 and its response bundle sits at 24,
+    with the snapshot's states. The next turn restores 24 and prefills from the grid: vLLM's
+    block-aligned split to 32, the stop at P - 1 = 37, the last token (no one-token pool step)."""
+    scheduler, worker = ring_scheduler(model_dir, async_scheduling=bool(lag))
+    cached, steps = next_turn_steps(scheduler, Driver(scheduler, worker, lag=lag), random.Random(6))
+    assert cached == 24 and steps[:3] == [8, 5, 1]
+    counters = scheduler.checkpoint_store.counters
+    assert counters.responses_on_pool_grid >= 1 and counters.pool_snapshot_copies >= 4  # 2 groups x 2 crossings
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0
+
+
+def test_a_snapshot_copied_one_step_late_is_caught(model_dir, monkeypatch):
+    """Negative control: the snapshot copies ride the step after the crossing, so the bundle keyed
+    24 holds the state after 25 (the same state block): the next turn reads a wrong state."""
+    scheduler, worker = ring_scheduler(model_dir)
+    attach, held = scheduler._attach_snapshot_copies, []
+
+    def one_step_late(output):
+        before = list(getattr(output, POST_FORWARD_COPIES_ATTR, None) or ())
+        attach(output)
+        now = list(getattr(output, POST_FORWARD_COPIES_ATTR, None) or ())[len(before) :]
+        setattr(output, POST_FORWARD_COPIES_ATTR, before + held)
+        held[:] = now
+
+    monkeypatch.setattr(scheduler, "_attach_snapshot_copies", one_step_late)
+    with pytest.raises(ShadowMismatch, match="recurrent group 1 state at 24 is wrong"):
+        next_turn_steps(scheduler, Driver(scheduler, worker), random.Random(6))
+
+
+def test_without_room_for_a_snapshot_the_response_stays_at_the_committed_length(model_dir):
+    """A retained budget of 5 blocks holds the producer's prompt bundle (4 private blocks: the
+    attention tail, two states, the ring) but not a snapshot's two state blocks beside it: the
+    next turn restores the committed length 25 and takes the two pool steps."""
+    scheduler, worker = ring_scheduler(model_dir, max_retained_fraction=5 / 256)
+    cached, steps = next_turn_steps(scheduler, Driver(scheduler, worker), random.Random(6))
+    assert cached == 25 and steps[:5] == [2, 1, 4, 5, 1]
+    assert scheduler.checkpoint_store.counters.pool_snapshot_copies == 0
+
+
+def test_pressure_gives_snapshots_back_before_any_bundle(model_dir):
+    """While a request decodes with a snapshot, an allocation short of blocks takes the snapshot's
+    blocks first; the retained bundles stay."""
+    scheduler, worker = ring_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(7)
+    driver.run([make_request(tokens(rng, 18), salt="s")])
+    decoding = make_request(tokens(rng, 18), max_tokens=30, salt="s")
+    scheduler.add_request(decoding)
+    while scheduler.boundary_stats()["snapshot_blocks"] == 0:
+        driver.step()
+    retained = len(scheduler.checkpoint_store)
+    assert scheduler._relieve_pressure(1)
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0 and len(scheduler.checkpoint_store) == retained
+    assert scheduler.checkpoint_store.counters.pool_snapshots_released == 1
+    driver.finish([decoding])
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0
+
+
+def test_new_blocks_that_would_evict_cached_blocks_take_a_snapshots_blocks_first(model_dir):
+    """Under retention ``borrow``: before vLLM hands out a block of its prefix cache, a snapshot
+    gives its (uncached) blocks back, and they are handed out instead."""
+    from boundary_checkpoints.compat import free_queue_order
+
+    scheduler, worker = ring_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(8)
+    driver.run([make_request(tokens(rng, 40), salt="s")])  # its pages stay in vLLM's cache, freed
+    decoding = make_request(tokens(rng, 18), max_tokens=30, salt="s")
+    scheduler.add_request(decoding)
+    while scheduler.boundary_stats()["snapshot_blocks"] == 0:
+        driver.step()
+    pool = scheduler._block_pool
+    free = list(free_queue_order(pool))
+    cached = {block.block_id for block in free if block.block_hash is not None}
+    uncached = next(i for i, block in enumerate(free) if block.block_hash is not None)
+    taken = pool.get_new_blocks(uncached + 1)  # one more than the uncached head holds
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0
+    assert scheduler.checkpoint_store.counters.pool_snapshots_released == 1
+    assert not cached & {block.block_id for block in taken}  # no cached block was taken
+    pool.free_blocks(taken)
+    driver.finish([decoding])
+
+
+def test_no_snapshots_under_mtp_or_when_turned_off(model_dir):
+    scheduler, _, _ = spec_ring_engine(model_dir, 1, ACCEPT["all"](1))
+    assert scheduler._pool_snapshots is None
+    assert "response checkpoints at the committed length (speculative decoding" in scheduler._pool_grid_line()
+    scheduler, _ = ring_scheduler(model_dir, pool_grid_snapshots=False)
+    assert scheduler._pool_snapshots is None
+    assert "(pool_grid_snapshots off" in scheduler._pool_grid_line()
 
 
 def test_a_ring_of_another_size_is_not_restorable(model_dir):
@@ -169,12 +295,10 @@ ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
 }  # fmt: skip
 
 
-def restore_rounds(
-    driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, exact_response: bool = False
-) -> None:
+def restore_rounds(driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, response_at=None) -> None:
     """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn of
-    ``new_tokens`` more (restored at the response boundary when one was kept, or every time with
-    ``exact_response``), each answering as a cold run."""
+    ``new_tokens`` more (restored at the response boundary when one was kept, or every time at
+    ``response_at(committed length)``), each answering as a cold run."""
     for length in lengths:
         prompt = tokens(rng, length)
         [answer] = driver.run([make_request(prompt, salt="s")])
@@ -184,8 +308,8 @@ def restore_rounds(
         follow_up = prompt + answer + tokens(rng, new_tokens)
         nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
         assert driver.run([nxt]) == driver.run([cold])
-        if exact_response:
-            assert driver.cached_tokens[nxt.request_id] == length + len(answer) - 1
+        if response_at is not None:
+            assert driver.cached_tokens[nxt.request_id] == response_at(length + len(answer) - 1)
         else:
             assert driver.cached_tokens[nxt.request_id] >= length - 1
         assert driver.cached_tokens[cold.request_id] == 0

@@ -50,7 +50,8 @@ per drafting step) and once crashed the engine at k = 3 (``support.FAILED_ON_GPU
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
 when some were accepted a response bundle may lie up to ``k`` tokens earlier -- §7 and §9 option B
--- and the count is checked within ``[committed - k, committed]``); first-token logprobs within
+-- and the count is checked within ``[committed - k, committed]``; GLM without MTP: the pool
+boundary below the committed length, from the producer's pool-grid snapshot); first-token logprobs within
 the bound calibrated in the same run (``mtp_reference_pairs`` under MTP, ``reference_pairs``
 otherwise); the corrupted restores fail those criteria; stock never caches more than the plugin;
 and, under MTP, drafts accepted in every phase and the mean accepted tokens per drafting step of
@@ -301,7 +302,7 @@ def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str,
     return info, rows, bounds
 
 
-def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds=None) -> None:
+def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds=None, pool: int = 0) -> None:
     """The plugin was in force, its counts are the boundaries, and its restores are within bounds.
 
     Under speculative decoding a continuation restores its producer's response bundle, which lies
@@ -315,13 +316,15 @@ def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds
     restore the prompt bundle, ``P - 1``, and the plugin's own counters must account for each of
     them (``mtp_checks.unserved_responses``: a guard refusal counts as ``draft_next_token_fallbacks``
     when the prompt bundle serves instead, as ``miss_draft_next_token`` when there is none, P = 1).
-    The state criteria hold for all."""
+    The state criteria hold for all. ``pool``: without speculative decoding a GLM continuation
+    restores the pool boundary below the committed length (the producer's pool-grid snapshot,
+    docs/design.md contract 12)."""
     setup = info["request_boundaries"]["setup"]
     assert setup["scheduler"].startswith("Boundary"), setup  # the plugin ran, no fallback
     captures, restores = setup["copies"]
     assert captures > 0 and restores > 0, setup
     plugin = rows["request_boundaries"]
-    failures = probe_failures(plugin, bounds, continuation_bounds)
+    failures = probe_failures(plugin, bounds, continuation_bounds, pool)
     producer_accepted = info["request_boundaries"]["acceptance"].get("producer", [0, 0])[1]
     if k and producer_accepted:
         failures = [f for f in failures if "continuation cached" not in f]
@@ -449,7 +452,8 @@ def test_glm5_next_boundaries_above_index_topk():
     print(f"glm5_next setup: {info['request_boundaries']['setup']}")
     assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
     report_decode_path("glm5_next", info, rows)
-    check_plugin_run(info, rows, bounds, 0, continuation_bounds_for(rows, bounds))
+    check_plugin_run(info, rows, bounds, 0, continuation_bounds_for(rows, bounds), pool=GLM_KPOOL)
+    assert info["request_boundaries"]["setup"]["boundary_stats"]["responses_on_pool_grid"] > 0
     check_corrupted_run(info, rows, bounds)
 
 

@@ -50,9 +50,10 @@ class OneTokenCorruption:
             setattr(output, POST_FORWARD_COPIES_ATTR, [*(getattr(output, POST_FORWARD_COPIES_ATTR, None) or ()), *late])
         return pairs
 
-    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None, in_step=False):
+    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None, in_step=False,
+                      state_blocks=None):  # fmt: skip
         before = len(self._pending)
-        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight, in_step)
+        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight, in_step, state_blocks)
         if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
             return
         if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):

@@ -279,6 +279,7 @@ def build_scheduler(
     worker_cls: type | None = None,
     drafter: Path | None = None,
     prefill_checkpoint_alignment: int | None = None,
+    pool_grid_snapshots: bool = True,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -359,6 +360,7 @@ def build_scheduler(
                 "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
                 "prompt_capture": prompt_capture,
                 "retention": retention,
+                "pool_grid_snapshots": pool_grid_snapshots,
             }
         },
     ).create_engine_config()
