@@ -175,10 +175,11 @@ class BoundaryConfig:
     pool_grid_snapshots: bool = True
     """Models with a pooled sparse-attention indexer (GLM-5.3-Flash), without speculative decoding:
     each decoding request keeps a copy of its recurrent state at its last indexer pool boundary
-    (one block per recurrent group, while the retained budget and free blocks allow, given back
-    first under pressure), and its response checkpoint sits there, up to ``pool - 1`` tokens below
-    the committed length. The next turn then prefills from the pool grid in one step instead of two.
-    False: the response checkpoint sits at the committed length."""
+    (one block per recurrent group, from free blocks no cached page needs, all snapshots together
+    at most ``max_retained_fraction`` of the pool, given back first under pressure), and its
+    response checkpoint sits there, up to ``pool - 1`` tokens below the committed length. The next
+    turn then prefills from the pool grid in one step instead of two. False: the response
+    checkpoint sits at the committed length."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -63,7 +63,7 @@ case "$stage" in
       --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
       --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight 1,8 --repeat 6 --time-budget 520 --startup-timeout 240 \
+      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight 1,8 --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
       --out-json /tmp/r/glm.json --markdown 2>&1 | tee /tmp/r/glm.log | tail -60
     ;;
   pressure)

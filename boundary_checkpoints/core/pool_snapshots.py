@@ -7,10 +7,11 @@ recurrent group, holding the state after ``at`` tokens, ``at`` a multiple of the
 :meth:`copies_for_step` lists, for a step being scheduled, the ``(state block, snapshot block)``
 copies of every request whose decode step (one token) ends on the pool grid; the worker applies
 them after that step's forward, before any later step. A request takes its blocks at its first
-such step, and only if ``room(n)`` says ``n`` more blocks cost nothing (no cached block of vLLM's,
-no retained budget over). :meth:`take` hands a finished request's snapshot, with its block
-references, to the caller; :meth:`release` and :meth:`release_one` give blocks back (preemption,
-abort, pressure). The owner never holds a block of a request that is gone.
+such step, and only if ``room(n)`` says ``n`` more blocks cost nothing (no cached block of
+vLLM's; snapshots of all requests together at most the retained budget's size). :meth:`take`
+hands a finished request's snapshot, with its block references, to the caller; :meth:`release`
+and :meth:`release_one` give blocks back (preemption, abort, pressure). The owner never holds a
+block of a request that is gone.
 :class:`PoolGridMixin` is the scheduler's side: it attaches the copies to each step, plans a
 finished request's response bundle at its snapshot, and gives snapshots back before any bundle
 under pressure. It reads the scheduler's state that ``BoundaryCheckpointMixin.__init__`` sets.
@@ -154,7 +155,7 @@ class PoolGridMixin:
             return f", response checkpoints at the committed length ({why}: no pool-grid snapshots)"
         return (
             f", response checkpoints on the indexer's {self._kpool}-token pool grid (each decoding request keeps "
-            "its state at its last pool boundary while the retained budget and free blocks allow)"
+            "its state at its last pool boundary in free blocks no cached page needs, given back first under pressure)"
         )
 
     @property
@@ -162,10 +163,11 @@ class PoolGridMixin:
         return self._pool_snapshots.num_blocks if self._pool_snapshots is not None else 0
 
     def _snapshot_room(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` more snapshot blocks fit the retained budget and take none of
-        vLLM's cached blocks."""
+        """Whether ``num_blocks`` more snapshot blocks take none of vLLM's cached blocks, with all
+        snapshots within the retained budget's size (they are running requests' state, not
+        retained: a full store of bundles does not crowd them out)."""
         store = self.checkpoint_store
-        if store.budgeted_blocks + self._snapshot_blocks + num_blocks > store.max_blocks:
+        if self._snapshot_blocks + num_blocks > store.max_blocks:
             return False
         return self._block_pool.get_num_free_blocks() >= num_blocks and not self._cached_ahead(num_blocks)
 

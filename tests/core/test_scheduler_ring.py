@@ -201,14 +201,30 @@ def test_a_snapshot_copied_one_step_late_is_caught(model_dir, monkeypatch):
         next_turn_steps(scheduler, Driver(scheduler, worker), random.Random(6))
 
 
-def test_without_room_for_a_snapshot_the_response_stays_at_the_committed_length(model_dir):
-    """A retained budget of 5 blocks holds the producer's prompt bundle (4 private blocks: the
-    attention tail, two states, the ring) but not a snapshot's two state blocks beside it: the
-    next turn restores the committed length 25 and takes the two pool steps."""
-    scheduler, worker = ring_scheduler(model_dir, max_retained_fraction=5 / 256)
+def test_without_room_for_a_snapshot_the_response_stays_at_the_committed_length(model_dir, monkeypatch):
+    """No room for a snapshot: the next turn restores the committed length 25 and takes the two
+    pool steps."""
+    scheduler, worker = ring_scheduler(model_dir)
+    monkeypatch.setattr(scheduler._pool_snapshots, "_room", lambda num_blocks: False)
     cached, steps = next_turn_steps(scheduler, Driver(scheduler, worker), random.Random(6))
     assert cached == 25 and steps[:5] == [2, 1, 4, 5, 1]
     assert scheduler.checkpoint_store.counters.pool_snapshot_copies == 0
+
+
+def test_snapshots_take_no_cached_block_and_stay_within_the_budget_size(model_dir):
+    """Room for snapshot blocks: the pool's next free blocks hold none of vLLM's cached blocks, and
+    all snapshots together stay within ``max_retained_fraction`` of the pool (not what bundles
+    leave of it: a store full to its budget does not crowd snapshots out)."""
+    from boundary_checkpoints.compat import free_queue_order
+
+    scheduler, worker = ring_scheduler(model_dir)
+    store = scheduler.checkpoint_store
+    assert scheduler._snapshot_room(store.max_blocks) and not scheduler._snapshot_room(store.max_blocks + 1)
+    Driver(scheduler, worker).run([make_request(tokens(random.Random(9), 40), salt="s")])
+    store.max_blocks = 10**6  # the cached blocks decide below
+    free = list(free_queue_order(scheduler._block_pool))
+    uncached = next(i for i, block in enumerate(free) if block.block_hash is not None)
+    assert scheduler._snapshot_room(uncached) and not scheduler._snapshot_room(uncached + 1)
 
 
 def test_pressure_gives_snapshots_back_before_any_bundle(model_dir):
