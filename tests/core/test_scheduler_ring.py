@@ -420,3 +420,45 @@ def test_plan_bundle_takes_the_ring_block_whole():
         assert plan.group_blocks([Block(20), Block(21)])[1] == (Block(21),)
     assert plan_bundle(geometries, [[Block(1)], []], 3, null) is None
     assert plan_bundle(geometries, [[Block(1)], [null]], 3, null) is None
+
+
+def pressure_run(model_dir, snapshots: bool, num_blocks: int = 96) -> tuple[int, int, list, dict]:
+    """(preemptions, cached tokens, answers, counters) of 8 conversations of 3 turns (40-120
+    token prompts, 10-40 more tokens a turn, 10-30 token answers), each turn's requests at once,
+    on a pool of ``num_blocks`` blocks that chunked prefills run dry."""
+    scheduler, worker = ring_scheduler(
+        model_dir, num_blocks=num_blocks, pool_grid_snapshots=snapshots, scheduler_reserve_full_isl=False
+    )
+    preempted = []
+    preempt = scheduler._preempt_request
+
+    def counting(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting
+    driver = Driver(scheduler, worker)
+    rng = random.Random(1)
+    conversations = [tokens(rng, rng.randrange(40, 120)) for _ in range(8)]
+    cached, answers = 0, []
+    for _ in range(3):
+        requests = [
+            make_request(c, salt=f"c{i}", max_tokens=rng.randrange(10, 30)) for i, c in enumerate(conversations)
+        ]
+        outputs = driver.run(requests)
+        answers.append(outputs)
+        cached += sum(driver.cached_tokens[r.request_id] for r in requests)
+        conversations = [c + o + tokens(rng, rng.randrange(10, 40)) for c, o in zip(conversations, outputs)]
+    return len(preempted), cached, answers, scheduler.checkpoint_store.counters.as_dict()
+
+
+def test_under_pressure_snapshots_go_back_first_and_cost_no_preemption(model_dir):
+    """A pool that preempts: snapshots are given back (``pool_snapshots_released``) and the run
+    preempts exactly as often as without snapshots, with the same answers (the shadow checks every
+    restored state), caching at most the pool offsets (< 4 tokens per pool-grid response) less."""
+    with_snapshots = pressure_run(model_dir, snapshots=True)
+    without = pressure_run(model_dir, snapshots=False)
+    preemptions, cached, answers, counters = with_snapshots
+    assert preemptions > 0 and counters["pool_snapshots_released"] > 0 and counters["responses_on_pool_grid"] > 0
+    assert preemptions == without[0] and answers == without[2]
+    assert without[1] - (KPOOL - 1) * counters["responses_on_pool_grid"] <= cached <= without[1]
