@@ -24,8 +24,7 @@ Contract
 * ``log_decision_once(decision, logger)`` logs the one-line summary at INFO once per process per
   distinct summary.
 
-Nothing here imports vLLM at import time (only ``compat``, when a pooled indexer is configured
-under speculative decoding), nor the plugin's scheduler, worker or metrics.
+Nothing here imports vLLM, nor the plugin's scheduler, worker or metrics.
 """
 
 from __future__ import annotations
@@ -141,14 +140,11 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
       restore would not carry;
     * multi-module MTP reads ``k > 1`` prefill tokens ahead: vLLM then cuts every prefill chunk
       that would end within ``k`` tokens of the prompt end, so the ``P - 1`` stop livelocks, and
-      its later modules re-prefill the last ``k - 1`` rows of shared pages;
-    * a model with a pooled sparse-attention indexer (``index_kpool`` > 1: GLM-5.3-Flash), where
-      vLLM's indexer counts a row as a decode only if it is as long as the batch's first row
-      (``compat.indexer_requires_uniform_decode_rows``, e.g. on Hopper): the one-token steps the plugin
-      makes (the ``P - 1`` stop, the pool-grid cut after a restore off the grid) then run the
-      indexer's prefill path whenever verify rows share the batch, and that path writes the key of
-      the pool such a step completes from the wrong tokens, or not at all; it assumes chunks start
-      on the pool grid (docs/notes/model-families.md §13)."""
+      its later modules re-prefill the last ``k - 1`` rows of shared pages.
+
+    A model with a pooled sparse-attention indexer (GLM-5.3-Flash) is not refused: the scheduler
+    keeps its checkpoints on the pool grid under speculative decoding (``docs/design.md``
+    contract 13)."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None:
         return []
@@ -175,26 +171,7 @@ def speculative_reasons(vllm_config: Any) -> list[str]:
             f"speculative decoding with multi-module MTP (prefill lookahead {lookahead} > 1) livelocks "
             "the P - 1 chunk stop"
         )
-    kpool = getattr(getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None), "index_kpool", None)
-    k = getattr(spec, "num_speculative_tokens", None) or 1
-    if isinstance(kpool, int) and kpool > 1 and _indexer_requires_uniform_decode_rows(k, spec):
-        reasons.append(
-            f"speculative decoding on a model with a pooled indexer (index_kpool {kpool}): vLLM's indexer runs "
-            "a one-token step beside verify rows on its prefill path, which writes the pool key that step "
-            "completes from other tokens, and the plugin's P - 1 stop and pool-grid cuts make such steps"
-        )
     return reasons
-
-
-def _indexer_requires_uniform_decode_rows(k: int, spec: Any) -> bool:
-    """``compat.indexer_requires_uniform_decode_rows`` for ``k`` drafts; True (the refusal) if vLLM
-    cannot answer."""
-    from boundary_checkpoints.compat import indexer_requires_uniform_decode_rows
-
-    try:
-        return indexer_requires_uniform_decode_rows(k, bool(getattr(spec, "enable_adaptive_verification", False)))
-    except Exception:  # vLLM moved its indexer helpers: refuse rather than guess
-        return True
 
 
 def unvalidated_reasons(vllm_config: Any) -> list[str]:

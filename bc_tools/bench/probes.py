@@ -230,12 +230,15 @@ def state_failures(name: str, run: Answer, cold: Answer, bounds: Bounds) -> list
     return failures
 
 
-def count_failures(row: ProbeRow, pool: int = 0) -> list[str]:
+def count_failures(row: ProbeRow, pool: int = 0, resend_pool: int = 0) -> list[str]:
     """Cached counts that are not exactly the boundaries; ``pool``: the response boundary sits on
-    that pool grid below the committed length (GLM-5.3-Flash's pool-grid snapshots)."""
+    that pool grid below the committed length (GLM-5.3-Flash's pool-grid snapshots);
+    ``resend_pool``: the prompt boundary sits on that pool grid at or below ``P - 1`` (GLM-5.3-Flash
+    under speculative decoding)."""
+    resend = max(row.prompt_len - 1, 0)
     expected = {
         "producer": (row.producer.cached, 0),
-        "resend": (row.resend.cached, max(row.prompt_len - 1, 0)),
+        "resend": (row.resend.cached, resend // resend_pool * resend_pool if resend_pool else resend),
         "continuation": (row.restored.cached, row.committed // pool * pool if pool else row.committed),
         "cold control": (row.cold.cached, 0),
         "second cold control": (row.cold_again.cached, 0),
@@ -302,14 +305,19 @@ def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
 
 
 def probe_failures(
-    rows: Sequence[ProbeRow], bounds: Bounds, continuation_bounds: Bounds | None = None, pool: int = 0
+    rows: Sequence[ProbeRow],
+    bounds: Bounds,
+    continuation_bounds: Bounds | None = None,
+    pool: int = 0,
+    resend_pool: int = 0,
 ) -> list[str]:
-    """Why a plugin run is not exact (empty when it is): counts (``count_failures``, with ``pool``),
-    then per restore the state criteria against ``bounds`` (from :func:`calibrate`); continuations
-    against ``continuation_bounds`` where given (calibrated with :func:`decode_path_pairs`)."""
+    """Why a plugin run is not exact (empty when it is): counts (``count_failures``, with ``pool``
+    and ``resend_pool``), then per restore the state criteria against ``bounds`` (from
+    :func:`calibrate`); continuations against ``continuation_bounds`` where given (calibrated with
+    :func:`decode_path_pairs`)."""
     failures = []
     for row in rows:
-        failures += count_failures(row, pool)
+        failures += count_failures(row, pool, resend_pool)
         for name, run, cold in row.restored_pairs():
             judged = continuation_bounds if name == "continuation" and continuation_bounds else bounds
             failures += state_failures(f"P={row.prompt_len} {name}", run, cold, judged)

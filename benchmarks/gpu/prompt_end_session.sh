@@ -10,6 +10,7 @@
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
+#   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
@@ -17,7 +18,7 @@
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|nemotronmtp|glm|pressure}
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|glmmtp|nemotronmtp|glm|pressure}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -51,6 +52,10 @@ case "$stage" in
   glmfix)
     timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5 and not mtp" \
       2>&1 | tee /tmp/r/glmfix.log | tail -40
+    ;;
+  glmmtp)
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
+      2>&1 | tee /tmp/r/glmmtp.log | tail -40
     ;;
   nemotronmtp)
     timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \

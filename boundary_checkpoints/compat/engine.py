@@ -10,8 +10,7 @@ function that reads it, on first call. Names and the behaviour relied on:
 * ``vllm.platforms.current_platform`` (:func:`platform_is_cpu`, :func:`platform_name`): the
   platform the engine runs on (the layout reads ``is_cpu()`` at startup, ``core/layout.py``).
 * Facts of the engine config that decide what the plugin may do: the GDN prefill kernel
-  (:func:`gdn_prefill_backend`), the DSA indexer's decode split
-  (:func:`indexer_requires_uniform_decode_rows`) and the CUDA graph mode of mixed batches
+  (:func:`gdn_prefill_backend`) and the CUDA graph mode of mixed batches
   (:func:`mixed_batches_replay_full_graphs`); the model's tokenizer (:func:`engine_tokenizer`).
 * Instances vLLM builds (scheduler's KV cache manager and coordinator, model runner, GDN layers,
   OpenAI serving objects) get a plugin subclass by ``__class__`` assignment
@@ -28,7 +27,6 @@ __all__ = [
     "allowed_vllm_plugins",
     "engine_tokenizer",
     "gdn_prefill_backend",
-    "indexer_requires_uniform_decode_rows",
     "mixed_batches_replay_full_graphs",
     "platform_is_cpu",
     "platform_name",
@@ -80,23 +78,6 @@ def gdn_prefill_backend(vllm_config) -> str:
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import _resolve_gdn_prefill_backend
 
     return _resolve_gdn_prefill_backend(vllm_config)[1]
-
-
-def indexer_requires_uniform_decode_rows(num_speculative_tokens: int, adaptive_verification: bool) -> bool:
-    """True when vLLM's DSA indexer (the sparse attention of GLM-5.3-Flash) on this platform splits
-    a batch into decode and prefill rows with ``require_uniform``: a row counts as a decode only if
-    its query length equals the first row's, so under speculative decoding a one-token row after
-    the verify rows (``1 + k`` tokens) runs the indexer's prefill path. False on platforms whose
-    indexer flattens decode queries or reads variable-length ones (Blackwell with DeepGEMM)."""
-    from types import SimpleNamespace
-
-    from vllm.v1.attention.backends.mla.indexer import _supports_varlen_paged_mqa_logits, _use_flattening
-
-    config = SimpleNamespace(
-        num_speculative_tokens=num_speculative_tokens,
-        speculative_config=SimpleNamespace(enable_adaptive_verification=adaptive_verification),
-    )
-    return not (_use_flattening(config) or _supports_varlen_paged_mqa_logits())
 
 
 def mixed_batches_replay_full_graphs(vllm_config) -> bool:

@@ -201,6 +201,10 @@ class StoreCounters:
         "the next turn prefills from there in one step."
     )
     pool_snapshot_copies: int = exported("Block copies into pool-grid snapshots of decoding requests.")
+    responses_off_pool_grid: int = exported(
+        "Responses that kept no checkpoint under speculative decoding with a pooled indexer: their boundary "
+        "was off the pool grid, so the next turn restores the prompt checkpoint."
+    )
     pool_snapshots_released: int = exported(
         "Pool-grid snapshots given back to make room: that response keeps its checkpoint at the committed length."
     )

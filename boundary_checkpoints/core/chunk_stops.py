@@ -1,5 +1,5 @@
 """Where the boundary scheduler ends prefill chunks: the instruction boundary, the ``P - 1`` stop
-and the indexer pool grid (contracts 1, 10 and 11 in ``docs/design.md``).
+and the indexer pool grid (contracts 1, 10, 11 and 13 in ``docs/design.md``).
 
 Contract: :class:`ChunkStopMixin` narrows vLLM's own ``_mamba_block_aligned_split`` chunk, never
 widens it; a step is cut only while it prefills (:func:`is_prefill_step`). It reads the
@@ -64,6 +64,8 @@ class ChunkStopMixin:
             target = self._chat_markers.markers.boundary(request.prompt_token_ids)
             if target is not None:
                 self._count_instruction("instruction_from_template")
+        if target is not None and self._grid_only:
+            target = self._on_pool_grid(target) or None  # contract 13
         if target is not None:
             self._count_instruction("instruction_requests")
         ledger.instruction_checked, ledger.instruction_target = True, target
@@ -131,10 +133,17 @@ class ChunkStopMixin:
         """Token count of ``request``'s prompt checkpoint (0: none): ``P - 1``, except under
         ``prompt_capture: end``, where it is ``P`` unless the prompt is a resend (:meth:`_is_resend`):
         a resend keeps ``P - 1`` (in step or by the stop, ``PromptCaptureDecision.resend``), so the
-        sends after it restore all but the last token."""
+        sends after it restore all but the last token; under speculative decoding with a pooled
+        indexer, the pool boundary at or below ``P - 1`` (contract 13)."""
         if self._prompt_at_end and not self._is_resend(request):
             return request.num_prompt_tokens
+        if self._grid_only:
+            return self._on_pool_grid(prompt_boundary(request.num_prompt_tokens))
         return prompt_boundary(request.num_prompt_tokens)
+
+    def _on_pool_grid(self, num_tokens: int) -> int:
+        """The indexer's pool boundary at or below ``num_tokens``."""
+        return num_tokens // self._kpool * self._kpool
 
     def _is_resend(self, request: Request) -> bool:
         """Whether a bundle at this very prompt (``P``) is retained or pending when the request's

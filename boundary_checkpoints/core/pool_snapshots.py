@@ -150,9 +150,14 @@ class PoolGridMixin:
         """The startup line's words on response checkpoints of a layout with an indexer pool."""
         if not self._kpool:
             return ""
+        if self._grid_only:
+            return (
+                f", checkpoints only on the indexer's {self._kpool}-token pool grid under speculative decoding (prompt "
+                "at the pool boundary at or below P - 1, responses only where they end on it): a restore then "
+                "never needs a one-token step that completes a pool beside verify rows"
+            )
         if self._pool_snapshots is None:
-            why = "speculative decoding" if self.num_spec_tokens else "pool_grid_snapshots off"
-            return f", response checkpoints at the committed length ({why}: no pool-grid snapshots)"
+            return ", response checkpoints at the committed length (pool_grid_snapshots off)"
         return (
             f", response checkpoints on the indexer's {self._kpool}-token pool grid (each decoding request keeps "
             "its state at its last pool boundary in free blocks no cached page needs, given back first under pressure)"

@@ -91,6 +91,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
         self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
+        # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
+        self._grid_only = bool(self._kpool and self.num_spec_tokens)
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
         self._block_pool = block_pool
@@ -219,6 +221,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         if self.boundaries_active:
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
                 num_tokens, state_end, in_flight = self._response_boundary(request)
+                if num_tokens and self._grid_only and num_tokens % self._kpool:
+                    self.checkpoint_store.counters.responses_off_pool_grid += 1
+                    num_tokens = 0  # contract 13: the next turn restores the prompt checkpoint
                 if num_tokens and not self._plan_response_on_pool_grid(request, num_tokens):
                     self._plan_capture(
                         request, num_tokens, RESPONSE, adopt=True, state_end=state_end, in_flight=in_flight

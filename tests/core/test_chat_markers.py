@@ -191,7 +191,7 @@ def _target(markers, prompt, extra_args=None):
     """The scheduler's ``_instruction_target`` on a stub scheduler and request."""
     counts: dict[str, int] = {}
     stub = SimpleNamespace(
-        _ledgers=Ledgers(), _instruction_counts=counts, _chat_markers=markers,
+        _ledgers=Ledgers(), _instruction_counts=counts, _chat_markers=markers, _grid_only=False,
         _count_instruction=lambda name: counts.__setitem__(name, counts.get(name, 0) + 1),
     )  # fmt: skip
     request = SimpleNamespace(

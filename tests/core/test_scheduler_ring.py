@@ -274,7 +274,9 @@ def test_new_blocks_that_would_evict_cached_blocks_take_a_snapshots_blocks_first
 def test_no_snapshots_under_mtp_or_when_turned_off(model_dir):
     scheduler, _, _ = spec_ring_engine(model_dir, 1, ACCEPT["all"](1))
     assert scheduler._pool_snapshots is None
-    assert "response checkpoints at the committed length (speculative decoding" in scheduler._pool_grid_line()
+    assert "checkpoints only on the indexer's 4-token pool grid under speculative decoding" in (
+        scheduler._pool_grid_line()
+    )
     scheduler, _ = ring_scheduler(model_dir, pool_grid_snapshots=False)
     assert scheduler._pool_snapshots is None
     assert "(pool_grid_snapshots off" in scheduler._pool_grid_line()
@@ -297,12 +299,21 @@ def test_a_ring_of_another_size_is_not_restorable(model_dir):
 SLOTS = 8  # vLLM's ring for a pool of 4 at k = 1..3: 4 * next_pow2(cdiv(4 + k, 4))
 
 
-def spec_ring_engine(model_dir, k: int, accept, async_scheduling: bool = False, slots: int = SLOTS):
+def spec_ring_engine(
+    model_dir, k: int, accept, async_scheduling: bool = False, slots: int = SLOTS, grid_only: bool = True,
+    uniform_decode_rows: bool | None = None,
+):  # fmt: skip
+    """The ring layout under MTP, on the shadow of an indexer that needs uniform decode rows
+    (Hopper). ``grid_only=False`` takes the plugin's pool-grid rule away (contract 13) and, unless
+    ``uniform_decode_rows`` says otherwise, models an indexer that takes short rows of any length as
+    decodes (Blackwell): the off-grid restore path."""
     scheduler, worker = ring_scheduler(
         model_dir, ring_slots=slots, num_speculative_tokens=k, worker_cls=SpecShadowWorker,
         async_scheduling=async_scheduling,
     )  # fmt: skip
     worker.num_spec, worker.accept, worker.async_scheduling, worker.kpool = k, accept, async_scheduling, KPOOL
+    scheduler._grid_only = grid_only
+    worker.uniform_decode_rows = grid_only if uniform_decode_rows is None else uniform_decode_rows
     return scheduler, worker, SpecDriver(scheduler, worker, lag=int(async_scheduling))
 
 
@@ -311,23 +322,26 @@ ACCEPT = {  # accepted drafts per step, by pattern, for k drafts
 }  # fmt: skip
 
 
-def restore_rounds(driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, response_at=None) -> None:
-    """Per prompt length: a producer, its exact resend (restored at ``P - 1``) and a next turn of
-    ``new_tokens`` more (restored at the response boundary when one was kept, or every time at
-    ``response_at(committed length)``), each answering as a cold run."""
+def restore_rounds(
+    driver, rng, lengths=(5, 8, 15, 17, 22, 30), new_tokens: int = 13, response_at=None, resend_at=None
+) -> None:
+    """Per prompt length: a producer, its exact resend (restored at ``P - 1``, or ``resend_at(P)``)
+    and a next turn of ``new_tokens`` more (restored at the response boundary when one was kept,
+    or every time at ``response_at(committed length)``), each answering as a cold run."""
+    resend_at = resend_at or (lambda length: length - 1)
     for length in lengths:
         prompt = tokens(rng, length)
         [answer] = driver.run([make_request(prompt, salt="s")])
         resend = make_request(prompt, salt="s")
         assert driver.run([resend]) == [answer]
-        assert driver.cached_tokens[resend.request_id] == length - 1
+        assert driver.cached_tokens[resend.request_id] == resend_at(length)
         follow_up = prompt + answer + tokens(rng, new_tokens)
         nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt=f"cold-{length}")
         assert driver.run([nxt]) == driver.run([cold])
         if response_at is not None:
             assert driver.cached_tokens[nxt.request_id] == response_at(length + len(answer) - 1)
         else:
-            assert driver.cached_tokens[nxt.request_id] >= length - 1
+            assert driver.cached_tokens[nxt.request_id] >= resend_at(length)
         assert driver.cached_tokens[cold.request_id] == 0
 
 
@@ -348,12 +362,44 @@ def test_lookahead_ring_restores_exactly_under_mtp(model_dir, k, accept):
     Synchronous scheduling only: the async shadow (``spec_shadow.py``) does not model a request
     whose first step is scheduled with draft placeholders, which these resends are."""
     _, worker, driver = spec_ring_engine(model_dir, k, ACCEPT[accept](k))
-    restore_rounds(driver, random.Random(10 * k))
+    restore_rounds(driver, random.Random(10 * k), resend_at=lambda length: on_pool_grid(length - 1))
     assert worker.ring_reads > 0
 
 
+def rounds_beside_a_decoding_request(scheduler, driver, seed: int) -> None:
+    """``restore_rounds`` with prompts on and off the pool grid (P - 1 and P multiples of 4
+    among them) while a long request decodes beside them: its verify rows share their steps."""
+    rng = random.Random(seed)
+    scheduler.add_request(make_request(tokens(rng, 9), max_tokens=900, salt="neighbour"))
+    restore_rounds(
+        driver, rng, lengths=(5, 8, 13, 16, 17, 20, 24, 30), resend_at=lambda length: on_pool_grid(length - 1)
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_under_mtp_checkpoints_sit_on_the_pool_grid_beside_verify_rows(model_dir, k):
+    """Contract 13, on the shadow of an indexer that needs uniform decode rows (Hopper): prompt
+    checkpoints sit at the pool boundary at or below P - 1 and responses are kept only on the
+    grid, so no restore needs a one-token step that completes a pool beside verify rows. Every
+    restore is exact; some responses ended off the grid and kept nothing."""
+    scheduler, worker, driver = spec_ring_engine(model_dir, k, ACCEPT["cycle"](k))
+    rounds_beside_a_decoding_request(scheduler, driver, seed=k)
+    counters = scheduler.checkpoint_store.counters
+    assert counters.responses_off_pool_grid > 0 and counters.hits > 0
+    assert "checkpoints only on the indexer's 4-token pool grid" in scheduler._pool_grid_line()
+
+
+def test_under_mtp_without_the_grid_rule_a_one_token_step_completes_a_pool_on_the_prefill_path(model_dir):
+    """Negative control: without contract 13 the P - 1 stop leaves a one-token step that completes
+    the pool beside the neighbour's verify rows, which the indexer runs on its prefill path."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 1, ACCEPT["cycle"](1), grid_only=False, uniform_decode_rows=True)
+    with pytest.raises(ShadowMismatch, match="a 1-token step starts off the pool grid"):
+        rounds_beside_a_decoding_request(scheduler, driver, seed=1)
+
+
 def test_under_mtp_without_the_ring_copy_a_restore_reads_a_fresh_ring(model_dir, monkeypatch):
-    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    """The off-grid restore path (no pool-grid rule): the resend restores at 17."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3), grid_only=False)
     monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
     with pytest.raises(ShadowMismatch, match=r"ring group 3 at 18 is wrong \(position 16\)"):
         restore_rounds(driver, random.Random(5), lengths=(18,))  # the resend's first verify step reads 16, 17
@@ -372,12 +418,13 @@ def first_steps_after_prompt_restore(scheduler, driver, rng) -> list[int]:
 
 
 def test_under_mtp_the_pool_grid_is_the_model_pool_not_the_ring(model_dir, monkeypatch):
-    """From 17 the consumer steps one token at a time to the pool boundary 20 and then prefills; a
-    scheduler that took the pool from the ring's 8 slots would step one token at a time to 24."""
-    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    """The off-grid path (no pool-grid rule): from 17 the consumer steps one token at a time to the
+    pool boundary 20 and then prefills; a scheduler that took the pool from the ring's 8 slots
+    would step one token at a time to 24."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3), grid_only=False)
     steps = first_steps_after_prompt_restore(scheduler, driver, random.Random(8))
     assert steps[:3] == [1, 1, 1] and steps[3] > 1
-    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3), grid_only=False)
     monkeypatch.setattr(scheduler, "_kpool", SLOTS)
     assert first_steps_after_prompt_restore(scheduler, driver, random.Random(8))[:7] == [1] * 7
 
@@ -395,7 +442,7 @@ def test_the_drafter_passes_overrun_the_lookahead_ring_at_k4(model_dir, monkeypa
     with pytest.raises(BoundaryConfigError, match="of 8 slots cannot hold the 10 positions"):
         spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
     monkeypatch.setattr(layout, "ring_span_at_boundary", lambda kpool, k: kpool - 1 + k)
-    _, _, driver = spec_ring_engine(model_dir, 4, ACCEPT["all"](4))
+    _, _, driver = spec_ring_engine(model_dir, 4, ACCEPT["all"](4), grid_only=False)
     with pytest.raises(ShadowMismatch, match="ring group 3 at .* is wrong"):
         restore_rounds(driver, random.Random(4), lengths=(5, 8, 15, 17, 22, 30, 31, 33))
 
@@ -462,3 +509,18 @@ def test_under_pressure_snapshots_go_back_first_and_cost_no_preemption(model_dir
     assert preemptions > 0 and counters["pool_snapshots_released"] > 0 and counters["responses_on_pool_grid"] > 0
     assert preemptions == without[0] and answers == without[2]
     assert without[1] - (KPOOL - 1) * counters["responses_on_pool_grid"] <= cached <= without[1]
+
+
+def test_under_mtp_an_instruction_checkpoint_sits_on_the_pool_grid(model_dir):
+    """Contract 13 for instruction boundaries: a shared instruction of 10 tokens keeps its
+    checkpoint at 8, where a second conversation sharing it restores."""
+    from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
+
+    scheduler, _, driver = spec_ring_engine(model_dir, 1, ACCEPT["cycle"](1))
+    rng = random.Random(12)
+    instruction = tokens(rng, 10)
+    first, second = (make_request(instruction + tokens(rng, 9), salt="s") for _ in range(2))
+    for request in (first, second):
+        request.sampling_params.extra_args = {INSTRUCTION_TOKENS_KEY: 10}
+        driver.run([request])
+    assert driver.cached_tokens[second.request_id] == 8

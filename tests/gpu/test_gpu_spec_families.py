@@ -302,7 +302,9 @@ def run_case(name: str, family: str, k: int = 0, extra_lengths: tuple[int | str,
     return info, rows, bounds
 
 
-def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds=None, pool: int = 0) -> None:
+def check_plugin_run(
+    info: dict, rows: dict, bounds, k: int, continuation_bounds=None, pool: int = 0, grid: int = 0
+) -> None:
     """The plugin was in force, its counts are the boundaries, and its restores are within bounds.
 
     Under speculative decoding a continuation restores its producer's response bundle, which lies
@@ -318,28 +320,35 @@ def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds
     when the prompt bundle serves instead, as ``miss_draft_next_token`` when there is none, P = 1).
     The state criteria hold for all. ``pool``: without speculative decoding a GLM continuation
     restores the pool boundary below the committed length (the producer's pool-grid snapshot,
-    docs/design.md contract 12)."""
+    docs/design.md contract 12). ``grid``: GLM under speculative decoding keeps every checkpoint on
+    that pool grid (contract 13): a resend restores the pool boundary at or below ``P - 1``, a
+    continuation a response bundle only where it ended on the grid, else the prompt bundle (or
+    vLLM's block-grid hit, where that is longer), each counted (``responses_off_pool_grid``)."""
     setup = info["request_boundaries"]["setup"]
     assert setup["scheduler"].startswith("Boundary"), setup  # the plugin ran, no fallback
     captures, restores = setup["copies"]
     assert captures > 0 and restores > 0, setup
     plugin = rows["request_boundaries"]
-    failures = probe_failures(plugin, bounds, continuation_bounds, pool)
+    failures = probe_failures(plugin, bounds, continuation_bounds, pool, resend_pool=grid)
     producer_accepted = info["request_boundaries"]["acceptance"].get("producer", [0, 0])[1]
-    if k and producer_accepted:
+    if k and (producer_accepted or grid):
         failures = [f for f in failures if "continuation cached" not in f]
-        kinds = {"below": 0, "committed": 0, "in flight": 0, "prompt": 0}
-        for row in plugin:
+        kinds = {"below": 0, "committed": 0, "in flight": 0, "prompt": 0, "block grid": 0}
+        for row, stock in zip(plugin, rows["aligned"], strict=True):
             offset = row.restored.cached - row.committed
-            if -k <= offset <= 1:
+            prompt_at = max(row.prompt_len - 1, 0) // grid * grid if grid else row.prompt_len - 1
+            if -k <= offset <= 1 and not (grid and row.restored.cached % grid):
                 kinds["below" if offset < 0 else "committed" if offset == 0 else "in flight"] += 1
-            else:
-                assert row.restored.cached == row.prompt_len - 1, (row.prompt_len, row.restored.cached, row.committed)
+            elif row.restored.cached == prompt_at:
                 kinds["prompt"] += 1
+            else:
+                assert grid and row.restored.cached == stock.restored.cached > prompt_at, (
+                    row.prompt_len, row.restored.cached, row.committed, stock.restored.cached)  # fmt: skip
+                kinds["block grid"] += 1
         stats = setup.get("boundary_stats", {})
-        unserved = unserved_responses(stats)
+        unserved = unserved_responses(stats) + (stats.get("responses_off_pool_grid", 0) if grid else 0)
         print(f"k={k}: continuations restored {kinds} (guard fallbacks and misses + in-flight drops: {unserved})")
-        assert kinds["prompt"] <= unserved, (kinds, stats)
+        assert kinds["prompt"] + kinds["block grid"] <= unserved, (kinds, stats)
     assert failures == [], (failures, bounds, continuation_bounds)
     for mine, stock in zip(plugin, rows["aligned"], strict=True):
         assert stock.prompt_len == mine.prompt_len
@@ -347,7 +356,7 @@ def check_plugin_run(info: dict, rows: dict, bounds, k: int, continuation_bounds
         assert stock.restored.cached <= mine.restored.cached, stock.prompt_len
 
 
-def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = False) -> None:
+def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = False, grid: int = 0) -> None:
     """Negative control: a prompt checkpoint one step late keeps its exact ``P - 1`` count; every
     such restore that deviates from its producer more than any reference pair does (at least
     ``MIN_TELLABLE`` of them) fails the first-token bound; a response checkpoint keyed
@@ -356,9 +365,10 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     the committed length, and a response that kept no bundle -- an in-flight step after a trimmed
     answer -- has nothing to corrupt; ``speculative`` allows those). Rows whose boundaries sit on a
     group's block grid are not corrupted (``corrupted_pairs``). The detection rate is printed and
-    saved."""
+    saved. ``grid``: the prompt checkpoint sits on that pool grid at or below ``P - 1`` (contract
+    13), corrupted unless it is on a recurrent block boundary."""
     setup = info["request_boundaries"]["setup"]
-    blocks = setup["group_block_sizes"] or [setup["block_size"]]
+    blocks = [b for b in setup["group_block_sizes"] if b != grid] or [setup["block_size"]]
     kept = corrupted_response_boundaries(info["corrupt"].get("responses", []))
     resends = detected = continuations = 0
     tellable, missed = 0, []  # corrupted resends a reference pair tells apart; those the bound let through
@@ -366,12 +376,13 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
         boundary = kept.get((row.prompt_len, tuple(row.producer.tokens)))
         if boundary is None and not speculative:
             boundary = row.committed  # corrupted_pairs says whether it should have been corrupted
-        expected = set.intersection(*(corrupted_pairs(row.prompt_len, boundary or row.committed, b) for b in blocks))
+        prompt_at = max(row.prompt_len - 1, 0) // grid * grid if grid else row.prompt_len - 1
+        expected = set.intersection(*(corrupted_pairs(prompt_at + 1, boundary or row.committed, b) for b in blocks))
         if boundary is None:
             expected.discard("continuation")  # no response bundle was kept: nothing to corrupt
         if "resend" in expected:
             resends += 1
-            assert row.resend.cached == row.prompt_len - 1, row.prompt_len
+            assert row.resend.cached == prompt_at, row.prompt_len
             caught = bool(state_failures("resend", row.resend, row.producer, bounds))
             detected += caught
             if first_token_deviation(row.resend, row.producer) > bounds.reference_first_token:
@@ -386,7 +397,7 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     assert resends + continuations > 0, [(r.prompt_len, r.committed, blocks) for r in rows["corrupt"]]
     assert not missed, f"corrupted resends a reference pair tells apart passed the bound: P = {missed}, {bounds}"
     assert tellable >= MIN_TELLABLE * resends, (tellable, resends, bounds)
-    assert probe_failures(rows["corrupt"], bounds)
+    assert probe_failures(rows["corrupt"], bounds, resend_pool=grid)
 
 
 def quartiles(values: list[float]) -> tuple[float, ...]:
@@ -473,40 +484,6 @@ def test_nemotron_h_mtp_boundaries(k):
     check_acceptance(info, k)
 
 
-REFUSAL_SCRIPT = r"""
-import sys
-from vllm import LLM
-try:
-    LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=4096, max_num_seqs=4,
-        gpu_memory_utilization=0.3, enable_prefix_caching=True,
-        speculative_config={"method": "mtp", "num_speculative_tokens": int(sys.argv[2])},
-        additional_config={"gdn_prefill_backend": "triton",
-                           "boundary_checkpoints": {"policy": "request_boundaries", "prompt_capture": "in_step"}})
-except Exception as exc:  # the plugin's BoundaryConfigError, possibly wrapped by vLLM's config validation
-    print("REFUSED", type(exc).__name__, str(exc).replace(chr(10), " "))
-else:
-    print("STARTED")
-"""
-
-
-def check_glm_mtp_refused(k: int) -> None:
-    """On a platform whose indexer needs uniform decode rows (e.g. Hopper), an explicit
-    ``request_boundaries`` for GLM under MTP is refused at startup with the pooled-indexer reason
-    (``gate.speculative_reasons``), read from the real model config (index_kpool)."""
-    import subprocess
-    import sys
-
-    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
-
-    model = make_tiny_model(default_model_dir(GLM_MTP_FAMILY, 0), family=GLM_MTP_FAMILY, seed=0)
-    result = subprocess.run([sys.executable, "-c", REFUSAL_SCRIPT, str(model), str(k)], capture_output=True,
-                            text=True, timeout=CASE_TIMEOUT_S)  # fmt: skip
-    print(f"{GLM_MTP_FAMILY} k={k}: " + next((line for line in result.stdout.splitlines() if line.startswith(
-        ("REFUSED", "STARTED"))), "no answer"))  # fmt: skip
-    assert "REFUSED" in result.stdout and "pooled indexer (index_kpool" in result.stdout, (
-        result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_glm5_next_mtp_boundaries(k):
     """GLM-5.3-Flash under MTP (``glm5_next_mtp_planted``: the tiny GLM plus one planted MTP layer,
@@ -514,27 +491,20 @@ def test_glm5_next_mtp_boundaries(k):
     Qwen MTP test and the GLM test above (prompts of 2103, 8193 and 32768 tokens: above ``index_topk``).
 
     Under MTP vLLM sizes each ring for a pool plus ``k`` drafts (8 slots for the pool of 4); the
-    plugin accepts it as one ring group over the pool (``ring/8 p4``) and restores it with
-    whole-block copies (docs/notes/model-families.md §10). The planted drafter's drafts are
-    accepted (~0.77 per draft offline), so acceptance is checked as the Qwen MTP test's
-    (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens per drafting step of
-    both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``.
-
-    Where vLLM's indexer needs uniform decode rows (e.g. Hopper; ``compat.indexer_requires_uniform_decode_rows``)
-    the plugin refuses this layout (docs/notes/model-families.md §13), and the test checks that
-    refusal instead."""
-    from boundary_checkpoints.compat import indexer_requires_uniform_decode_rows
-
-    if indexer_requires_uniform_decode_rows(k, False):
-        check_glm_mtp_refused(k)
-        return
+    plugin accepts it as one ring group over the pool (``ring/8 p4``). It keeps every checkpoint on
+    the pool grid (docs/design.md contract 13): where vLLM's indexer needs uniform decode rows
+    (Hopper) a one-token step that completes a pool beside verify rows would run the indexer's
+    prefill path (docs/notes/model-families.md §13), and no restore on the grid needs one. The
+    planted drafter's drafts are accepted (~0.77 per draft offline), so acceptance is checked as
+    the Qwen MTP test's (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens
+    per drafting step of both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``."""
     info, rows, bounds = run_case(f"{GLM_MTP_FAMILY}-k{k}", GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS)
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
     assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
     assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
-    check_plugin_run(info, rows, bounds, k)
-    check_corrupted_run(info, rows, bounds, speculative=True)
+    check_plugin_run(info, rows, bounds, k, grid=GLM_KPOOL)
+    check_corrupted_run(info, rows, bounds, speculative=True, grid=GLM_KPOOL)
     stats = check_acceptance(info, k)
     for phase in ("restored", "cold"):
         assert stats[phase]["tokens_per_step"] > GLM_MIN_TOKENS_PER_STEP, (phase, stats)

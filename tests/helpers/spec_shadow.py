@@ -44,7 +44,9 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
   state after the step's actual inputs, so a rejected draft leaves a junk key) and, when it
   completes the pool open at its start, reads that pool's keys below its start from both rings,
   which must be the committed ones. A longer step runs the prefill path: it must start on the
-  pool grid and seeds only its last ``kpool`` positions. The MTP layer's first pass writes rows
+  pool grid and seeds only its last ``kpool`` positions. With ``uniform_decode_rows`` (vLLM's
+  indexer on Hopper: a row is a decode only if it is as long as the batch's verify rows) a short
+  step beside verify rows of another length runs the prefill path too. The MTP layer's first pass writes rows
   below the computed count with :func:`mtp_row` of that row and the next token, junk above, and
   its ``k - 1`` further passes write junk at the ``k - 1`` positions after the last computed row.
 * Async scheduling (``async_scheduling=True``, driven with ``lag=1``): as vLLM's engine core,
@@ -103,10 +105,13 @@ class SpecShadowWorker(ShadowWorker):
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
     kpool: int = 0  # the ring groups' pool (index_kpool); their block size is the ring's slots
     ring_reads: int = 0  # decode steps that completed a pool from keys below their start
+    uniform_decode_rows: bool = False  # the indexer's decode rows must be as long as the verify rows
+    _verify_lengths: set = field(default_factory=set)  # this step's verify rows' lengths
     _spec_tokens: dict = field(default_factory=dict)
 
     def execute(self, so):
         self._spec_tokens = so.scheduled_spec_decode_tokens or {}
+        self._verify_lengths = {so.num_scheduled_tokens[r] for r, drafts in self._spec_tokens.items() if drafts}
         if self.async_scheduling:
             so = self._as_the_worker_knows_it(so)
         for block_id in so.new_block_ids_to_zero or ():  # zeroed before any copy into them
@@ -277,7 +282,9 @@ class SpecShadowWorker(ShadowWorker):
         the step's verification set ``req.num_computed`` (the module docstring)."""
         slots, [block] = self.block_sizes[group], req.block_ids[group]
         target, mtp = (list(ring) for ring in self.rings.get(block, ((None,) * slots, (None,) * slots)))
-        decode_path = end - start <= 1 + self.num_spec
+        decode_path = end - start <= 1 + self.num_spec and (
+            not self.uniform_decode_rows or not self._verify_lengths or end - start == max(self._verify_lengths)
+        )
         if not decode_path and start % self.kpool:
             raise ShadowMismatch(f"{req_id}: a {end - start}-token step starts off the pool grid at {start}")
         open_pool = start // self.kpool * self.kpool
