@@ -11,6 +11,7 @@
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
+#   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
@@ -18,7 +19,7 @@
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|glmmtp|nemotronmtp|glm|pressure}
+stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|glmmtp|glmcrash|nemotronmtp|glm|pressure}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -56,6 +57,16 @@ case "$stage" in
   glmmtp)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
+    ;;
+  glmcrash)
+    # Issue 32 item 2: GLM + MTP k = 3 with accepted drafts (the planted fixture), stock and the
+    # plugin one by one, 50 conversations of 2 turns a round, 2 rounds: 200 conversations each.
+    python3 -c "from bc_tools.fixtures.tiny_models import make_tiny_model as m; m('/tmp/glmmtp', family='glm5_next_mtp_planted')" || exit 1
+    timeout 540 bc-bench --launch /tmp/glmmtp --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs \
+      --server-arg="--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'" \
+      --server-arg='--gpu-memory-utilization 0.3' --server-arg='--max-model-len 8192' --server-arg=--no-enforce-eager \
+      -N 50 -T 2 -S 1000 -U 200 -A 64 --in-flight 8,32 --repeat 2 --time-budget 470 --startup-timeout 200 \
+      --out-json /tmp/r/glmcrash.json --markdown 2>&1 | tee /tmp/r/glmcrash.log | tail -40
     ;;
   nemotronmtp)
     timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \
