@@ -7,9 +7,11 @@ Contract: parses the command line (``cli_args``), resolves it into ``run_setting
 ``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
 ``meta``: argv, UTC start and end, salt, machine) and ``--plot``. With ``--time-budget`` only the
 rounds expected to end within it run, and a server still starting when it ends is stopped
-(``run_settings``' contract). Exit code 0; 1 if a conversation request failed or no round fitted the
-time budget; 2 on a usage error; 130 when interrupted
-(servers are stopped in every case).
+(``run_settings``' contract). ``--sleep-others`` keeps only the slot's server awake (``server_sets``'
+contract) and prints the median seconds to wake and to put to sleep. Exit code 0; 1 if a
+conversation request failed, no round fitted the time budget or a server could not be put to sleep
+or woken (the reason on stderr); 2 on a usage error; 130 when interrupted (servers are stopped in
+every case).
 ``--write-model DIR --arch ARCH`` first writes a model directory with
 ``fixtures.tiny_models`` (the tiny Qwen3-Next, or a real-size config-only one for
 ``--load-format dummy``); ``--write-dflash-drafter DIR`` a random-weight DFlash (or DFlash2)
@@ -33,12 +35,13 @@ import time
 import uuid
 from pathlib import Path
 
-from bc_tools.bench import chat_words, logs, report
+from bc_tools.bench import chat_words, logs, report, stats
 from bc_tools.bench.cli_args import parse_args, split_server_args
 from bc_tools.bench.run_settings import Settings
 from bc_tools.bench.runner import run_benchmark
 from bc_tools.bench.server import interrupt_on_termination
 from bc_tools.bench.server_sets import LaunchedServers, LaunchSpec, ServerSet, UrlServers, write_logging_config
+from bc_tools.bench.sleep_mode import SleepModeError
 from bc_tools.bench.stats import STOCK_POLICY
 from bc_tools.bench.traffic import Target
 from bc_tools.bench.workload import Workload
@@ -64,6 +67,16 @@ def machine_info() -> dict:
         pass
     return {"hostname": socket.gethostname(), "nproc": os.cpu_count(), "mem_bytes": mem,
             "platform": platform.platform(), "python": platform.python_version()}  # fmt: skip
+
+
+def switch_line(servers: dict[str, dict]) -> str:
+    """``--sleep-others``' cost: median seconds to wake a server and to put one to sleep, per slot."""
+    entries = [entry for info in servers.values() for entry in info.get("sleep_others", [])]
+    wakes = [e["wake_s"] for e in entries if e["wake_s"] is not None]
+    sleeps = [s["s"] for e in entries for s in e["sleep_s"].values()]
+    warmups = [e["warmup_s"] for e in entries if e["warmup_s"] is not None]
+    fmt = lambda xs: "-" if not xs else f"{stats.percentile(xs, 50):.2f} s (n={len(xs)})"  # noqa: E731
+    return f"sleep-others: wake {fmt(wakes)}, sleep {fmt(sleeps)}, warm-up after a wake {fmt(warmups)}"
 
 
 def _servers(args: argparse.Namespace, settings: Settings) -> ServerSet:
@@ -137,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         run_salt=f"bench-{uuid.uuid4().hex[:12]}", block_size=args.block_size,
         block_size_source="--block-size" if args.block_size else "unknown", warmup=args.warmup,
         stats_log_interval=args.stats_log_interval, request_timeout=args.request_timeout,
-        time_budget_s=args.time_budget, chat_words=words,
+        time_budget_s=args.time_budget, chat_words=words, sleep_others=args.sleep_others,
     )  # fmt: skip
     if args.launch:
         max_len = logs.server_arg_value(["--max-model-len", "4096", *split_server_args(args.server_arg)],
@@ -154,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
         return 130
+    except SleepModeError as err:
+        print(f"error: --sleep-others: {err}", file=sys.stderr)
+        return 1
     result["workload"]["turn1_only"] = args.turn1_only
     result["meta"] = {
         "argv": ["bc-bench", *(sys.argv[1:] if argv is None else argv)],
@@ -166,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(report.level_text(result, level, markdown=args.markdown))
     print(f"\nblock size B = {result['block_size']} ({result['block_size_source']})")
+    if args.sleep_others:
+        print(switch_line(result["servers"]))
     if result["stopped_early"]:
         done = ", ".join(f"{len(lv['rounds'])} at {lv['in_flight']} in flight" for lv in result["levels"]) or "none"
         print(f"stopped by --time-budget {args.time_budget:g} s; rounds done: {done} (of {args.repeat} per level)")

@@ -2,10 +2,11 @@
 
 Contract: ``build_parser`` defines every option (help texts name a default only where it says
 something, :class:`DefaultsOnceHelpFormatter`); ``parse_args`` parses ``argv`` and exits with
-usage status 2 on an inconsistent combination, and returns the namespace resolved for ``cli.main``:
-``in_flight`` as a list of levels, ``turns`` 1 under ``--turn1-only``, ``policies`` and
-``sections`` (one ``boundary_checkpoints`` section per launched label, ``--variant`` included),
-``label_args`` (``--variant-arg``'s flags per label) and, for ``--url``, one ``label`` per URL.
+usage status 2 on an inconsistent combination (e.g. ``--sleep-others`` with ``--relaunch``), and
+returns the namespace resolved for ``cli.main``: ``in_flight`` as a list of levels, ``turns`` 1
+under ``--turn1-only``, ``policies`` and ``sections`` (one ``boundary_checkpoints`` section per
+launched label, ``--variant`` included), ``label_args`` (``--variant-arg``'s flags per label) and,
+for ``--url``, one ``label`` per URL.
 """
 
 from __future__ import annotations
@@ -140,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="--launch: one server at a time, started and stopped around each slot (default: every server up at once)",
     )
     tgt.add_argument(
+        "--sleep-others",
+        action="store_true",
+        help="every server started once, only the slot's server awake (vLLM's sleep mode): before "
+        "each slot every other server is put to sleep (POST /sleep?level=1: weights to CPU RAM, KV "
+        "cache and prefix cache dropped) and the slot's server woken (POST /wake_up), then warmed up "
+        "again with --warmup's conversations after every wake (its KV cache was discarded; CUDA "
+        "graphs stay). --launch adds --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 and starts the "
+        "servers one by one, each asleep before the next starts; --url servers need both. The "
+        "seconds to wake, sleep and warm up per slot go to --out-json's servers. Not with --relaunch",
+    )
+    tgt.add_argument(
         "--start-one-by-one",
         action="store_true",
         help="--launch: start each server once the previous one is healthy (all stay up): "
@@ -230,7 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random ids come from [4, vocab) (default: the model directory's config.json)",
     )
-    wl.add_argument("--warmup", type=int, default=1, help="throw-away 2-turn conversations per server start")
+    wl.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="throw-away 2-turn conversations per server start (--sleep-others: and per wake)",
+    )
     wl.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     fl = p.add_argument_group("floor")
     fl.add_argument(
@@ -281,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--url and --launch are mutually exclusive")
     if not (args.url or args.launch or args.write_model):
         p.error("give --url, --launch or --write-model")
+    if args.sleep_others and args.relaunch:
+        p.error("--sleep-others and --relaunch are mutually exclusive: --sleep-others starts every server "
+                "once and keeps all but the slot's asleep, --relaunch starts one server per slot")  # fmt: skip
     if args.write_dflash_drafter and not (args.write_model or args.launch):
         p.error("--write-dflash-drafter needs the target model: --write-model or --launch")
     if args.url and not args.model:

@@ -37,6 +37,7 @@ class Settings:
     request_timeout: float = 600.0
     time_budget_s: float | None = None  # see the module docstring
     chat_words: tuple[str, ...] = TINY_WORDS  # chat mode: words that render to one token each
+    sleep_others: bool = False  # only the slot's server awake (vLLM sleep mode; server_sets' contract)
 
 
 class RoundBudget:

@@ -22,8 +22,10 @@ Contract:
   did not), so a run under a hard time limit keeps what it measured.
 - The result (a JSON-serialisable dict) holds per level the per-round summaries, their spreads
   (median and p25-p75 over rounds, ``stats.aggregate``), the per-round ratios to the stock label,
-  the targets on the medians, per-turn tables pooled over rounds, and every request record. Every
-  server the run started is stopped before it returns, also on errors and interrupts.
+  the targets on the medians, per-turn tables pooled over rounds, and every request record; its
+  ``servers`` is the server set's ``info`` (with ``sleep_others``, each slot's wake, sleep and
+  warm-up seconds: ``server_sets``' contract). Every server the run started is stopped before it
+  returns, also on errors and interrupts.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
         "block_size_source": s.block_size_source,
         "floor_policy": s.floor_label if s.block_size else None,
         "time_budget_s": s.time_budget_s,
+        "sleep_others": s.sleep_others,
         "stopped_early": budget.stop,
         "servers": servers.info,
         "levels": levels,

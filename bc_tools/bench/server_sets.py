@@ -9,6 +9,17 @@ one is healthy (``one_by_one``), or one at a time around each slot (``relaunch``
 two servers do not fit). Every server started is stopped by ``close``, which the run calls also on
 errors and interrupts. A launched server waits for health at most until the run's time budget
 ends; one still starting then raises ``BudgetEndedDuringStart``.
+
+With ``settings.sleep_others`` (either kind of set; launched servers not in ``relaunch`` mode)
+exactly one server is awake while a slot runs: ``acquire`` first puts every other server that is
+not known to sleep to sleep (``sleep_mode.put_to_sleep``), then wakes the slot's server unless it
+is known to be awake, and warms it up again after each wake (its KV cache was discarded). Launched servers get
+``sleep_mode.SLEEP_FLAG`` and ``SLEEP_ENV`` and start one by one, each put to sleep once healthy
+before the next starts (the last stays awake). ``info[label]["sleep_others"]`` holds one entry per
+slot of that label: the seconds to wake it (None: it was awake), to put each other server to
+sleep (with the GPU memory the sleep freed, from the server log when known) and to warm it up;
+``info[label]["startup_sleep"]`` the sleep after its start. A server without the endpoints (404)
+or one that does not switch raises ``sleep_mode.SleepModeError``.
 """
 
 from __future__ import annotations
@@ -16,11 +27,12 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bc_tools.bench import logs
+from bc_tools.bench import logs, sleep_mode
 from bc_tools.bench.run_settings import BudgetEndedDuringStart, RoundBudget, Settings
 from bc_tools.bench.slot import warm_up
 from bc_tools.bench.traffic import Progress, Target
@@ -35,9 +47,11 @@ class ServerSet:
         self.settings = settings
         self.info: dict[str, dict[str, Any]] = {}
         self._warm: set[str] = set()
+        self._asleep: dict[str, bool] = {}  # label -> known state under sleep_others (absent: unknown)
+        self._slots = 0  # slots handed out so far (the index in the sleep_others entries)
 
     def _ready(self, target: Target, progress: Progress) -> Target:
-        """Warm ``target`` up the first time it is handed out (per server start)."""
+        """Warm ``target`` up the first time it is handed out (per server start, and per wake)."""
         s = self.settings
         if target.label not in self._warm and s.warmup > 0:
             progress.write(f"[{target.label}] warm-up ({s.warmup} conversation(s))")
@@ -47,7 +61,55 @@ class ServerSet:
         return target
 
     def acquire(self, label: str, progress: Progress) -> Target:
+        """The target of ``label`` for one slot: up, the only one awake under ``sleep_others``, warm."""
+        target = self._target(label, progress)
+        slot, self._slots = self._slots, self._slots + 1
+        if not self.settings.sleep_others:
+            return self._ready(target, progress)
+        entry: dict[str, Any] = {"slot": slot, "wake_s": None, "sleep_s": {}, "warmup_s": None}
+        for other, other_target in self._up().items():
+            if other != label and not self._asleep.get(other, False):
+                entry["sleep_s"][other] = self._sleep(other_target, progress)
+        if self._asleep.get(label, True):
+            entry["wake_s"] = self._wake(target, progress)
+        warm = label in self._warm
+        start = time.monotonic()
+        self._ready(target, progress)
+        entry["warmup_s"] = None if warm or not self.settings.warmup else round(time.monotonic() - start, 3)
+        self.info[label].setdefault("sleep_others", []).append(entry)
+        return target
+
+    def _target(self, label: str, progress: Progress) -> Target:
+        """The target of ``label``, its server started if it is not up."""
         raise NotImplementedError
+
+    def _up(self) -> dict[str, Target]:
+        """The targets of the servers that are up, by label."""
+        raise NotImplementedError
+
+    def _sleep(self, target: Target, progress: Progress) -> dict[str, Any]:
+        """Put ``target``'s server to sleep: the seconds it took and the GPU memory it freed."""
+        offset = logs.log_size(target.log_path)
+        try:
+            seconds = sleep_mode.put_to_sleep(target.base_url)
+        except sleep_mode.SleepModeError as err:
+            raise sleep_mode.SleepModeError(f"[{target.label}] {err}") from err
+        self._asleep[target.label] = True
+        memory = sleep_mode.sleep_memory(logs.read_text(target.log_path, offset)) or {}
+        freed = f", freed {memory['freed_gib']:g} GiB" if memory else ""
+        progress.write(f"[{target.label}] asleep in {seconds:.1f} s{freed}")
+        return {"s": round(seconds, 3), **memory}
+
+    def _wake(self, target: Target, progress: Progress) -> float:
+        """Wake ``target``'s server (its next slot warms it up again); the seconds it took."""
+        try:
+            seconds = sleep_mode.wake(target.base_url)
+        except sleep_mode.SleepModeError as err:
+            raise sleep_mode.SleepModeError(f"[{target.label}] {err}") from err
+        self._asleep[target.label] = False
+        self._warm.discard(target.label)  # the KV cache was discarded: warm up again (CUDA graphs stay)
+        progress.write(f"[{target.label}] awake in {seconds:.1f} s")
+        return round(seconds, 3)
 
     def release(self, label: str) -> None:
         """Called after each slot; servers that stay up do nothing."""
@@ -64,8 +126,16 @@ class UrlServers(ServerSet):
         self.targets = {t.label: t for t in targets}
         self.info = {t.label: {"url": t.base_url, "log_path": t.log_path} for t in targets}
 
-    def acquire(self, label: str, progress: Progress) -> Target:
-        return self._ready(self.targets[label], progress)
+    def _target(self, label: str, progress: Progress) -> Target:
+        return self.targets[label]
+
+    def _up(self) -> dict[str, Target]:
+        return self.targets
+
+    def close(self) -> None:
+        asleep = [label for label, state in self._asleep.items() if state]
+        if asleep:  # waking them all could need more GPU memory than there is
+            print(f"left asleep: {', '.join(asleep)} (POST /wake_up wakes a server)", flush=True)
 
 
 @dataclass
@@ -100,6 +170,15 @@ class LaunchedServers(ServerSet):
         self.running: dict[str, Any] = {}
         self.budget: RoundBudget | None = None  # the run's budget: a start waits at most until it ends
 
+    def launch_options(self, label: str) -> tuple[list[str], dict[str, str]]:
+        """The extra vLLM flags and environment of ``label``'s server (sleep mode's under
+        ``sleep_others``)."""
+        spec = self.spec
+        extra_args = [*spec.server_args, *spec.label_args.get(label, [])]
+        if not self.settings.sleep_others:
+            return extra_args, dict(spec.env)
+        return [*extra_args, sleep_mode.SLEEP_FLAG], {**spec.env, **sleep_mode.SLEEP_ENV}
+
     def _start(self, label: str, progress: Progress):
         from bc_tools.bench.server import find_free_port, start_server
 
@@ -110,10 +189,10 @@ class LaunchedServers(ServerSet):
                    "stats_log_interval_s": self.settings.stats_log_interval}  # fmt: skip
         log_path = spec.log_dir / f"server_{label}.log"
         progress.write(f"[{label}] starting vLLM on {spec.host}:{port} (log {log_path})")
+        extra_args, env = self.launch_options(label)
         server = start_server(spec.model_dir, log_path, host=spec.host, port=port, served_model_name=spec.model_name,
                               additional_config={**spec.additional_config, "boundary_checkpoints": section},
-                              extra_args=[*spec.server_args, *spec.label_args.get(label, [])],
-                              env=spec.env, unset_env=(POLICY_ENV,))  # fmt: skip
+                              extra_args=extra_args, env=env, unset_env=(POLICY_ENV,))  # fmt: skip
         self.running[label] = server
         self.info.setdefault(label, {"command": server.command, "log_path": str(log_path), "ready_s": []})
         self._warm.discard(label)
@@ -141,30 +220,40 @@ class LaunchedServers(ServerSet):
 
     def start_all(self, progress: Progress) -> None:
         """Start every server at once, then wait for each; with ``one_by_one``, wait for each before
-        starting the next (nothing here in ``relaunch`` mode)."""
+        starting the next; with ``sleep_others``, also put each but the last to sleep before the
+        next starts (nothing here in ``relaunch`` mode)."""
         if self.spec.relaunch:
             return
-        if self.spec.one_by_one:
-            for label in self.settings.labels:
+        labels = self.settings.labels
+        if self.spec.one_by_one or self.settings.sleep_others:
+            for label in labels:
                 self._start(label, progress)
                 self._wait(label, progress)
+                if self.settings.sleep_others and label != labels[-1]:
+                    self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
+                elif self.settings.sleep_others:
+                    self._asleep[label] = False
             return
         for label in self.settings.labels:
             self._start(label, progress)
         for label in self.settings.labels:
             self._wait(label, progress)
 
-    def acquire(self, label: str, progress: Progress) -> Target:
+    def _target(self, label: str, progress: Progress) -> Target:
         if label not in self.running:
             self._start(label, progress)
             self._wait(label, progress)
-        server = self.running[label]
-        return self._ready(Target(label, server.base_url, self.spec.model_name, str(server.log_path)), progress)
+        return self._up()[label]
+
+    def _up(self) -> dict[str, Target]:
+        return {label: Target(label, server.base_url, self.spec.model_name, str(server.log_path))
+                for label, server in self.running.items()}  # fmt: skip
 
     def _stop(self, label: str) -> None:
         from bc_tools.bench.server import stop_server
 
         server = self.running.pop(label)
+        self._asleep.pop(label, None)
         self.info[label].setdefault("exit_codes", []).append(stop_server(server))
         self.info[label]["boundary_stats"] = logs.parse_boundary_stats(logs.read_text(server.log_path))
 

@@ -6,7 +6,7 @@
 #                                fresh prompts and next turns at 1 and 8 in flight, 6 rounds
 #   prompt_end_session.sh chat   the same servers: a shared system prompt of 2000 and 200 tokens
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
-#                                flight)
+#                                flight); chat24: the same on a fresh pair of the 24-layer cut
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
@@ -19,7 +19,13 @@
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
 #                                borrow, the default) and retention hold, all up at once
-stage=${1:?usage: prompt_end_session.sh turns|chat|kimi|glmfix|glmmtp|glmcrash|nemotronmtp|glm|pressure}
+#   prompt_end_session.sh turns24  the servers stop; Qwen3-Next-80B dims at 24 layers (64 experts,
+#                                12.6 GB of dummy weights), stock against the default, each server
+#                                started once and only the slot's awake (bc-bench --sleep-others:
+#                                vLLM's sleep mode, 0.6 of the GPU each, which two awake servers
+#                                could not take); the turns stage's workload (8k-token fresh prompts
+#                                and next turns, 1 and 8 in flight, up to 6 rounds). UNTESTED.
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|nemotronmtp|glm|pressure|turns24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -37,9 +43,13 @@ case "$stage" in
     bc-bench $U $L --model q --vocab-size 151936 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget 150 \
       --out-json /tmp/r/turns8k.json --markdown 2>&1 | tee /tmp/r/turns8k.log
     ;;
-  chat)
+  chat|chat24)
+    if [[ $stage == chat24 ]]; then  # issue 33 §2 at 24 layers: the pair of the 24-layer cut (64 experts, 12.6 GB)
+      export ARCH=qwen3_next_80b_24l MODEL=/tmp/q24
+      bash benchmarks/gpu/serve_pair.sh 400 || exit 1
+    fi
     for S in 2000 200; do
-      timeout 100 bc-bench $U $L --model q --vocab-size 151936 --mode chat --tokenizer /tmp/q12 --turn1-only -N 32 -S $S -U 100 -A 32 \
+      timeout 100 bc-bench $U $L --model q --vocab-size 151936 --mode chat --tokenizer "${MODEL:-/tmp/q12}" --turn1-only -N 32 -S $S -U 100 -A 32 \
         --in-flight 8 --repeat 6 --time-budget 60 --out-json /tmp/r/chat$S.json --markdown 2>&1 | tee /tmp/r/chat$S.log
     done
     ;;
@@ -92,5 +102,21 @@ case "$stage" in
       --additional-config '{"gdn_prefill_backend":"triton"}' \
       -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget 380 --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
+    ;;
+  turns24)
+    # Expected wall time about 530 s (untested): 10 s pause, then bc-bench's --time-budget 500
+    # (server starts included: two one by one, about 150 s each, as the glm stage's 45-layer pair
+    # and its 6 rounds took 375-417 s; then rounds while they fit, each slot after a switch adding a
+    # sleep, a wake and a warm-up of a few seconds, all in the JSON's servers.*.sleep_others), then
+    # the servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
+    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
+    sleep 10
+    timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
+      --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+      --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
+      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
+      -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget ${TURNS24_BUDGET:-500} --startup-timeout 300 \
+      --out-json /tmp/r/turns24.json --markdown 2>&1 | tee /tmp/r/turns24.log | tail -60
+    nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;
 esac

@@ -12,8 +12,8 @@
 set -u
 deadline=$(( $(date +%s) + ${1:-420} ))
 LOGS=${LOGS:-/tmp/r/logs}; mkdir -p "$LOGS"
-MODEL=/tmp/q12
-[[ -d $MODEL ]] || bc-bench --write-model "$MODEL" --arch qwen3_next_80b_12l > "$LOGS/write-model.log" 2>&1 || exit 1
+MODEL=${MODEL:-/tmp/q12}  # with ARCH: another real-size arch, e.g. ARCH=qwen3_next_80b_24l MODEL=/tmp/q24
+[[ -d $MODEL ]] || bc-bench --write-model "$MODEL" --arch "${ARCH:-qwen3_next_80b_12l}" > "$LOGS/write-model.log" 2>&1 || exit 1
 declare -A CONFIG=(
   [aligned]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"aligned"}}'
   [end]='{"gdn_prefill_backend":"triton","boundary_checkpoints":{"policy":"request_boundaries","prompt_capture":"end","stats_log_interval_s":5}}'

@@ -1,8 +1,10 @@
-"""A throwaway HTTP server on 127.0.0.1 for client tests that need no vLLM (stand-in handlers),
-and stand-in server processes for the tests of starting and stopping one."""
+"""A throwaway HTTP server on 127.0.0.1 for client tests that need no vLLM (stand-in handlers, one
+with vLLM's sleep-mode endpoints), and stand-in server processes for the tests of starting and
+stopping one."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -103,6 +105,81 @@ class CompletionsStub(QuietHandler):
         if body.get("stream_options", {}).get("include_usage"):
             chunks.append({"choices": [], "usage": usage})
         send_event_stream(self, chunks)
+
+
+# What vLLM 0.32's GPU worker logs after a sleep (v1/worker/gpu_worker.py, Worker.sleep).
+SLEEP_LOG_LINE = ("(EngineCore pid=7) INFO [gpu_worker.py:326] Sleep mode freed 12.5 GiB memory, 3.25 GiB memory "
+                  "is still in use.")  # fmt: skip
+
+
+def sleepy_stub(name: str, events: list[tuple], asleep: dict[str, bool], sleep_mode: bool = True,
+                log_path=None, lag: int = 0) -> type:  # fmt: skip
+    """A ``CompletionsStub`` named ``name`` with vLLM's sleep-mode endpoints (``POST /sleep?level=N``,
+    ``POST /wake_up``, ``GET /is_sleeping``; all 404 without ``sleep_mode``), its own prompt history.
+    ``asleep[name]`` is its state (it starts awake); ``events`` gets ``(name, "sleep" | "wake", path)``
+    per switch and ``(name, "request", cache_salt, awake)`` per completion request, ``awake`` being the
+    names of the servers in ``asleep`` awake at that moment. A completion sent while it sleeps
+    answers HTTP 503. Each sleep appends vLLM's "Sleep mode freed ..." line to ``log_path``, if given.
+    With ``lag`` a switch takes effect only after ``lag`` more ``GET /is_sleeping`` (which answer the
+    old state meanwhile), as if the POST returned before the switch finished."""
+    asleep[name] = False
+    pending: list = [None, 0]  # the state a switch goes to, /is_sleeping answers left until it does
+
+    class SleepyStub(CompletionsStub):
+        seen: dict[str, list[list[int]]] = {}
+        requests: list[dict] = []
+
+        def _no_sleep_mode(self) -> bool:
+            if not sleep_mode:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            return not sleep_mode
+
+        def do_GET(self):
+            if self.path == "/is_sleeping":
+                if self._no_sleep_mode():
+                    return
+                if pending[0] is not None:
+                    pending[1] -= 1
+                    if pending[1] < 0:
+                        asleep[name], pending[0] = pending[0], None
+                send_json(self, {"is_sleeping": asleep[name]})
+                return
+            super().do_GET()
+
+        def do_POST(self):
+            path = self.path.split("?")[0]
+            if path in ("/sleep", "/wake_up"):
+                if self._no_sleep_mode():
+                    return
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                to_sleep = path == "/sleep"
+                if lag:
+                    pending[:] = [to_sleep, lag]
+                else:
+                    asleep[name] = to_sleep
+                if to_sleep and log_path is not None:
+                    with open(log_path, "a") as log:
+                        log.write(f"{SLEEP_LOG_LINE}\n")
+                events.append((name, "sleep" if to_sleep else "wake", self.path))
+                send_json(self, {"status": "sleeping" if to_sleep else "awake"})
+                return
+            if asleep[name]:
+                send_json(self, {"error": {"message": f"{name} is asleep"}}, status=503)
+                return
+            length = int(self.headers["Content-Length"])
+            body = self.rfile.read(length)
+            awake = sorted(n for n, state in asleep.items() if not state)
+            events.append((name, "request", json.loads(body).get("cache_salt"), awake))
+            stream, self.rfile = self.rfile, io.BytesIO(body)  # CompletionsStub reads the body again
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = stream
+
+    SleepyStub.__name__ = f"SleepyStub_{name}"
+    return SleepyStub
 
 
 def stand_in_server(log_path, code: str):
