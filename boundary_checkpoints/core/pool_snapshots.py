@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from boundary_checkpoints.compat import watermark_blocks
 from boundary_checkpoints.core.boundaries import RESPONSE
 from boundary_checkpoints.core.chunk_stops import is_prefill_step
 from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
@@ -168,13 +169,14 @@ class PoolGridMixin:
         return self._pool_snapshots.num_blocks if self._pool_snapshots is not None else 0
 
     def _snapshot_room(self, num_blocks: int) -> bool:
-        """Whether ``num_blocks`` more snapshot blocks take none of vLLM's cached blocks, with all
-        snapshots within the retained budget's size (they are running requests' state, not
-        retained: a full store of bundles does not crowd them out)."""
+        """Whether ``num_blocks`` more snapshot blocks take none of vLLM's cached blocks and leave
+        vLLM's admission watermark free, with all snapshots within the retained budget's size (they
+        are running requests' state, not retained: a full store of bundles does not crowd them out)."""
         store = self.checkpoint_store
         if self._snapshot_blocks + num_blocks > store.max_blocks:
             return False
-        return self._block_pool.get_num_free_blocks() >= num_blocks and not self._cached_ahead(num_blocks)
+        spare = self._block_pool.get_num_free_blocks() - watermark_blocks(self.kv_cache_manager)
+        return spare >= num_blocks and not self._cached_ahead(num_blocks)
 
     def _attach_snapshot_copies(self, output) -> None:
         """Append this step's snapshot copies to the copies run after its forward."""

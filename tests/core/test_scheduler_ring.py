@@ -212,14 +212,20 @@ def test_without_room_for_a_snapshot_the_response_stays_at_the_committed_length(
 
 
 def test_snapshots_take_no_cached_block_and_stay_within_the_budget_size(model_dir):
-    """Room for snapshot blocks: the pool's next free blocks hold none of vLLM's cached blocks, and
-    all snapshots together stay within ``max_retained_fraction`` of the pool (not what bundles
-    leave of it: a store full to its budget does not crowd snapshots out)."""
+    """Room for snapshot blocks: the pool's next free blocks hold none of vLLM's cached blocks,
+    vLLM's admission watermark stays free, and all snapshots together stay within
+    ``max_retained_fraction`` of the pool (not what bundles leave of it: a store full to its
+    budget does not crowd snapshots out)."""
     from boundary_checkpoints.compat import free_queue_order
 
     scheduler, worker = ring_scheduler(model_dir)
     store = scheduler.checkpoint_store
     assert scheduler._snapshot_room(store.max_blocks) and not scheduler._snapshot_room(store.max_blocks + 1)
+    store.max_blocks = 10**6  # vLLM's admission watermark decides
+    scheduler.kv_cache_manager.watermark_blocks = 5  # vLLM's 1% of this 256-block pool rounds to 0
+    spare = scheduler._block_pool.get_num_free_blocks() - 5
+    assert scheduler._snapshot_room(spare) and not scheduler._snapshot_room(spare + 1)
+    store.max_blocks, scheduler.kv_cache_manager.watermark_blocks = 128, 0
     Driver(scheduler, worker).run([make_request(tokens(random.Random(9), 40), salt="s")])
     store.max_blocks = 10**6  # the cached blocks decide below
     free = list(free_queue_order(scheduler._block_pool))
