@@ -262,8 +262,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             num_pending = len(self._pending)
             self._pending = []
             self._ledgers.forget_captures()
-            while self._pool_snapshots is not None and self._pool_snapshots.release_one():
-                pass
+            if self._pool_snapshots is not None:
+                self._pool_snapshots.release_all()
             dropped = self.checkpoint_store.clear()
             logger.info(
                 "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
@@ -294,8 +294,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         bundle last used no later than the newest of those cached blocks was freed goes: bundles
         and cached blocks then leave in one least-recently-used order (a bundle is last used no
         earlier than the pages it borrows were freed, so it never outlives them)."""
-        while self._cached_ahead(num_blocks) and self._release_snapshot():
-            pass
+        while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
+            self._release_snapshot()
         store = self.checkpoint_store
         if not len(store):
             return
