@@ -18,6 +18,8 @@ import time
 import urllib.error
 import urllib.request
 
+from bc_tools.bench.server import is_healthy
+
 SLEEP_FLAG = "--enable-sleep-mode"
 SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # vLLM registers /sleep, /wake_up, /is_sleeping only then
 SLEEP_LEVEL = 1
@@ -60,17 +62,9 @@ def is_sleeping(base_url: str, timeout: float = 10.0) -> bool:
     return answer["is_sleeping"]
 
 
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=5.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _wait_for(base_url: str, asleep: bool, deadline: float, what: str) -> None:
     while True:
-        if is_sleeping(base_url) == asleep and (asleep or _healthy(base_url)):
+        if is_sleeping(base_url) == asleep and (asleep or is_healthy(base_url, timeout=5.0)):
             return
         if time.monotonic() > deadline:
             raise SleepModeError(f"{base_url}: {what} did not finish in {SWITCH_TIMEOUT_S:g} s")

@@ -9,8 +9,9 @@ copies of every request whose decode step (one token) ends on the pool grid; the
 them after that step's forward, before any later step. A request takes its blocks at its first
 such step, and only if ``room(n)`` says ``n`` more blocks cost nothing (no cached block of
 vLLM's; snapshots of all requests together at most the retained budget's size). :meth:`take`
-hands a finished request's snapshot, with its block references, to the caller; :meth:`release`
-and :meth:`release_one` give blocks back (preemption, abort, pressure). The owner never holds a
+hands a finished request's snapshot, with its block references, to the caller; :meth:`release`,
+:meth:`release_one` and :meth:`release_all` give blocks back (preemption, abort, pressure, a
+prefix-cache reset). The owner never holds a
 block of a request that is gone.
 :class:`PoolGridMixin` is the scheduler's side: it attaches the copies to each step, plans a
 finished request's response bundle at its snapshot, and gives snapshots back before any bundle
@@ -54,9 +55,6 @@ class PoolSnapshots:
         self._room = room
         self._by_request: dict[str, Snapshot] = {}
 
-    def __len__(self) -> int:
-        return len(self._by_request)
-
     @property
     def num_blocks(self) -> int:
         """Blocks the snapshots hold."""
@@ -67,11 +65,10 @@ class PoolSnapshots:
         num_scheduled_tokens: Mapping[str, int],
         requests: Mapping[str, Any],
         request_blocks: Callable[[str], Sequence[Sequence[Any]]],
-        is_decode: Callable[[Any, int], bool],
     ) -> list[tuple[int, int]]:
         """The snapshot copies of a step scheduling ``num_scheduled_tokens`` (request id -> tokens,
         the requests' computed counts already advanced past the step): the running state block of
-        each request whose one-token decode step (``is_decode(request, start)``) ends on the pool
+        each request whose one-token decode step (not :func:`is_prefill_step`) ends on the pool
         grid, into its snapshot."""
         pairs: list[tuple[int, int]] = []
         for request_id, num_scheduled in num_scheduled_tokens.items():
@@ -79,7 +76,7 @@ class PoolSnapshots:
                 continue
             request = requests[request_id]
             end = request.num_computed_tokens
-            if end % self.pool or not is_decode(request, end - 1):
+            if end % self.pool or is_prefill_step(request, end - 1):
                 continue
             snapshot = self._by_request.get(request_id) or self._allocate(request_id)
             if snapshot is None:
@@ -118,6 +115,11 @@ class PoolSnapshots:
             return False
         self.release(next(iter(self._by_request)))
         return True
+
+    def release_all(self) -> None:
+        """Give every snapshot's blocks back."""
+        for request_id in list(self._by_request):
+            self.release(request_id)
 
 
 def with_state_blocks(
@@ -180,10 +182,7 @@ class PoolGridMixin:
 
     def _attach_snapshot_copies(self, output) -> None:
         """Append this step's snapshot copies to the copies run after its forward."""
-        pairs = self._pool_snapshots.copies_for_step(
-            output.num_scheduled_tokens, self.requests, self._request_blocks,
-            lambda request, start: not is_prefill_step(request, start),
-        )  # fmt: skip
+        pairs = self._pool_snapshots.copies_for_step(output.num_scheduled_tokens, self.requests, self._request_blocks)
         if pairs:
             after = getattr(output, POST_FORWARD_COPIES_ATTR, None) or []
             setattr(output, POST_FORWARD_COPIES_ATTR, [*after, *pairs])
@@ -201,7 +200,7 @@ class PoolGridMixin:
         if snapshot is None:
             return False
         try:
-            if snapshot.at != num_tokens // snapshots.pool * snapshots.pool:
+            if snapshot.at != self._on_pool_grid(num_tokens):
                 return False
             before = len(self._pending)
             self._plan_capture(request, snapshot.at, RESPONSE, adopt=True, state_blocks=snapshot.blocks)

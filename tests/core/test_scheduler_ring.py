@@ -233,6 +233,15 @@ def test_snapshots_take_no_cached_block_and_stay_within_the_budget_size(model_di
     assert scheduler._snapshot_room(uncached) and not scheduler._snapshot_room(uncached + 1)
 
 
+def decode_until_a_snapshot(scheduler, driver, rng):
+    """A request of 18 prompt tokens and 30 answer tokens, stepped until it holds a snapshot."""
+    decoding = make_request(tokens(rng, 18), max_tokens=30, salt="s")
+    scheduler.add_request(decoding)
+    while scheduler.boundary_stats()["snapshot_blocks"] == 0:
+        driver.step()
+    return decoding
+
+
 def test_pressure_gives_snapshots_back_before_any_bundle(model_dir):
     """While a request decodes with a snapshot, an allocation short of blocks takes the snapshot's
     blocks first; the retained bundles stay."""
@@ -240,10 +249,7 @@ def test_pressure_gives_snapshots_back_before_any_bundle(model_dir):
     driver = Driver(scheduler, worker)
     rng = random.Random(7)
     driver.run([make_request(tokens(rng, 18), salt="s")])
-    decoding = make_request(tokens(rng, 18), max_tokens=30, salt="s")
-    scheduler.add_request(decoding)
-    while scheduler.boundary_stats()["snapshot_blocks"] == 0:
-        driver.step()
+    decoding = decode_until_a_snapshot(scheduler, driver, rng)
     retained = len(scheduler.checkpoint_store)
     assert scheduler._relieve_pressure(1)
     assert scheduler.boundary_stats()["snapshot_blocks"] == 0 and len(scheduler.checkpoint_store) == retained
@@ -261,10 +267,7 @@ def test_new_blocks_that_would_evict_cached_blocks_take_a_snapshots_blocks_first
     driver = Driver(scheduler, worker)
     rng = random.Random(8)
     driver.run([make_request(tokens(rng, 40), salt="s")])  # its pages stay in vLLM's cache, freed
-    decoding = make_request(tokens(rng, 18), max_tokens=30, salt="s")
-    scheduler.add_request(decoding)
-    while scheduler.boundary_stats()["snapshot_blocks"] == 0:
-        driver.step()
+    decoding = decode_until_a_snapshot(scheduler, driver, rng)
     pool = scheduler._block_pool
     free = list(free_queue_order(pool))
     cached = {block.block_id for block in free if block.block_hash is not None}
@@ -530,3 +533,12 @@ def test_under_mtp_an_instruction_checkpoint_sits_on_the_pool_grid(model_dir):
         request.sampling_params.extra_args = {INSTRUCTION_TOKENS_KEY: 10}
         driver.run([request])
     assert driver.cached_tokens[second.request_id] == 8
+
+
+def test_a_prefix_cache_reset_gives_every_snapshot_back(model_dir):
+    scheduler, worker = ring_scheduler(model_dir)
+    driver = Driver(scheduler, worker)
+    decoding = decode_until_a_snapshot(scheduler, driver, random.Random(13))
+    scheduler.reset_prefix_cache()  # vLLM refuses while a request runs; the snapshots go anyway
+    assert scheduler.boundary_stats()["snapshot_blocks"] == 0
+    driver.finish([decoding])
