@@ -42,7 +42,7 @@ VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 # accepted, each with the methods it was measured with: Qwen3-Next under MTP and DFlash / DFlash2;
 # Nemotron-H under MTP, k = 1 and 3 with a planted MTP layer
 # (docs/results/gpu-nemotron-mtp-h200.md); Nemotron-H under DFlash has not run. GLM-5.3-Flash under
-# MTP passes k = 1 with drafts accepted but crashed once at k = 3 (FAILED_ON_GPU); vLLM 0.32 has no
+# MTP passes k = 1 with drafts accepted but crashed twice at k = 3 (FAILED_ON_GPU); vLLM 0.32 has no
 # MTP module for Kimi-Linear (its ``kimi_k3_mtp`` is Kimi-K3's).
 VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "Qwen3NextForCausalLM": ("mtp", "dflash"),
@@ -54,9 +54,9 @@ VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, tuple[str, ...]] = {
 # k = 1 with drafts accepted; the note covers k = 2 (not run) and k = 3.
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 2): (
-        "on a GPU k = 3 with drafts accepted took the engine down once in its first batch (a "
-        "device-side index assert; k = 1 passes; the same traffic runs without a crash under "
-        "CUDA_LAUNCH_BLOCKING=1, stock and plugin alike, so the cause is not known)"
+        "on a GPU k = 3 took the engine down twice in the first batch of the exactness test's "
+        "probes (a device-side index assert; stock not yet run on that batch; k = 1 passes; 200 "
+        "conversations with drafts accepted ran without it, stock and plugin alike, so the cause is not known)"
     ),
 }
 

@@ -12,6 +12,8 @@
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
+#   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on fresh engines, stock
+#                                twice, then the plugin (benchmarks/gpu/glm_mtp_crash_probe.py): whose is the index assert
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds
@@ -24,8 +26,11 @@
 #                                started once and only the slot's awake (bc-bench --sleep-others:
 #                                vLLM's sleep mode, 0.6 of the GPU each, which two awake servers
 #                                could not take); the turns stage's workload (8k-token fresh prompts
-#                                and next turns, 1 and 8 in flight, up to 6 rounds). UNTESTED.
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|nemotronmtp|glm|pressure|turns24}
+#                                and next turns, 1 and 8 in flight, up to 6 rounds)
+#   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
+#                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
+#                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -78,6 +83,14 @@ case "$stage" in
       -N 50 -T 2 -S 1000 -U 200 -A 64 --in-flight 8,32 --repeat 2 --time-budget 470 --startup-timeout 200 \
       --out-json /tmp/r/glmcrash.json --markdown 2>&1 | tee /tmp/r/glmcrash.log | tail -40
     ;;
+  glmprobe)
+    python3 -c "from bc_tools.fixtures.tiny_models import make_tiny_model as m; m('/tmp/glmmtp', family='glm5_next_mtp_planted')" || exit 1
+    export VLLM_ENABLE_V1_MULTIPROCESSING=0
+    for run in aligned aligned_again request_boundaries; do
+      timeout 170 python3 benchmarks/gpu/glm_mtp_crash_probe.py /tmp/glmmtp "${run%_again}" > /tmp/r/probe-$run.log 2>&1
+      echo "$run: exit $? $(grep -c 'index out of bounds' /tmp/r/probe-$run.log) index asserts; $(grep RESULT /tmp/r/probe-$run.log)"
+    done
+    ;;
   nemotronmtp)
     timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \
       2>&1 | tee /tmp/r/nemotronmtp.log | tail -40
@@ -118,5 +131,17 @@ case "$stage" in
       -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget ${TURNS24_BUDGET:-500} --startup-timeout 300 \
       --out-json /tmp/r/turns24.json --markdown 2>&1 | tee /tmp/r/turns24.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
+    ;;
+  fresh24)
+    # Issue 30 targets 1-2: traffic without reuse, one server awake at a time (turns24's pair).
+    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
+    sleep 10
+    timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
+      --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+      --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
+      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
+      --turn1-only -N ${FRESH_N:-32} -S ${FRESH_S:-8000} -U 100 -A 128 --in-flight ${FRESH_LEVELS:-1,8,32} --repeat 6 \
+      --time-budget ${FRESH_BUDGET:-500} --startup-timeout 300 \
+      --out-json /tmp/r/fresh24.json --markdown 2>&1 | tee /tmp/r/fresh24.log | tail -60
     ;;
 esac

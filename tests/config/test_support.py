@@ -17,7 +17,7 @@ def test_speculative_validation_is_on_validated_architectures():
 def test_speculative_validation_is_what_the_gpu_measured():
     """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
     (gpu-nemotron-mtp-h200.md); nothing else. Kimi-Linear has no MTP module in vLLM 0.32;
-    GLM-5.3-Flash under MTP crashed once at k = 3 (FAILED_ON_GPU)."""
+    GLM-5.3-Flash under MTP crashed twice at k = 3 (FAILED_ON_GPU)."""
     assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
         "Qwen3NextForCausalLM": ("mtp", "dflash"),
         "NemotronHForCausalLM": ("mtp",),
