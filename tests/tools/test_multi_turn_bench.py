@@ -624,6 +624,7 @@ def test_write_dflash_drafter_sized_to_the_real_size_target(tmp_path, variant, a
         ("qwen3_next_80b_24l", "Qwen3NextForCausalLM", 151936),
         ("qwen3_next_80b_24l_mtp", "Qwen3NextForCausalLM", 151936),
         ("glm5_next_flash_dense", "Glm5NextForCausalLM", 154880),
+        ("glm5_next_flash_dense_mtp", "Glm5NextForCausalLM", 154880),
         ("qwen35_9b", "Qwen3_5ForCausalLM", 248320),
     ],
 )
@@ -635,10 +636,12 @@ def test_write_model_real_size_config_and_full_vocab_tokenizer(tmp_path, arch, a
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == [architecture]
     assert cli.model_vocab_size(str(out)) == vocab
-    if arch == "glm5_next_flash_dense":  # vLLM's own reader (transformers' has no text-only auto class)
+    if arch.startswith("glm5_next_flash_dense"):  # vLLM's own reader (transformers' has no text-only auto class)
         from vllm.transformers_utils.config import get_config
 
-        config = get_config(str(out), trust_remote_code=False)
+        config = get_config(str(out), trust_remote_code=False).get_text_config()
+        assert config.num_nextn_predict_layers == (1 if arch.endswith("_mtp") else 0)
+        raw = raw.get("text_config", raw)
         assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (4096, 45, vocab)
         assert config.layer_types.count("linear_attention") == 34
         assert set(config.mlp_layer_types) == {"dense"}
