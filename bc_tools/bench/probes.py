@@ -24,7 +24,7 @@ The rows (:class:`ProbeRow`) come from ``probe_scenario.run_probes``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 # Calibration constants (see :func:`calibrate`).
@@ -230,15 +230,15 @@ def state_failures(name: str, run: Answer, cold: Answer, bounds: Bounds) -> list
     return failures
 
 
-def count_failures(row: ProbeRow, pool: int = 0, resend_pool: int = 0) -> list[str]:
+def count_failures(row: ProbeRow, pool: int = 0, resend_at: Mapping[int, int] | None = None) -> list[str]:
     """Cached counts that are not exactly the boundaries; ``pool``: the response boundary sits on
     that pool grid below the committed length (GLM-5.3-Flash's pool-grid snapshots);
-    ``resend_pool``: the prompt boundary sits on that pool grid at or below ``P - 1`` (GLM-5.3-Flash
-    under speculative decoding)."""
-    resend = max(row.prompt_len - 1, 0)
+    ``resend_at``: a resend's count by prompt length, where it is not ``P - 1`` (GLM-5.3-Flash
+    under speculative decoding: the plugin's checkpoint on the pool grid, or vLLM's hit)."""
+    resend = max(row.prompt_len - 1, 0) if resend_at is None else resend_at[row.prompt_len]
     expected = {
         "producer": (row.producer.cached, 0),
-        "resend": (row.resend.cached, resend // resend_pool * resend_pool if resend_pool else resend),
+        "resend": (row.resend.cached, resend),
         "continuation": (row.restored.cached, row.committed // pool * pool if pool else row.committed),
         "cold control": (row.cold.cached, 0),
         "second cold control": (row.cold_again.cached, 0),
@@ -309,15 +309,15 @@ def probe_failures(
     bounds: Bounds,
     continuation_bounds: Bounds | None = None,
     pool: int = 0,
-    resend_pool: int = 0,
+    resend_at: Mapping[int, int] | None = None,
 ) -> list[str]:
     """Why a plugin run is not exact (empty when it is): counts (``count_failures``, with ``pool``
-    and ``resend_pool``), then per restore the state criteria against ``bounds`` (from
+    and ``resend_at``), then per restore the state criteria against ``bounds`` (from
     :func:`calibrate`); continuations against ``continuation_bounds`` where given (calibrated with
     :func:`decode_path_pairs`)."""
     failures = []
     for row in rows:
-        failures += count_failures(row, pool, resend_pool)
+        failures += count_failures(row, pool, resend_at)
         for name, run, cold in row.restored_pairs():
             judged = continuation_bounds if name == "continuation" and continuation_bounds else bounds
             failures += state_failures(f"P={row.prompt_len} {name}", run, cold, judged)

@@ -55,6 +55,14 @@ def prompt_boundary(num_prompt_tokens: int) -> int:
     return max(num_prompt_tokens - 1, 0)
 
 
+def restore_tail(num_spec_tokens: int) -> int:
+    """Under speculative decoding with a pooled indexer (docs/design.md contract 13), the fewest
+    tokens of a prefill row the plugin makes (after its stop, or from its restore): more than a
+    verify row (``1 + k``), so that vLLM runs it as a prefill row, never as a short row among the
+    decodes."""
+    return num_spec_tokens + 2
+
+
 def response_boundary(num_computed_tokens: int, num_tokens: int) -> int:
     """Token count of the response checkpoint of a finished request (0: none is exact).
 

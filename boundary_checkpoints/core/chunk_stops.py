@@ -15,6 +15,7 @@ from boundary_checkpoints.compat import (
 )
 from boundary_checkpoints.core.boundaries import (
     prompt_boundary,
+    restore_tail,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey
@@ -42,9 +43,10 @@ def is_prefill_step(request: Request, start: int) -> bool:
 class ChunkStopMixin:
     """Chunk stops of the boundary scheduler (module docstring)."""
 
-    def _instruction_target(self, request: Request) -> int | None:
+    def _instruction_target(self, request: Request, start: int | None = None) -> int | None:
         """The request's instruction boundary N_i (a valid explicit value, else the end of its leading
-        system block by the chat template's markers), or None; validated and counted once."""
+        system block by the chat template's markers), or None; validated and counted once, for a
+        prefill from ``start`` (default: the computed count)."""
         request_id = request.request_id
         ledger = self._ledgers[request_id]
         if ledger.instruction_checked:
@@ -64,8 +66,13 @@ class ChunkStopMixin:
             target = self._chat_markers.markers.boundary(request.prompt_token_ids)
             if target is not None:
                 self._count_instruction("instruction_from_template")
-        if target is not None and self._grid_only:
-            target = self._on_pool_grid(target) or None  # contract 13
+        if target is not None and self._grid_only:  # contract 13
+            target = self._on_pool_grid(target)
+            start = request.num_computed_tokens if start is None else start
+            prompt = self._grid_prompt_target(request, start)
+            ends = self._vllm_chunk_ends(request, start)
+            if not start < target or not self._adds_prefill_rows_only(request, target, start, ends, end=prompt):
+                target = None
         if target is not None:
             self._count_instruction("instruction_requests")
         ledger.instruction_checked, ledger.instruction_target = True, target
@@ -105,7 +112,7 @@ class ChunkStopMixin:
             num_new_tokens = min(num_new_tokens, self._open_pool_step(start))  # off the pool grid (item 11)
         if not request_is_eligible(request):
             return num_new_tokens
-        instruction = self._instruction_target(request)
+        instruction = self._instruction_target(request, start)
         if instruction is not None and start < instruction < start + num_new_tokens:
             key = self._key(request, instruction)
             if key is not None and not self._kept_or_pending(key):
@@ -113,7 +120,7 @@ class ChunkStopMixin:
                 return instruction - start
         if not self._prompt_captures_on:
             return num_new_tokens
-        stop = self._prompt_target(request)  # at P (prompt_capture end) no chunk ends before it
+        stop = self._grid_prompt_target(request, start) if self._grid_only else self._prompt_target(request)
         if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
             return num_new_tokens
         if self._captures_in_step(request, start, start + num_new_tokens):
@@ -134,16 +141,71 @@ class ChunkStopMixin:
         ``prompt_capture: end``, where it is ``P`` unless the prompt is a resend (:meth:`_is_resend`):
         a resend keeps ``P - 1`` (in step or by the stop, ``PromptCaptureDecision.resend``), so the
         sends after it restore all but the last token; under speculative decoding with a pooled
-        indexer, the pool boundary at or below ``P - 1`` (contract 13)."""
+        indexer, a pool boundary below ``P - 1`` (contract 13, :meth:`_grid_prompt_target`)."""
         if self._prompt_at_end and not self._is_resend(request):
             return request.num_prompt_tokens
         if self._grid_only:
-            return self._on_pool_grid(prompt_boundary(request.num_prompt_tokens))
+            return self._grid_prompt_target(request)
         return prompt_boundary(request.num_prompt_tokens)
+
+    # ---- contract 13: the plugin's rows under speculative decoding -----------------------------
+    def _grid_prompt_target(self, request: Request, start: int | None = None) -> int:
+        """The prompt checkpoint under contract 13 (0: none): the highest pool boundary below
+        ``P - 1`` whose stop adds only prefill rows (:meth:`_adds_prefill_rows_only`) to a prefill
+        from ``start`` (default: the computed count). Chosen once the request has started; until
+        then again for each start (a waiting request is looked up again every step)."""
+        ledger = self._ledgers[request.request_id]
+        start = request.num_computed_tokens if start is None else start
+        cached = ledger.grid_target
+        if cached is not None and (request.num_computed_tokens or cached[0] == start):
+            return cached[1]
+        ends = self._vllm_chunk_ends(request, start)
+        target = self._on_pool_grid(prompt_boundary(request.num_prompt_tokens))
+        while target > start and not self._adds_prefill_rows_only(request, target, start, ends):
+            target -= self._kpool
+        target = target if target > start else 0
+        ledger.grid_target = (start, target)
+        return target
+
+    def _adds_prefill_rows_only(self, request: Request, point: int, start: int, ends: list[int], end: int = 0) -> bool:
+        """Whether a stop or a restore at ``point`` of a prefill from ``start`` whose chunks vLLM
+        ends at ``ends`` leaves the rows around it prefill rows (contract 13, :func:`restore_tail`):
+        the row vLLM runs from ``point`` (up to ``end``, a later stop of the plugin, where that
+        comes first) and the row that ends there, from the last of ``ends`` below it, are
+        :func:`restore_tail` long or more, and after that vLLM's rows go on as before. A point
+        where vLLM itself ends a chunk adds no row."""
+        if point in ends:
+            return True
+        tail = restore_tail(self.num_spec_tokens)
+        below = max((e for e in ends if e < point), default=start)
+        after = self._vllm_chunk_ends(request, point, first_only=True)[0]
+        if point < end < after:
+            after = end
+        return point - below >= tail and after - point >= tail and (after in ends or after == end)
+
+    def _vllm_chunk_ends(self, request: Request, start: int, first_only: bool = False) -> list[int]:
+        """Where vLLM's own split (``_mamba_block_aligned_split``, no budget) ends the prompt's
+        prefill chunks from ``start``, through ``P``."""
+        ends, position, prompt = [], start, request.num_prompt_tokens
+        while position < prompt:
+            row = super()._mamba_block_aligned_split(request, prompt - position, position - request.num_computed_tokens)
+            position += max(row, 1)
+            ends.append(position)
+            if first_only:
+                break
+        return ends or [prompt]
 
     def _on_pool_grid(self, num_tokens: int) -> int:
         """The indexer's pool boundary at or below ``num_tokens``."""
         return num_tokens // self._kpool * self._kpool
+
+    def _response_on_grid(self, num_tokens: int) -> bool:
+        """Whether a response bundle at ``num_tokens`` serves under contract 13: on the pool grid,
+        and a next turn restored there runs a prefill row up to the block boundary where vLLM ends
+        a chunk that starts inside a block (:func:`restore_tail` tokens or more)."""
+        offset = num_tokens % self.cache_config.block_size
+        tail = restore_tail(self.num_spec_tokens)
+        return not num_tokens % self._kpool and (not offset or self.cache_config.block_size - offset >= tail)
 
     def _is_resend(self, request: Request) -> bool:
         """Whether a bundle at this very prompt (``P``) is retained or pending when the request's

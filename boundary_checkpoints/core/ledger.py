@@ -34,6 +34,7 @@ class RequestLedger:
     instruction_checked: bool = False  # its instruction boundary was validated and counted (contract 10)
     instruction_target: int | None = None  # that boundary N_i, or None
     stopped_at: int | None = None  # P - 1 where the plugin cut its next chunk (contract 1)
+    grid_target: tuple[int, int] | None = None  # contract 13: (prefill start, prompt checkpoint) once chosen
     last_step: StepRecord | None = None  # speculative decoding: its last scheduled step (contract 3)
     restored_from: Checkpoint | None = None  # the checkpoint its lookup restored (lineage, contract 5)
     tainted: bool = False  # preempted, or freed unfinished, with captures pending: they publish nothing

@@ -156,8 +156,9 @@ class PoolGridMixin:
         if self._grid_only:
             return (
                 f", checkpoints only on the indexer's {self._kpool}-token pool grid under speculative decoding (prompt "
-                "at the pool boundary at or below P - 1, responses only where they end on it): a restore then "
-                "never needs a one-token step that completes a pool beside verify rows"
+                "at a pool boundary below P - 1, responses only where they end on it): a restore then never needs "
+                "a one-token step that completes a pool beside verify rows, and no stop or restore leaves a "
+                f"prefill row of {self.num_spec_tokens + 1} tokens or fewer (as long as a verify row)"
             )
         if self._pool_snapshots is None:
             return ", response checkpoints at the committed length (pool_grid_snapshots off)"

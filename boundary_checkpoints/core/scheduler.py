@@ -26,7 +26,7 @@ from boundary_checkpoints.compat import (
     request_blocks,
     single_type_managers,
 )
-from boundary_checkpoints.core.boundaries import RESPONSE
+from boundary_checkpoints.core.boundaries import RESPONSE, restore_tail
 from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, frees_uncached
 from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
@@ -93,6 +93,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
         self._grid_only = bool(self._kpool and self.num_spec_tokens)
+        # The fewest tokens a restore leaves to compute: under contract 13 a prefill row.
+        self._restore_tail = restore_tail(self.num_spec_tokens) if self._grid_only else 1
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
         block_pool = self.kv_cache_manager.block_pool
         self._block_pool = block_pool
@@ -221,7 +223,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         if self.boundaries_active:
             if request.status in _FINISHED_WITH_CHECKPOINT and request_is_eligible(request):
                 num_tokens, state_end, in_flight = self._response_boundary(request)
-                if num_tokens and self._grid_only and num_tokens % self._kpool:
+                if num_tokens and self._grid_only and not self._response_on_grid(num_tokens):
                     self.checkpoint_store.counters.responses_off_pool_grid += 1
                     num_tokens = 0  # contract 13: the next turn restores the prompt checkpoint
                 if num_tokens and not self._plan_response_on_pool_grid(request, num_tokens):

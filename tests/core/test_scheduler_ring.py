@@ -25,6 +25,7 @@ from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request,
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 from boundary_checkpoints.core import layout
+from boundary_checkpoints.core.boundaries import restore_tail
 from boundary_checkpoints.core.group_kinds import GroupKind
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
@@ -306,6 +307,21 @@ def test_a_ring_of_another_size_is_not_restorable(model_dir):
 
 # ---- under MTP: the lookahead ring (docs/notes/model-families.md §10) ---------------------------
 SLOTS = 8  # vLLM's ring for a pool of 4 at k = 1..3: 4 * next_pow2(cdiv(4 + k, 4))
+# A fresh prompt's checkpoint under contract 13, by k, worked out by hand. vLLM (block 16, MTP's block
+# drop) prefills a prompt of up to 32 tokens in one chunk, and a chunk that starts inside a block it
+# ends at the next boundary. So a stop at g leaves the rows [0, g) and [g, min(16 * ceil(g / 16), P))
+# and, where that ends below P, [16, P): each must be longer than a verify row (k + 2 tokens or more)
+# or one vLLM runs anyway. E.g. k = 3, P = 20: a stop at 16 leaves 4 tokens, one at 8 or 12 adds the
+# row [16, 20), which vLLM would not run: no checkpoint.
+GRID_RESENDS = {
+    1: {5: 0, 8: 4, 13: 8, 15: 12, 16: 12, 17: 0, 20: 16, 22: 16, 24: 20, 30: 24},
+    2: {5: 0, 8: 4, 13: 8, 15: 8, 16: 12, 17: 0, 20: 16, 22: 16, 24: 20, 30: 24},
+    3: {5: 0, 8: 0, 13: 8, 15: 8, 16: 8, 17: 0, 20: 0, 22: 16, 24: 16, 30: 24},
+}
+
+
+def grid_resend_at(length: int, k: int) -> int:
+    return GRID_RESENDS[k][length]
 
 
 def spec_ring_engine(
@@ -322,7 +338,9 @@ def spec_ring_engine(
     )  # fmt: skip
     worker.num_spec, worker.accept, worker.async_scheduling, worker.kpool = k, accept, async_scheduling, KPOOL
     scheduler._grid_only = grid_only
+    scheduler._restore_tail = restore_tail(k) if grid_only else 1
     worker.uniform_decode_rows = grid_only if uniform_decode_rows is None else uniform_decode_rows
+    worker.no_short_prefill_rows = grid_only
     return scheduler, worker, SpecDriver(scheduler, worker, lag=int(async_scheduling))
 
 
@@ -371,7 +389,7 @@ def test_lookahead_ring_restores_exactly_under_mtp(model_dir, k, accept):
     Synchronous scheduling only: the async shadow (``spec_shadow.py``) does not model a request
     whose first step is scheduled with draft placeholders, which these resends are."""
     _, worker, driver = spec_ring_engine(model_dir, k, ACCEPT[accept](k))
-    restore_rounds(driver, random.Random(10 * k), resend_at=lambda length: on_pool_grid(length - 1))
+    restore_rounds(driver, random.Random(10 * k), resend_at=lambda length: grid_resend_at(length, k))
     assert worker.ring_reads > 0
 
 
@@ -380,22 +398,33 @@ def rounds_beside_a_decoding_request(scheduler, driver, seed: int) -> None:
     among them) while a long request decodes beside them: its verify rows share their steps."""
     rng = random.Random(seed)
     scheduler.add_request(make_request(tokens(rng, 9), max_tokens=900, salt="neighbour"))
-    restore_rounds(
-        driver, rng, lengths=(5, 8, 13, 16, 17, 20, 24, 30), resend_at=lambda length: on_pool_grid(length - 1)
-    )
+    k = scheduler.num_spec_tokens
+    resend_at = (lambda length: grid_resend_at(length, k)) if scheduler._grid_only else None  # else P - 1
+    restore_rounds(driver, rng, lengths=(5, 8, 13, 16, 17, 20, 24, 30), resend_at=resend_at)
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_under_mtp_checkpoints_sit_on_the_pool_grid_beside_verify_rows(model_dir, k):
     """Contract 13, on the shadow of an indexer that needs uniform decode rows (Hopper): prompt
-    checkpoints sit at the pool boundary at or below P - 1 and responses are kept only on the
-    grid, so no restore needs a one-token step that completes a pool beside verify rows. Every
-    restore is exact; some responses ended off the grid and kept nothing."""
+    checkpoints sit at a pool boundary below P - 1 (``GRID_RESENDS``) and responses are kept only
+    on the grid, so no restore needs a one-token step that completes a pool beside verify rows, and
+    no prefill row of the plugin's is as short as a verify row. Every restore is exact; some
+    responses ended off the grid and kept nothing."""
     scheduler, worker, driver = spec_ring_engine(model_dir, k, ACCEPT["cycle"](k))
     rounds_beside_a_decoding_request(scheduler, driver, seed=k)
     counters = scheduler.checkpoint_store.counters
     assert counters.responses_off_pool_grid > 0 and counters.hits > 0
     assert "checkpoints only on the indexer's 4-token pool grid" in scheduler._pool_grid_line()
+
+
+def test_under_mtp_without_the_row_rule_a_stop_leaves_a_short_prefill_row(model_dir, monkeypatch):
+    """Negative control: with every pool boundary below ``P - 1`` taken as it comes, a stop leaves
+    prefill rows of 1 to 4 tokens, no longer than a verify row at k = 3: the row shape in which
+    the H200 test's first batch at k = 3 hit a device-side index assert (docs/results/gpu-glm-mtp-h200.md)."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    monkeypatch.setattr(scheduler, "_adds_prefill_rows_only", lambda *args, **kwargs: True)
+    with pytest.raises(ShadowMismatch, match="no longer than a verify row"):
+        rounds_beside_a_decoding_request(scheduler, driver, seed=3)
 
 
 def test_under_mtp_without_the_grid_rule_a_one_token_step_completes_a_pool_on_the_prefill_path(model_dir):

@@ -226,6 +226,11 @@ spans = install_decode_path(scheduler) if case.get("decode_path") else None
 rows, acceptance = probes(llm, lengths, 0, decode_spans=spans)
 setup["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
 setup["boundary_stats"] = scheduler.boundary_stats()
+if getattr(scheduler, "_grid_only", False):  # contract 13: each length's prompt checkpoint, as the plugin chose it
+    from types import SimpleNamespace
+    fresh = lambda n: SimpleNamespace(request_id=f"grid-target-{n}", num_prompt_tokens=n, num_tokens=n,
+                                      num_computed_tokens=0, shared_prefix_boundary=0)
+    setup["grid_targets"] = {str(n): scheduler._grid_prompt_target(fresh(n), 0) for n in lengths}
 out["request_boundaries"] = {"setup": setup, "lengths": lengths, "rows": rows, "acceptance": acceptance}
 if spans is not None:
     out["request_boundaries"]["decode_spans"] = {salt: list(span) for salt, span in spans.items()}
@@ -320,6 +325,17 @@ def run_case(
     return info, rows, bounds
 
 
+def grid_targets(info: dict) -> dict[int, int]:
+    """Contract 13: each prompt length's checkpoint as the plugin chose it (the SCRIPT records them)."""
+    return {int(n): target for n, target in info["request_boundaries"]["setup"]["grid_targets"].items()}
+
+
+def grid_resends(info: dict, rows: dict) -> dict[int, int]:
+    """Contract 13: each prompt length's resend count, the plugin's checkpoint or stock's longer hit."""
+    stock = {row.prompt_len: row.resend.cached for row in rows["aligned"]}
+    return {n: max(target, stock[n]) for n, target in grid_targets(info).items()}
+
+
 def check_plugin_run(
     info: dict, rows: dict, bounds, k: int, continuation_bounds=None, pool: int = 0, grid: int = 0
 ) -> None:
@@ -339,22 +355,24 @@ def check_plugin_run(
     The state criteria hold for all. ``pool``: without speculative decoding a GLM continuation
     restores the pool boundary below the committed length (the producer's pool-grid snapshot,
     docs/design.md contract 12). ``grid``: GLM under speculative decoding keeps every checkpoint on
-    that pool grid (contract 13): a resend restores the pool boundary at or below ``P - 1``, a
-    continuation a response bundle only where it ended on the grid, else the prompt bundle (or
-    vLLM's block-grid hit, where that is longer), each counted (``responses_off_pool_grid``)."""
+    that pool grid (contract 13): a resend restores the plugin's prompt checkpoint on it
+    (``grid_targets``) or stock's longer hit, a continuation a response bundle only where it ended
+    on the grid, else the prompt bundle (or vLLM's block-grid hit, where that is longer), each
+    counted (``responses_off_pool_grid``)."""
     setup = info["request_boundaries"]["setup"]
     assert setup["scheduler"].startswith("Boundary"), setup  # the plugin ran, no fallback
     captures, restores = setup["copies"]
     assert captures > 0 and restores > 0, setup
     plugin = rows["request_boundaries"]
-    failures = probe_failures(plugin, bounds, continuation_bounds, pool, resend_pool=grid)
+    resend_at = grid_resends(info, rows) if grid else None
+    failures = probe_failures(plugin, bounds, continuation_bounds, pool, resend_at=resend_at)
     producer_accepted = info["request_boundaries"]["acceptance"].get("producer", [0, 0])[1]
     if k and (producer_accepted or grid):
         failures = [f for f in failures if "continuation cached" not in f]
         kinds = {"below": 0, "committed": 0, "in flight": 0, "prompt": 0, "block grid": 0}
         for row, stock in zip(plugin, rows["aligned"], strict=True):
             offset = row.restored.cached - row.committed
-            prompt_at = max(row.prompt_len - 1, 0) // grid * grid if grid else row.prompt_len - 1
+            prompt_at = grid_targets(info)[row.prompt_len] if grid else row.prompt_len - 1
             if -k <= offset <= 1 and not (grid and row.restored.cached % grid):
                 kinds["below" if offset < 0 else "committed" if offset == 0 else "in flight"] += 1
             elif row.restored.cached == prompt_at:
@@ -383,10 +401,12 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     the committed length, and a response that kept no bundle -- an in-flight step after a trimmed
     answer -- has nothing to corrupt; ``speculative`` allows those). Rows whose boundaries sit on a
     group's block grid are not corrupted (``corrupted_pairs``). The detection rate is printed and
-    saved. ``grid``: the prompt checkpoint sits on that pool grid at or below ``P - 1`` (contract
-    13), corrupted unless it is on a recurrent block boundary."""
+    saved. ``grid``: the prompt checkpoint sits where the plugin chose it on that pool grid
+    (contract 13, ``grid_targets``), corrupted unless it is on a recurrent block boundary or stock's
+    hit is longer."""
     setup = info["request_boundaries"]["setup"]
     blocks = [b for b in setup["group_block_sizes"] if b != grid] or [setup["block_size"]]
+    resend_at = grid_resends(info, rows) if grid else None
     kept = corrupted_response_boundaries(info["corrupt"].get("responses", []))
     resends = detected = continuations = 0
     tellable, missed = 0, []  # corrupted resends told apart from the reference pairs; those the bound let through
@@ -394,10 +414,12 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
         boundary = kept.get((row.prompt_len, tuple(row.producer.tokens)))
         if boundary is None and not speculative:
             boundary = row.committed  # corrupted_pairs says whether it should have been corrupted
-        prompt_at = max(row.prompt_len - 1, 0) // grid * grid if grid else row.prompt_len - 1
+        prompt_at = grid_targets(info)[row.prompt_len] if grid else row.prompt_len - 1
         expected = set.intersection(*(corrupted_pairs(prompt_at + 1, boundary or row.committed, b) for b in blocks))
         if boundary is None:
             expected.discard("continuation")  # no response bundle was kept: nothing to corrupt
+        if grid and resend_at[row.prompt_len] > prompt_at:
+            expected.discard("resend")  # the plugin kept none there, or stock's hit is longer
         if "resend" in expected:
             resends += 1
             assert row.resend.cached == prompt_at, row.prompt_len
@@ -415,7 +437,7 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     assert resends + continuations > 0, [(r.prompt_len, r.committed, blocks) for r in rows["corrupt"]]
     assert not missed, f"corrupted resends a reference pair tells apart passed the bound: P = {missed}, {bounds}"
     assert tellable >= MIN_TELLABLE * resends, (tellable, resends, bounds)
-    assert probe_failures(rows["corrupt"], bounds, resend_pool=grid)
+    assert probe_failures(rows["corrupt"], bounds, resend_at=resend_at)
 
 
 def quartiles(values: list[float]) -> tuple[float, ...]:

@@ -46,7 +46,10 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
   which must be the committed ones. A longer step runs the prefill path: it must start on the
   pool grid and seeds only its last ``kpool`` positions. With ``uniform_decode_rows`` (vLLM's
   indexer on Hopper: a row is a decode only if it is as long as the batch's verify rows) a short
-  step beside verify rows of another length runs the prefill path too. The MTP layer's first pass writes rows
+  step beside verify rows of another length runs the prefill path too. With
+  ``no_short_prefill_rows`` a prefill row that starts or ends off the block grid -- at the plugin's
+  restore or stop; vLLM's own chunks end on it -- must be longer than a verify row, ``1 + k``
+  (docs/design.md contract 13). The MTP layer's first pass writes rows
   below the computed count with :func:`mtp_row` of that row and the next token, junk above, and
   its ``k - 1`` further passes write junk at the ``k - 1`` positions after the last computed row.
 * Async scheduling (``async_scheduling=True``, driven with ``lag=1``): as vLLM's engine core,
@@ -106,6 +109,7 @@ class SpecShadowWorker(ShadowWorker):
     kpool: int = 0  # the ring groups' pool (index_kpool); their block size is the ring's slots
     ring_reads: int = 0  # decode steps that completed a pool from keys below their start
     uniform_decode_rows: bool = False  # the indexer's decode rows must be as long as the verify rows
+    no_short_prefill_rows: bool = False  # the plugin's prefill rows are longer than a verify row
     _verify_lengths: set = field(default_factory=set)  # this step's verify rows' lengths
     _spec_tokens: dict = field(default_factory=dict)
 
@@ -169,6 +173,12 @@ class SpecShadowWorker(ShadowWorker):
         num_known = num - len(drafts)
         if start + num_known > len(req.tokens):
             raise ShadowMismatch(f"{req_id}: scheduled past its known tokens")
+        if self.no_short_prefill_rows and not drafts and num <= 1 + self.num_spec:
+            block = self.block_sizes[0]
+            if (start and start % block) or (end < len(req.tokens) and end % block):
+                raise ShadowMismatch(
+                    f"{req_id}: a {num}-token prefill row [{start}, {end}), no longer than a verify row"
+                )
         inputs = req.tokens[start : start + num_known] + drafts
         states, chain = [], req.prefix_state(start)
         for token in inputs:
