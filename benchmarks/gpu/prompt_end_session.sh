@@ -14,7 +14,7 @@
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
 #   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on fresh engines: stock,
 #                                stock with 2- and 3-token prefill rows of its own, then the plugin
-#                                (benchmarks/gpu/glm_mtp_crash_probe.py): whose is the index assert
+#                                (benchmarks/gpu/glm_mtp_crash_probe.py): whose is the index assert (untested)
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds; under MTP:
@@ -28,11 +28,12 @@
 #                                12.6 GB of dummy weights), stock against the default, each server
 #                                started once and only the slot's awake (bc-bench --sleep-others:
 #                                vLLM's sleep mode, 0.6 of the GPU each, which two awake servers
-#                                could not take); the turns stage's workload (8k-token fresh prompts
-#                                and next turns, 1 and 8 in flight, up to 6 rounds)
+#                                could not take); the turns stage's workload (8k-token first turns
+#                                sharing a prefix, and next turns, 1 and 8 in flight, up to 6 rounds)
 #   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
+#                                (untested)
 stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24}
 mkdir -p /tmp/r/logs
 set -u
@@ -45,6 +46,18 @@ IFS=, read -r first second <<< "${PAIR:-aligned,end}"
 [[ $second == "$first" ]] && second=${second}_b
 U="--url http://127.0.0.1:8100 --label $first --url http://127.0.0.1:8102 --label $second"
 L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102.log"
+# Stock against the default on Qwen3-Next-80B dims at 24 layers (64 experts, 12.6 GB of dummy
+# weights), each server started once and only the slot's server awake (bc-bench --sleep-others),
+# 6 rounds; "$@": the workload and the output.
+pair24() {
+  for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
+  sleep 10
+  timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
+    --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+    --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
+    --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
+    --repeat 6 --startup-timeout 300 --markdown "$@"
+}
 case "$stage" in
   turns)
     bash benchmarks/gpu/serve_pair.sh 330 || exit 1
@@ -122,31 +135,17 @@ case "$stage" in
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
   turns24)
-    # Expected wall time about 530 s (untested): 10 s pause, then bc-bench's --time-budget 500
-    # (server starts included: two one by one, about 150 s each, as the glm stage's 45-layer pair
-    # and its 6 rounds took 375-417 s; then rounds while they fit, each slot after a switch adding a
-    # sleep, a wake and a warm-up of a few seconds, all in the JSON's servers.*.sleep_others), then
-    # the servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
-    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
-    sleep 10
-    timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
-      --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
-      --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
-      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --repeat 6 --time-budget ${TURNS24_BUDGET:-500} --startup-timeout 300 \
-      --out-json /tmp/r/turns24.json --markdown 2>&1 | tee /tmp/r/turns24.log | tail -60
+    # Expected wall time about 530 s: 10 s pause, then bc-bench's --time-budget 500 (two servers
+    # started one by one, about 100 s each; rounds while they fit, each slot after a switch adding a
+    # sleep, a wake and a warm-up of about 1.5 s, in the JSON's servers.*.sleep_others), then the
+    # servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
+    pair24 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/turns24.json \
+      2>&1 | tee /tmp/r/turns24.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;
   fresh24)
     # Issue 30 targets 1-2: traffic without reuse, one server awake at a time (turns24's pair).
-    for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
-    sleep 10
-    timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
-      --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
-      --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
-      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
-      --turn1-only -N ${FRESH_N:-32} -S ${FRESH_S:-8000} -U 100 -A 128 --in-flight ${FRESH_LEVELS:-1,8,32} --repeat 6 \
-      --time-budget ${FRESH_BUDGET:-500} --startup-timeout 300 \
-      --out-json /tmp/r/fresh24.json --markdown 2>&1 | tee /tmp/r/fresh24.log | tail -60
+    pair24 --turn1-only -N "${FRESH_N:-32}" -S "${FRESH_S:-8000}" -U 100 -A 128 --in-flight "${FRESH_LEVELS:-1,8,32}" \
+      --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/fresh24.json 2>&1 | tee /tmp/r/fresh24.log | tail -60
     ;;
 esac
