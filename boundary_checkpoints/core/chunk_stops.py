@@ -113,7 +113,9 @@ class ChunkStopMixin:
         if not request_is_eligible(request):
             return num_new_tokens
         instruction = self._instruction_target(request, start)
-        if instruction is not None and start < instruction < start + num_new_tokens:
+        # contract 13: the step that ends at a stop is a prefill row, whatever cut it short before it
+        # (vLLM's token budget, a restore); elsewhere ``_restore_tail`` is 1
+        if instruction is not None and start + self._restore_tail <= instruction < start + num_new_tokens:
             key = self._key(request, instruction)
             if key is not None and not self._kept_or_pending(key):
                 self._count_instruction("instruction_stops")
@@ -121,7 +123,9 @@ class ChunkStopMixin:
         if not self._prompt_captures_on:
             return num_new_tokens
         stop = self._grid_prompt_target(request, start) if self._grid_only else self._prompt_target(request)
-        if not start < stop < start + num_new_tokens or not self._keeps_prompt_checkpoint(request, start):
+        if not start + self._restore_tail <= stop < start + num_new_tokens:
+            return num_new_tokens
+        if not self._keeps_prompt_checkpoint(request, start):
             return num_new_tokens
         if self._captures_in_step(request, start, start + num_new_tokens):
             return num_new_tokens
@@ -152,13 +156,16 @@ class ChunkStopMixin:
     def _grid_prompt_target(self, request: Request, start: int | None = None) -> int:
         """The prompt checkpoint under contract 13 (0: none): the highest pool boundary below
         ``P - 1`` whose stop adds only prefill rows (:meth:`_adds_prefill_rows_only`) to a prefill
-        from ``start`` (default: the computed count). Chosen once the request has started; until
-        then again for each start (a waiting request is looked up again every step)."""
+        from ``start`` (default: the one chosen for, else the computed count). Chosen once the request
+        has started; until then again for each start (a waiting request is looked up again every
+        step). None for a request that replays its answer after a preemption."""
+        if request.num_tokens > request.num_prompt_tokens:
+            return 0  # a resumed request replays its answer: its prompt checkpoint was taken or not
         ledger = self._ledgers[request.request_id]
-        start = request.num_computed_tokens if start is None else start
         cached = ledger.grid_target
-        if cached is not None and (request.num_computed_tokens or cached[0] == start):
+        if cached is not None and (start is None or request.num_computed_tokens or cached[0] == start):
             return cached[1]
+        start = request.num_computed_tokens if start is None else start
         ends = self._vllm_chunk_ends(request, start)
         target = self._on_pool_grid(prompt_boundary(request.num_prompt_tokens))
         while target > start and not self._adds_prefill_rows_only(request, target, start, ends):

@@ -55,22 +55,15 @@ class RestoreMixin:
         # A request that waits for room is looked up every step; its miss is classified once (the
         # classification records a regret, core/store_query.py), and only when no pending bundle
         # serves it or was refused in place of a hit longer than vLLM's.
-        def query(max_tokens: int):
-            return self.checkpoint_store.query(
-                request.all_token_ids,
-                max_tokens,
-                parents,
-                self.hash_block_size,
-                with_refusal=guarding,
-                classify_miss=counting
-                and pending is None
-                and (pending_any is None or pending_any.num_tokens <= num_hit),
-                stock_hit=num_hit,
-            )
-
-        answer = query(request.num_tokens - 1)
-        if answer.hit is not None and not self._restorable(request, answer.hit.num_tokens):
-            answer = query(request.num_tokens - self._restore_tail)  # contract 13: a prefill row after it
+        answer = self.checkpoint_store.query(
+            request.all_token_ids,
+            request.num_tokens - self._restore_tail,  # contract 13: a prefill row after the restore
+            parents,
+            self.hash_block_size,
+            with_refusal=guarding,
+            classify_miss=counting and pending is None and (pending_any is None or pending_any.num_tokens <= num_hit),
+            stock_hit=num_hit,
+        )
         hit = answer.hit
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
@@ -116,16 +109,6 @@ class RestoreMixin:
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
 
-    def _restorable(self, request: Request, num_tokens: int) -> bool:
-        """Whether ``request`` may resume at ``num_tokens`` under contract 13: on vLLM's block grid
-        (the rows after it are vLLM's own), or with a prefill row of :func:`restore_tail` tokens or
-        more left to compute."""
-        return (
-            not self._grid_only
-            or not num_tokens % self.cache_config.block_size
-            or (request.num_tokens - num_tokens >= self._restore_tail)
-        )
-
     def _count_lookup(
         self, request: Request, hit: Checkpoint | None, reason: MissReason | None, num_hit: int = 0
     ) -> None:
@@ -158,7 +141,7 @@ class RestoreMixin:
                 or self._ledgers.is_tainted(pending.request_id)
             ):
                 continue
-            if num_tokens >= request.num_tokens or not self._restorable(request, num_tokens):  # as the store lookup
+            if num_tokens > request.num_tokens - self._restore_tail:  # as the store lookup
                 continue
             if (best is None or num_tokens > best.num_tokens) and self._key(request, num_tokens) == pending.key:
                 if not guarded or pending.checkpoint.serves(request.all_token_ids):

@@ -36,7 +36,7 @@ RING = 3  # the ring group's index: attention, two recurrent groups, ring
 
 
 def ring_scheduler(model_dir, **kwargs):
-    kwargs = dict(ring_kpool=KPOOL, max_num_batched_tokens=64, max_model_len=1024, **kwargs)
+    kwargs = dict(dict(ring_kpool=KPOOL, max_num_batched_tokens=64, max_model_len=1024), **kwargs)
     return build_scheduler(model_dir, **kwargs)
 
 
@@ -308,7 +308,7 @@ def test_a_ring_of_another_size_is_not_restorable(model_dir):
 # ---- under MTP: the lookahead ring (docs/notes/model-families.md §10) ---------------------------
 SLOTS = 8  # vLLM's ring for a pool of 4 at k = 1..3: 4 * next_pow2(cdiv(4 + k, 4))
 # A fresh prompt's checkpoint under contract 13, by k, worked out by hand. vLLM (block 16, MTP's block
-# drop) prefills a prompt of up to 32 tokens in one chunk, and a chunk that starts inside a block it
+# drop) prefills a prompt of up to 31 tokens in one chunk, and a chunk that starts inside a block it
 # ends at the next boundary. So a stop at g leaves the rows [0, g) and [g, min(16 * ceil(g / 16), P))
 # and, where that ends below P, [16, P): each must be longer than a verify row (k + 2 tokens or more)
 # or one vLLM runs anyway. E.g. k = 3, P = 20: a stop at 16 leaves 4 tokens, one at 8 or 12 adds the
@@ -326,7 +326,7 @@ def grid_resend_at(length: int, k: int) -> int:
 
 def spec_ring_engine(
     model_dir, k: int, accept, async_scheduling: bool = False, slots: int = SLOTS, grid_only: bool = True,
-    uniform_decode_rows: bool | None = None,
+    uniform_decode_rows: bool | None = None, **engine_args,
 ):  # fmt: skip
     """The ring layout under MTP, on the shadow of an indexer that needs uniform decode rows
     (Hopper). ``grid_only=False`` takes the plugin's pool-grid rule away (contract 13) and, unless
@@ -334,7 +334,7 @@ def spec_ring_engine(
     decodes (Blackwell): the off-grid restore path."""
     scheduler, worker = ring_scheduler(
         model_dir, ring_slots=slots, num_speculative_tokens=k, worker_cls=SpecShadowWorker,
-        async_scheduling=async_scheduling,
+        async_scheduling=async_scheduling, **engine_args,
     )  # fmt: skip
     worker.num_spec, worker.accept, worker.async_scheduling, worker.kpool = k, accept, async_scheduling, KPOOL
     scheduler._grid_only = grid_only
@@ -425,6 +425,31 @@ def test_under_mtp_without_the_row_rule_a_stop_leaves_a_short_prefill_row(model_
     monkeypatch.setattr(scheduler, "_adds_prefill_rows_only", lambda *args, **kwargs: True)
     with pytest.raises(ShadowMismatch, match="no longer than a verify row"):
         rounds_beside_a_decoding_request(scheduler, driver, seed=3)
+
+
+@pytest.mark.parametrize("budget", [20, 24])
+def test_under_mtp_a_budget_cut_before_a_stop_leaves_no_short_prefill_row(model_dir, budget):
+    """vLLM's token budget ends a chunk on a block boundary just below the prompt checkpoint (e.g.
+    at 48 for a stop at 52): the plugin then does not stop there, so no prefill row of its own is
+    as short as a verify row (the shadow raises on one)."""
+    _, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3), max_num_batched_tokens=budget)
+    rng = random.Random(budget)
+    for length in range(40, 90, 3):
+        driver.run([make_request(tokens(rng, length), salt=f"budget-{length}", max_tokens=2)])
+
+
+def test_under_mtp_a_restore_leaves_a_prefill_row_even_on_the_block_grid(model_dir):
+    """A 22-token producer keeps its checkpoint at 16, on vLLM's block grid: prompts that share its
+    first 16 tokens and leave 2 to 4 more restore nothing (vLLM would not run those rows: under
+    MTP its own hit leaves a block and more), one that leaves 5 restores 16."""
+    scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
+    rng = random.Random(3)
+    prompt = tokens(rng, 22)
+    driver.run([make_request(prompt, salt="s")])
+    for length, cached in ((18, 0), (19, 0), (20, 0), (21, 16)):
+        request = make_request(prompt[: length - 1] + tokens(rng, 1), salt="s")
+        driver.run([request])
+        assert driver.cached_tokens[request.request_id] == cached, length
 
 
 def test_under_mtp_without_the_grid_rule_a_one_token_step_completes_a_pool_on_the_prefill_path(model_dir):
