@@ -15,7 +15,6 @@ from boundary_checkpoints.compat import (
 )
 from boundary_checkpoints.core.boundaries import (
     prompt_boundary,
-    restore_tail,
 )
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY, instruction_boundary
 from boundary_checkpoints.core.keys import CheckpointKey
@@ -122,7 +121,7 @@ class ChunkStopMixin:
                 return instruction - start
         if not self._prompt_captures_on:
             return num_new_tokens
-        stop = self._grid_prompt_target(request, start) if self._grid_only else self._prompt_target(request)
+        stop = self._prompt_target(request, start)
         if not start + self._restore_tail <= stop < start + num_new_tokens:
             return num_new_tokens
         if not self._keeps_prompt_checkpoint(request, start):
@@ -140,16 +139,17 @@ class ChunkStopMixin:
             return 1
         return max(1, self._kpool - 1 - start % self._kpool)
 
-    def _prompt_target(self, request: Request) -> int:
+    def _prompt_target(self, request: Request, start: int | None = None) -> int:
         """Token count of ``request``'s prompt checkpoint (0: none): ``P - 1``, except under
         ``prompt_capture: end``, where it is ``P`` unless the prompt is a resend (:meth:`_is_resend`):
         a resend keeps ``P - 1`` (in step or by the stop, ``PromptCaptureDecision.resend``), so the
         sends after it restore all but the last token; under speculative decoding with a pooled
-        indexer, a pool boundary below ``P - 1`` (contract 13, :meth:`_grid_prompt_target`)."""
+        indexer, a pool boundary below ``P - 1`` (contract 13, :meth:`_grid_prompt_target`, for a
+        prefill from ``start``)."""
         if self._prompt_at_end and not self._is_resend(request):
             return request.num_prompt_tokens
         if self._grid_only:
-            return self._grid_prompt_target(request)
+            return self._grid_prompt_target(request, start)
         return prompt_boundary(request.num_prompt_tokens)
 
     # ---- contract 13: the plugin's rows under speculative decoding -----------------------------
@@ -176,14 +176,14 @@ class ChunkStopMixin:
 
     def _adds_prefill_rows_only(self, request: Request, point: int, start: int, ends: list[int], end: int = 0) -> bool:
         """Whether a stop or a restore at ``point`` of a prefill from ``start`` whose chunks vLLM
-        ends at ``ends`` leaves the rows around it prefill rows (contract 13, :func:`restore_tail`):
+        ends at ``ends`` leaves the rows around it prefill rows (contract 13, ``boundaries.restore_tail``):
         the row vLLM runs from ``point`` (up to ``end``, a later stop of the plugin, where that
         comes first) and the row that ends there, from the last of ``ends`` below it, are
-        :func:`restore_tail` long or more, and after that vLLM's rows go on as before. A point
+        ``_restore_tail`` long or more, and after that vLLM's rows go on as before. A point
         where vLLM itself ends a chunk adds no row."""
         if point in ends:
             return True
-        tail = restore_tail(self.num_spec_tokens)
+        tail = self._restore_tail
         below = max((e for e in ends if e < point), default=start)
         after = self._vllm_chunk_ends(request, point, first_only=True)[0]
         if point < end < after:
@@ -209,10 +209,11 @@ class ChunkStopMixin:
     def _response_on_grid(self, num_tokens: int) -> bool:
         """Whether a response bundle at ``num_tokens`` serves under contract 13: on the pool grid,
         and a next turn restored there runs a prefill row up to the block boundary where vLLM ends
-        a chunk that starts inside a block (:func:`restore_tail` tokens or more)."""
+        a chunk that starts inside a block (``_restore_tail`` tokens or more)."""
         offset = num_tokens % self.cache_config.block_size
-        tail = restore_tail(self.num_spec_tokens)
-        return not num_tokens % self._kpool and (not offset or self.cache_config.block_size - offset >= tail)
+        return not num_tokens % self._kpool and (
+            not offset or self.cache_config.block_size - offset >= self._restore_tail
+        )
 
     def _is_resend(self, request: Request) -> bool:
         """Whether a bundle at this very prompt (``P``) is retained or pending when the request's

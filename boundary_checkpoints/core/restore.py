@@ -51,7 +51,6 @@ class RestoreMixin:
         # A longer bundle the next-token guard refused (MTP), looked for once per request.
         guarding = counting and self._next_token_guard
         pending_any = self._scheduled_pending_hit(request, guarded=False) if guarding else None
-
         # A request that waits for room is looked up every step; its miss is classified once (the
         # classification records a regret, core/store_query.py), and only when no pending bundle
         # serves it or was refused in place of a hit longer than vLLM's.

@@ -370,9 +370,10 @@ def check_plugin_run(
     if k and (producer_accepted or grid):
         failures = [f for f in failures if "continuation cached" not in f]
         kinds = {"below": 0, "committed": 0, "in flight": 0, "prompt": 0, "block grid": 0}
+        targets = grid_targets(info) if grid else {}
         for row, stock in zip(plugin, rows["aligned"], strict=True):
             offset = row.restored.cached - row.committed
-            prompt_at = grid_targets(info)[row.prompt_len] if grid else row.prompt_len - 1
+            prompt_at = targets[row.prompt_len] if grid else row.prompt_len - 1
             if -k <= offset <= 1 and not (grid and row.restored.cached % grid):
                 kinds["below" if offset < 0 else "committed" if offset == 0 else "in flight"] += 1
             elif row.restored.cached == prompt_at:
@@ -407,6 +408,7 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
     setup = info["request_boundaries"]["setup"]
     blocks = [b for b in setup["group_block_sizes"] if b != grid] or [setup["block_size"]]
     resend_at = grid_resends(info, rows) if grid else None
+    targets = grid_targets(info) if grid else {}
     kept = corrupted_response_boundaries(info["corrupt"].get("responses", []))
     resends = detected = continuations = 0
     tellable, missed = 0, []  # corrupted resends told apart from the reference pairs; those the bound let through
@@ -414,7 +416,7 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
         boundary = kept.get((row.prompt_len, tuple(row.producer.tokens)))
         if boundary is None and not speculative:
             boundary = row.committed  # corrupted_pairs says whether it should have been corrupted
-        prompt_at = grid_targets(info)[row.prompt_len] if grid else row.prompt_len - 1
+        prompt_at = targets[row.prompt_len] if grid else row.prompt_len - 1
         expected = set.intersection(*(corrupted_pairs(prompt_at + 1, boundary or row.committed, b) for b in blocks))
         if boundary is None:
             expected.discard("continuation")  # no response bundle was kept: nothing to corrupt
