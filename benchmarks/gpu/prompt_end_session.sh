@@ -12,9 +12,9 @@
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
-#   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on fresh engines: stock,
-#                                stock with 2- and 3-token prefill rows of its own, then the plugin
-#                                (benchmarks/gpu/glm_mtp_crash_probe.py): whose is the index assert (untested)
+#   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on a fresh engine:
+#                                stock with 2- and 3-token prefill rows of its own ($PROBES: also aligned,
+#                                request_boundaries) (benchmarks/gpu/glm_mtp_crash_probe.py): whose is the index assert
 #   prompt_end_session.sh glm    the servers stop; GLM-5.3-Flash dims (45 layers, dense MLPs) stock
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds; under MTP:
@@ -102,9 +102,11 @@ case "$stage" in
   glmprobe)
     python3 -c "from bc_tools.fixtures.tiny_models import make_tiny_model as m; m('/tmp/glmmtp', family='glm5_next_mtp_planted')" || exit 1
     export VLLM_ENABLE_V1_MULTIPROCESSING=0
-    for run in aligned aligned:short_rows request_boundaries; do
+    # $PROBES: which engines, one fresh process each (default: stock with short rows only; the GPU
+    # test runs plain stock and the plugin on the same workload). The first compiles for 100+ s.
+    for run in ${PROBES:-aligned:short_rows}; do
       log=/tmp/r/probe-${run/:/-}.log
-      timeout 170 python3 benchmarks/gpu/glm_mtp_crash_probe.py /tmp/glmmtp ${run/:/ } > "$log" 2>&1
+      timeout "${PROBE_TIMEOUT:-240}" python3 benchmarks/gpu/glm_mtp_crash_probe.py /tmp/glmmtp ${run/:/ } > "$log" 2>&1
       echo "$run: exit $? $(grep -c 'index out of bounds' "$log") index asserts; $(grep RESULT "$log")"
     done
     ;;
