@@ -42,6 +42,7 @@ from boundary_checkpoints.support import (
     VALIDATED_ARCHITECTURES,
     VALIDATED_SPECULATIVE,
     failures_on_gpu,
+    largest_speculative_k,
     speculative_architectures,
 )
 from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES, extends_boundary_scheduler
@@ -192,9 +193,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
     vLLM runs on GPUs only) on a GPU at ``k`` 3 with a planted drafter whose drafts are accepted
     (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), on Qwen3-Next; single-module
-    MTP also on Nemotron-H at ``k`` 1 and 3 (a planted MTP layer, drafts accepted). Another
-    architecture, or another method on these, is not validated
-    (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
+    MTP also on Nemotron-H at ``k`` 1 and 3 and on GLM-5.3-Flash at ``k`` 1 (planted MTP layers,
+    drafts accepted). Another architecture, another method on these, or a larger ``k`` than the
+    architecture's own is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
     architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
@@ -218,11 +219,17 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
             )
         measured = speculative_architectures(method)
-        if architectures and not set(architectures) & set(measured):
-            failures = failures_on_gpu(architectures, method, k or 1)
+        failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k or 1))
+        on_architecture = largest_speculative_k(architectures, method)
+        if architectures and not on_architecture:
             reasons.append(
                 f"speculative decoding ({method}) on {', '.join(architectures)} is not validated yet "
-                f"(measured with it: {', '.join(measured)})" + "".join(f"; {what}" for what in failures)
+                f"(measured with it: {', '.join(measured)})" + failures
+            )
+        elif architectures and on_architecture < (k or 1) <= largest:
+            reasons.append(
+                f"speculative decoding ({method}, k={k}) on {', '.join(architectures)} is measured up to "
+                f"k={on_architecture}, not validated on GPU" + failures
             )
     return reasons
 

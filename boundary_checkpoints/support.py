@@ -35,28 +35,32 @@ UNSUPPORTED_PARALLEL_SIZES = (
 VALIDATED_ARCHITECTURES = (
     "Qwen3NextForCausalLM", "NemotronHForCausalLM", "KimiLinearForCausalLM", "Glm5NextForCausalLM",
 )  # fmt: skip
-# Supported speculative methods validated on a GPU with drafts accepted, each with the largest k
-# validated (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).
-VALIDATED_SPECULATIVE = {"mtp": 3, "dflash": 3}
 # Of the validated architectures, the ones validated under speculative decoding with drafts
-# accepted, each with the methods it was measured with: Qwen3-Next under MTP and DFlash / DFlash2;
-# Nemotron-H under MTP, k = 1 and 3 with a planted MTP layer
-# (docs/results/gpu-nemotron-mtp-h200.md); Nemotron-H under DFlash has not run. GLM-5.3-Flash under
-# MTP passes k = 1 with drafts accepted but crashed twice at k = 3 (FAILED_ON_GPU); vLLM 0.32 has no
-# MTP module for Kimi-Linear (its ``kimi_k3_mtp`` is Kimi-K3's).
-VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, tuple[str, ...]] = {
-    "Qwen3NextForCausalLM": ("mtp", "dflash"),
-    "NemotronHForCausalLM": ("mtp",),
+# accepted, each with the methods it was measured with and the largest k measured on it:
+# Qwen3-Next under MTP and DFlash / DFlash2; Nemotron-H under MTP, k = 1 and 3 with a planted MTP
+# layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 with a planted
+# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits vLLM's own assert, FAILED_ON_GPU).
+# Nemotron-H under DFlash has not run; vLLM 0.32 has no MTP module for Kimi-Linear (its
+# ``kimi_k3_mtp`` is Kimi-K3's).
+VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, dict[str, int]] = {
+    "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
+    "NemotronHForCausalLM": {"mtp": 3},
+    "Glm5NextForCausalLM": {"mtp": 1},
 }
-# Unvalidated speculative combinations known to fail on a GPU, cause not known: (architecture,
-# method, smallest k the note covers) -> what happens, added to the reason ``auto`` falls back with
-# and to the decision line of an explicit ``request_boundaries``. GLM-5.3-Flash under MTP passes at
-# k = 1 with drafts accepted; the note covers k = 2 (not run) and k = 3.
+# Supported speculative methods validated on a GPU with drafts accepted, each with the largest k
+# validated on any architecture (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).
+VALIDATED_SPECULATIVE = {
+    method: max(methods.get(method, 0) for methods in VALIDATED_SPECULATIVE_ARCHITECTURES.values())
+    for method in SUPPORTED_SPECULATIVE_METHODS
+}
+# Speculative combinations known to fail on a GPU: (architecture, method, smallest k the note
+# covers) -> what happens, added to the reason ``auto`` falls back with and to the decision line
+# of an explicit ``request_boundaries``.
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 2): (
-        "on a GPU k = 3 took the engine down twice in the first batch of the exactness test's "
-        "probes (a device-side index assert; stock not yet run on that batch; k = 1 passes; 200 "
-        "conversations with drafts accepted ran without it, stock and plugin alike, so the cause is not known)"
+        "on a GPU k = 3 takes the engine down in the first batch of the exactness test's probes (a "
+        "device-side index assert), with the plugin and in stock vLLM 0.32.0 without it alike, so k = 2 "
+        "and 3 cannot be validated on this vLLM (k = 1 passes)"
     ),
 }
 
@@ -65,6 +69,12 @@ def speculative_architectures(method: str | None) -> list[str]:
     """The architectures of :data:`VALIDATED_SPECULATIVE_ARCHITECTURES` validated under ``method``,
     in table order."""
     return [arch for arch, methods in VALIDATED_SPECULATIVE_ARCHITECTURES.items() if method in methods]
+
+
+def largest_speculative_k(architectures: Iterable[str], method: str | None) -> int:
+    """The largest ``k`` validated under ``method`` on any of ``architectures`` (0 if none)."""
+    measured = [VALIDATED_SPECULATIVE_ARCHITECTURES.get(arch, {}).get(method or "", 0) for arch in architectures]
+    return max(measured, default=0)
 
 
 def failures_on_gpu(architectures: Iterable[str], method: str | None, k: int) -> list[str]:

@@ -12,19 +12,33 @@ def test_speculative_validation_is_on_validated_architectures():
     assert set(support.VALIDATED_SPECULATIVE_ARCHITECTURES) <= set(support.VALIDATED_ARCHITECTURES)
     for methods in support.VALIDATED_SPECULATIVE_ARCHITECTURES.values():
         assert methods and set(methods) <= set(support.SUPPORTED_SPECULATIVE_METHODS), methods
+        assert all(1 <= k <= support.VALIDATED_SPECULATIVE[method] for method, k in methods.items()), methods
 
 
 def test_speculative_validation_is_what_the_gpu_measured():
     """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
-    (gpu-nemotron-mtp-h200.md); nothing else. Kimi-Linear has no MTP module in vLLM 0.32;
-    GLM-5.3-Flash under MTP crashed twice at k = 3 (FAILED_ON_GPU)."""
+    (gpu-nemotron-mtp-h200.md), GLM-5.3-Flash under MTP at k = 1 (gpu-glm-mtp-h200.md: k = 3 hits
+    vLLM's own assert, FAILED_ON_GPU); nothing else. Kimi-Linear has no MTP module in vLLM 0.32."""
     assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
-        "Qwen3NextForCausalLM": ("mtp", "dflash"),
-        "NemotronHForCausalLM": ("mtp",),
+        "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
+        "NemotronHForCausalLM": {"mtp": 3},
+        "Glm5NextForCausalLM": {"mtp": 1},
     }
-    assert support.speculative_architectures("mtp") == ["Qwen3NextForCausalLM", "NemotronHForCausalLM"]
+    assert support.VALIDATED_SPECULATIVE == {"mtp": 3, "dflash": 3}
+    assert support.speculative_architectures("mtp") == [
+        "Qwen3NextForCausalLM", "NemotronHForCausalLM", "Glm5NextForCausalLM",
+    ]  # fmt: skip
     assert support.speculative_architectures("dflash") == ["Qwen3NextForCausalLM"]
     assert support.speculative_architectures(None) == []
+
+
+def test_largest_speculative_k_is_the_architectures_own():
+    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "mtp") == 1
+    assert support.largest_speculative_k(["Other", "NemotronHForCausalLM"], "mtp") == 3
+    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "dflash") == 0
+    assert support.largest_speculative_k(["KimiLinearForCausalLM"], "mtp") == 0
+    assert support.largest_speculative_k([], "mtp") == 0
+    assert support.largest_speculative_k(["Qwen3NextForCausalLM"], None) == 0
 
 
 def test_failures_on_gpu_lookup():

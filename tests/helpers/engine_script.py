@@ -27,13 +27,20 @@ HELPERS_DIR = str(Path(__file__).resolve().parent)  # a script's argument: it pu
 
 def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[dict, str]:
     """(the script's RESULT object, its stdout + stderr); fails the test if it did not print one."""
+    info, log = try_engine_script(script, *argv, timeout=timeout)
+    assert info is not None, log[-6000:]
+    return info, log
+
+
+def try_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[dict | None, str]:
+    """(the script's RESULT object, or None if it exited non-zero or printed none; its stdout + stderr)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
     result = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True, text=True,
                             timeout=timeout)  # fmt: skip
     lines = [line for line in result.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(lines[-1][len(RESULT_PREFIX) :]), result.stdout + result.stderr
+    info = json.loads(lines[-1][len(RESULT_PREFIX) :]) if result.returncode == 0 and lines else None
+    return info, result.stdout + result.stderr
 
 
 def probe_rows(info: dict, runs: tuple[str, ...] | None = None) -> dict:

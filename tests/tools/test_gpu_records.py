@@ -1,7 +1,8 @@
-"""The GPU tests' judgement replayed on a recorded H200 run, on the CPU: the GLM-5.3-Flash MTP k = 1
-run (``docs/results/gpu-glm-mtp-h200/``) passes the checks of ``test_glm5_next_mtp_boundaries``
-(exact counts, the calibrated bounds, the negative control, acceptance), and fails the negative
-control when the resends' bound keeps the producer pairs, which let corrupted resends through."""
+"""The GPU tests' judgement replayed on recorded H200 runs, on the CPU: both GLM-5.3-Flash MTP k = 1
+runs (``docs/results/gpu-glm-mtp-h200/``, before and with the row rule of contract 13) pass the
+checks of ``test_glm5_next_mtp_boundaries`` (exact counts, the calibrated bounds, the negative
+control, acceptance), and fail the negative control when the resends' bound keeps the producer
+pairs, which let corrupted resends through."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from engine_script import probe_rows
 from mtp_checks import check_acceptance
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORD = ROOT / "docs/results/gpu-glm-mtp-h200/gpu-spec-glm5_next_mtp_planted-k1.json.gz"
+RECORDS = ROOT / "docs/results/gpu-glm-mtp-h200"
+# The run before the row rule, and the run with it (which records each prompt checkpoint).
+RUNS = ("gpu-spec-glm5_next_mtp_planted-k1.json.gz", "row-rule-gpu-spec-glm5_next_mtp_planted-k1.json.gz")
 
 
 def gpu_checks():
@@ -27,17 +30,17 @@ def gpu_checks():
     return module
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    record = json.loads(gzip.open(RECORD).read())
+@pytest.fixture(scope="module", params=RUNS)
+def recorded(request):
+    record = json.loads(gzip.open(RECORDS / request.param).read())
     info = {run: record[run] for run in ("request_boundaries", "corrupt", "aligned")}
     checks = gpu_checks()
-    # The record predates the rule that keeps the plugin's rows longer than a verify row: its
-    # prompt checkpoints sat at the pool boundary at or below P - 1, which the SCRIPT now records.
+    # The first record predates the row rule: its prompt checkpoints sat at the pool boundary at or
+    # below P - 1, which the SCRIPT now records.
     setup = info["request_boundaries"]["setup"]
-    setup["grid_targets"] = {
-        str(n): (n - 1) // checks.GLM_KPOOL * checks.GLM_KPOOL for n in record["aligned"]["lengths"]
-    }
+    setup.setdefault(
+        "grid_targets", {str(n): (n - 1) // checks.GLM_KPOOL * checks.GLM_KPOOL for n in record["aligned"]["lengths"]}
+    )
     return checks, record["k"], info, probe_rows(info)
 
 
