@@ -33,8 +33,8 @@
 #   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
-#                                (untested)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24}
+#   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -145,9 +145,12 @@ case "$stage" in
       2>&1 | tee /tmp/r/turns24.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;
-  fresh24)
-    # Issue 30 targets 1-2: traffic without reuse, one server awake at a time (turns24's pair).
-    pair24 --turn1-only -N "${FRESH_N:-32}" -S "${FRESH_S:-8000}" -U 100 -A 128 --in-flight "${FRESH_LEVELS:-1,8,32}" \
-      --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/fresh24.json 2>&1 | tee /tmp/r/fresh24.log | tail -60
+  fresh24|aa24)
+    # Issue 30 targets 1-2: traffic without reuse, one server awake at a time (turns24's pair);
+    # aa24: the same with two stock servers, what the pairing alone gives.
+    pairing=()
+    [[ $stage == aa24 ]] && pairing=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
+    pair24 "${pairing[@]}" --turn1-only -N "${FRESH_N:-32}" -S "${FRESH_S:-8000}" -U 100 -A 128 --in-flight "${FRESH_LEVELS:-1,8,32}" \
+      --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
 esac
