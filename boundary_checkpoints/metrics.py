@@ -94,10 +94,12 @@ MISSES = _metric(_EXPORTED["misses"])
 EVICTIONS = _metric(_EXPORTED["evictions"])
 
 # Series shown (at 0) from startup; other kinds and reasons appear when first counted
-# (draft_next_token under speculative decoding only, unknown never expected).
+# (draft_next_token and short_row under speculative decoding only, unknown never expected).
 KNOWN_KINDS = tuple(kind.value for kind in CheckpointKind)
 KNOWN_MISS_REASONS = tuple(
-    reason.value for reason in MissReason if reason not in (MissReason.DRAFT_NEXT_TOKEN, MissReason.UNKNOWN)
+    reason.value
+    for reason in MissReason
+    if reason not in (MissReason.DRAFT_NEXT_TOKEN, MissReason.SHORT_ROW, MissReason.UNKNOWN)
 )
 KNOWN_EVICTION_CAUSES = tuple(labels[0] for metric, labels in _COUNTER_KEYS.values() if metric == EVICTIONS)
 

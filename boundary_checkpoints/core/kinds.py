@@ -30,4 +30,5 @@ class MissReason(StrEnum):
     INELIGIBLE = "ineligible"  # the request cannot restore (core/chunk_stops.py: request_is_eligible)
     CACHE_BYPASSED = "cache_bypassed"  # the request skips the prefix cache
     DRAFT_NEXT_TOKEN = "draft_next_token"  # a bundle's MTP draft row was computed from another next token
+    SHORT_ROW = "short_row"  # a bundle would leave a prefill row as short as a verify row (contract 13)
     UNKNOWN = "unknown"  # a miss recorded without a reason

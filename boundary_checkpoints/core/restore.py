@@ -62,6 +62,7 @@ class RestoreMixin:
             with_refusal=guarding,
             classify_miss=counting and pending is None and (pending_any is None or pending_any.num_tokens <= num_hit),
             stock_hit=num_hit,
+            without_row_rule=request.num_tokens - 1,
         )
         hit = answer.hit
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):

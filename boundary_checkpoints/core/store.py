@@ -127,6 +127,7 @@ class CheckpointStore:
         with_refusal: bool,
         classify_miss: bool,
         stock_hit: int = 0,
+        without_row_rule: int | None = None,
     ) -> StoreAnswer:
         """What the store holds for ``tokens``, from one scan of their tails (``N <= max_tokens``).
 
@@ -137,7 +138,10 @@ class CheckpointStore:
         ``with_refusal``, :attr:`StoreAnswer.refused` is the longest bundle when it does not serve
         them (its draft rows were computed from another token ``N``). With ``classify_miss`` and no
         hit, :attr:`StoreAnswer.miss_reason` says why (``core/store_query.py``; ``draft_next_token``
-        without more when the refusal is longer than ``stock_hit``, vLLM's own block-grid hit).
+        without more when the refusal is longer than ``stock_hit``, vLLM's own block-grid hit;
+        ``short_row`` when a bundle longer than ``stock_hit`` would serve them within
+        ``without_row_rule`` tokens, the limit before contract 13's row rule lowered it to
+        ``max_tokens``: a second scan, on such misses only).
         """
         hit, longest = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
         while self.borrow and (stale := [c for c in (hit, longest) if c is not None and not c.intact()]):
@@ -152,9 +156,26 @@ class CheckpointStore:
         if classify_miss and hit is None:
             if refused is not None and refused.num_tokens > stock_hit:
                 reason = MissReason.DRAFT_NEXT_TOKEN
+            elif self._lost_to_row_rule(tokens, max_tokens, without_row_rule, parents, hash_block_size, stock_hit):
+                reason = MissReason.SHORT_ROW
             else:
                 reason = miss_reason(self._by_parent, self.reuse, tokens, max_tokens, parents, hash_block_size, longest)
         return StoreAnswer(hit, refused, reason)
+
+    def _lost_to_row_rule(
+        self,
+        tokens: Sequence[int],
+        max_tokens: int,
+        without_row_rule: int | None,
+        parents: Callable[[int], Hashable | None],
+        hash_block_size: int,
+        stock_hit: int,
+    ) -> bool:
+        """A bundle longer than ``stock_hit`` serves ``tokens`` within ``without_row_rule`` tokens."""
+        if without_row_rule is None or without_row_rule <= max_tokens:
+            return False
+        hit, _ = scan(self._by_parent, tokens, without_row_rule, parents, hash_block_size)
+        return hit is not None and hit.num_tokens > stock_hit
 
     # ---- lifecycle -----------------------------------------------------------------------
     def publish(self, checkpoint: Checkpoint) -> bool:

@@ -187,8 +187,10 @@ def test_tables_come_from_the_counter_fields_and_kinds():
     assert all(help_text for help_text, _ in COUNTER_HELP.values())
     assert set(metrics.GAUGE_KEYS) == {f.name for f in fields(ReportedGauges)} and len(GAUGE_HELP) == 5
     assert [k.value for k in CheckpointKind] == ["prompt", "response", "instruction"] == list(metrics.KNOWN_KINDS)
-    assert [r.value for r in MissReason] == ["no_checkpoint", "diverged", "evicted", "block_grid_as_long",
-                                             "ineligible", "cache_bypassed", "draft_next_token", "unknown"]  # fmt: skip
+    assert [r.value for r in MissReason] == [
+        "no_checkpoint", "diverged", "evicted", "block_grid_as_long", "ineligible", "cache_bypassed",
+        "draft_next_token", "short_row", "unknown",
+    ]  # fmt: skip
     assert metrics.KNOWN_EVICTION_CAUSES == ("budget", "pressure", "borrowed", "cached")
     counters = StoreCounters()
     counters.hits_by_kind[CheckpointKind.INSTRUCTION] = 1

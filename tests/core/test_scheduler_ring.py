@@ -27,6 +27,7 @@ from spec_shadow import SpecDriver, SpecShadowWorker
 from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.boundaries import restore_tail
 from boundary_checkpoints.core.group_kinds import GroupKind
+from boundary_checkpoints.core.kinds import MissReason
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.settings import BoundaryConfigError
@@ -441,15 +442,19 @@ def test_under_mtp_a_budget_cut_before_a_stop_leaves_no_short_prefill_row(model_
 def test_under_mtp_a_restore_leaves_a_prefill_row_even_on_the_block_grid(model_dir):
     """A 22-token producer keeps its checkpoint at 16, on vLLM's block grid: prompts that share its
     first 16 tokens and leave 2 to 4 more restore nothing (vLLM would not run those rows: under
-    MTP its own hit leaves a block and more), one that leaves 5 restores 16."""
+    MTP its own hit leaves a block and more), one that leaves 5 restores 16. The three misses are
+    counted as the rule's (``short_row``)."""
     scheduler, _, driver = spec_ring_engine(model_dir, 3, ACCEPT["all"](3))
     rng = random.Random(3)
     prompt = tokens(rng, 22)
     driver.run([make_request(prompt, salt="s")])
+    misses = scheduler.checkpoint_store.counters.misses_by_reason
+    before = misses.get(MissReason.SHORT_ROW, 0)
     for length, cached in ((18, 0), (19, 0), (20, 0), (21, 16)):
         request = make_request(prompt[: length - 1] + tokens(rng, 1), salt="s")
         driver.run([request])
         assert driver.cached_tokens[request.request_id] == cached, length
+    assert misses[MissReason.SHORT_ROW] - before == 3
 
 
 def test_under_mtp_without_the_grid_rule_a_one_token_step_completes_a_pool_on_the_prefill_path(model_dir):

@@ -113,3 +113,20 @@ def test_miss_reasons_without_a_refusal(tail, reason):
     assert store.query(TOKENS, 0, parents, H, with_refusal=True, classify_miss=True).miss_reason == (
         MissReason.NO_CHECKPOINT
     )
+
+
+def test_a_miss_the_row_rule_caused_is_a_short_row():
+    """Contract 13 lowers the lookup's limit to leave a prefill row longer than a verify row: a
+    bundle that would serve the request within the limit before the rule (7 tokens) but lies past
+    the lowered one (5) is a ``short_row`` miss, if it is longer than vLLM's own hit; otherwise the
+    store's own classification stands. The second scan runs on such misses only."""
+    store = CheckpointStore(release=lambda blocks: None, max_blocks=8)
+    assert store.publish(bundle(4, (5, 6), 1))  # serves the request's first 6 tokens
+
+    def reason(**kwargs):
+        return store.query(TOKENS, 5, parents, H, with_refusal=True, classify_miss=True, **kwargs).miss_reason
+
+    assert reason(without_row_rule=7) == MissReason.SHORT_ROW
+    assert reason(without_row_rule=7, stock_hit=6) == MissReason.DIVERGED  # vLLM's hit is as long
+    assert reason(without_row_rule=5) == reason() == MissReason.DIVERGED  # no rule, no second scan
+    assert store.query(TOKENS, 7, parents, H, with_refusal=True, classify_miss=True, without_row_rule=7).hit
