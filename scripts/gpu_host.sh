@@ -22,7 +22,8 @@
 #   bash scripts/gpu_host.sh run CMD [ARGS]  any command in this environment (bundle, package, results dir), e.g.
 #                                     run python3 benchmarks/step_profile.py ... (its docstring has the command)
 #   bash scripts/gpu_host.sh dflash [PYTEST ARGS]  DFlash and DFlash2 (k = 3, full + sliding draft layers)
-#                                     end to end (tests/gpu/test_gpu_dflash.py only; -k dflash2 to split it)
+#                                     end to end (tests/gpu/test_gpu_dflash.py only; -k "not glm" the Qwen3-Next
+#                                     cases, -k glm the GLM-5.3-Flash DFlash2 case, under the 10-minute limit)
 # Results and logs go to $OUT (the device tool's output folder) or /tmp/bc-out.
 set -uo pipefail
 stage="${1:?usage: gpu_host.sh probes|tests|all|kernel|bench|run|in_step|families|dflash}"

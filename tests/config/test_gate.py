@@ -473,6 +473,22 @@ def test_dflash_on_nemotron_h_falls_back_under_auto():
     assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
 
 
+def test_dflash_on_glm_falls_back_under_auto():
+    """GLM-5.3-Flash is validated under MTP only (k = 1): a DFlash drafter on it (the GPU test's GLM
+    case, not run yet) falls back under ``auto`` as unvalidated, nothing refuses it, and an explicit
+    ``request_boundaries`` runs (as that test does)."""
+    fake = dflash_fake(3)
+    fake.model_config.architectures = ["Glm5NextForCausalLM"]
+    assert unsupported_reasons(fake) == []
+    auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+    assert not auto.boundaries_enabled
+    assert auto.reasons == (
+        "speculative decoding (dflash) on Glm5NextForCausalLM is not validated yet "
+        "(measured with it: Qwen3NextForCausalLM)",
+    )
+    assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
+
+
 def test_glm_under_mtp_k1_turns_on_under_auto():
     """GLM-5.3-Flash under MTP at k = 1 passed the GPU test with drafts accepted
     (docs/results/gpu-glm-mtp-h200.md): ``auto`` turns boundary retention on, with no reason."""

@@ -8,7 +8,9 @@ after ``register_all_kvcache_specs``, then ``get_kv_cache_config_from_groups`` a
 managers that ``describe_layout`` judges. Block sizes follow vLLM's hybrid formula for these dims
 (attention block = the smallest multiple of the alignment whose attention page holds a recurrent
 state): 256 for GLM (MLA 1024 B/token, alignment 128), 128 for Kimi (MLA 1152 B/token), 272 for
-Nemotron-H (attention 512 B/token, alignment 16).
+Nemotron-H (attention 512 B/token, alignment 16). GLM is also judged with the DFlash drafter of
+the GPU test's GLM case (a full-attention and a sliding-window draft layer, 4 KV heads of 64) at
+k = 3, and with a ring or a window it cannot restore (negative controls).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from boundary_checkpoints.settings import BoundaryConfigError
 BF16, F32 = torch.bfloat16, torch.float32
 GLM_BLOCK, KIMI_BLOCK, NEMOTRON_BLOCK = 256, 128, 272
 KPOOL = 4
+DRAFT_KV_HEADS, DRAFT_WINDOW = 4, 64  # the GLM DFlash drafter of tests/gpu/test_gpu_dflash.py
 
 
 def kda_spec(block: int, num_spec: int = 0):
@@ -74,6 +77,24 @@ def glm_tail_ring(kpool: int, num_spec_tokens: int) -> int:
     from vllm.utils.math_utils import cdiv, next_power_of_2
 
     return kpool * next_power_of_2(cdiv(kpool + num_spec_tokens, kpool))
+
+
+def glm_dflash_specs(k: int, ring: int, window_retained: int = 0) -> dict:
+    """GLM (``glm_specs``, KDA with ``k`` speculative blocks, no MTP layer) plus the GPU GLM case's
+    DFlash drafter (``fixtures/dflash.py`` for ``glm5_next_mtp_planted``: 4 KV heads of 64, the
+    draft layers numbered after GLM's): layer 4 full attention, layer 5 sliding, window
+    ``DRAFT_WINDOW``, keeping ``window_retained`` tokens below it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    specs = glm_specs(ring, num_spec=k)
+    specs["model.layers.4.self_attn.attn"] = FullAttentionSpec(
+        block_size=GLM_BLOCK, num_kv_heads=DRAFT_KV_HEADS, head_size=64, dtype=BF16
+    )
+    specs["model.layers.5.self_attn.attn"] = SlidingWindowSpec(
+        block_size=GLM_BLOCK, num_kv_heads=DRAFT_KV_HEADS, head_size=64, dtype=BF16, sliding_window=DRAFT_WINDOW,
+        extra_retained_tokens=window_retained,
+    )  # fmt: skip
+    return specs
 
 
 def kimi_specs() -> dict:
@@ -170,6 +191,47 @@ def test_ring_span_against_vllm_ring_size(kpool, k, ok):
     (``2k - 1`` positions under MTP) fit in vLLM's ring; k = 4 on a pool of 4 overruns 8 slots."""
     assert tail_ring_slots(kpool, k) == glm_tail_ring(kpool, k)
     assert (ring_span_at_boundary(kpool, k) <= tail_ring_slots(kpool, k)) is ok
+
+
+def test_glm_layout_under_dflash_accepts_the_draft_groups_and_the_lookahead_ring():
+    """``glm5_next_mtp_planted`` with the GPU case's DFlash drafter at k = 3 (vLLM's block-outermost
+    layout, which GLM's indexer needs): KDA groups recurrent, the ring of 8 slots a RING group over
+    the pool of 4 (vLLM sizes it by k whatever the method), the draft full-attention layer in an
+    ATTENTION group (its page per token, 2 x 4 x 64 bf16, is the MLA latent's: vLLM groups it with
+    the latent and the indexer keys, and one block of that group moves all three), the sliding
+    layer a WINDOW group of the drafter's window."""
+    k = 3
+    specs = glm_dflash_specs(k, glm_tail_ring(KPOOL, k))
+    config, managers = grouped(specs, "BLHNC")
+    geometries, reasons = describe_layout(config, managers, kpool=KPOOL, num_spec_tokens=k)
+    assert reasons == []
+    by_layer = {
+        layer: (geometry, group)
+        for group, geometry in zip(config.kv_cache_groups, geometries, strict=True)
+        for layer in group.layer_names
+    }
+    for i in range(3):
+        assert by_layer[f"model.layers.{i}.self_attn"][0].kind is GroupKind.RECURRENT
+    ring = by_layer["model.layers.3.self_attn.indexer.tail"][0]
+    assert (ring.kind, ring.block_size, ring.pool, ring.label) == (GroupKind.RING, 8, KPOOL, "ring/8 p4")
+    draft, group = by_layer["model.layers.4.self_attn.attn"]
+    assert (draft.kind, draft.block_size) == (GroupKind.ATTENTION, GLM_BLOCK)
+    assert draft.page_bytes == sum(specs[name].page_size_bytes for name in group.layer_names)
+    window = by_layer["model.layers.5.self_attn.attn"][0]
+    assert (window.kind, window.block_size, window.window) == (GroupKind.WINDOW, GLM_BLOCK, DRAFT_WINDOW)
+    assert window.label == f"window/{GLM_BLOCK} w{DRAFT_WINDOW}"  # what the GPU test finds in the startup line
+
+
+@pytest.mark.parametrize(("ring", "retained", "why"), [
+    (KPOOL, 0, "GLM indexer tail ring (1 layers, 4 slots, CircularBufferManager) is not the ring of 8 slots"),
+    (8, 2, "sliding-window group (window 64, 1 layers) retains 2 tokens below its window"),
+])  # fmt: skip
+def test_glm_layout_under_dflash_names_a_ring_or_window_it_cannot_restore(ring, retained, why):
+    """Negative controls of the layout above: a ring of one pool (vLLM's size without drafts) and
+    a draft window that keeps pages below it are each named, one reason, the rest still accepted."""
+    config, managers = grouped(glm_dflash_specs(3, ring, retained), "BLHNC")
+    _, reasons = describe_layout(config, managers, kpool=KPOOL, num_spec_tokens=3)
+    assert len(reasons) == 1 and reasons[0].startswith(why), reasons
 
 
 def test_kimi_layout_is_supported():

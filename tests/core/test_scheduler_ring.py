@@ -14,13 +14,18 @@ By default a response checkpoint sits on the pool grid below the committed lengt
 state from the producer's pool-grid snapshot (contract 12); the tests of the off-grid path turn the
 snapshots off (``pool_grid_snapshots=False``). The shadow worker checks every restored state
 against the token prefix, so a snapshot of the wrong step is a mismatch.
+
+Under speculative decoding every checkpoint sits on the pool grid (contract 13), under MTP and, with
+the same prompt checkpoints, under DFlash.
 """
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
+from dflash_shadow import write_drafter_config
 from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
 
@@ -416,6 +421,31 @@ def test_under_mtp_checkpoints_sit_on_the_pool_grid_beside_verify_rows(model_dir
     counters = scheduler.checkpoint_store.counters
     assert counters.responses_off_pool_grid > 0 and counters.hits > 0
     assert "checkpoints only on the indexer's 4-token pool grid" in scheduler._pool_grid_line()
+
+
+def fresh_request(length: int) -> SimpleNamespace:
+    """What ``_grid_prompt_target`` reads of a fresh request of ``length`` prompt tokens."""
+    return SimpleNamespace(request_id=f"fresh-{length}", num_prompt_tokens=length, num_tokens=length,
+                           num_computed_tokens=0, shared_prefix_boundary=0)  # fmt: skip
+
+
+def test_under_dflash_the_pooled_indexer_gets_the_pool_grid_rule(model_dir, tmp_path):
+    """Contract 13 is not MTP's alone: with a DFlash config of k = 3 (a config-only drafter of
+    ``fixtures/dflash.py``; vLLM's lookahead of k + 1) over the lookahead ring, the scheduler keeps
+    checkpoints on the pool grid (``_grid_only``, restore tail ``k + 2``) and puts each fresh
+    prompt's checkpoint where it does under MTP (``GRID_RESENDS``). Negative control: the same
+    DFlash config without a ring (no pooled indexer) cuts nothing to a grid."""
+    drafter = write_drafter_config(tmp_path / "drafter", model_dir)
+    k = 3
+    scheduler, _ = ring_scheduler(model_dir, ring_slots=SLOTS, num_speculative_tokens=k, drafter=drafter)
+    assert scheduler.boundaries_active and scheduler.num_lookahead_tokens == k + 1  # DFlash, not MTP
+    assert scheduler._grid_only and scheduler._restore_tail == restore_tail(k) == k + 2
+    assert scheduler._geometries[RING].label == f"ring/{SLOTS} p{KPOOL}"
+    targets = {length: scheduler._grid_prompt_target(fresh_request(length), 0) for length in GRID_RESENDS[k]}
+    assert targets == GRID_RESENDS[k]
+    assert "checkpoints only on the indexer's 4-token pool grid" in scheduler._pool_grid_line()
+    no_ring, _ = build_scheduler(model_dir, num_speculative_tokens=k, drafter=drafter)
+    assert no_ring.boundaries_active and not no_ring._grid_only and no_ring._restore_tail == 1
 
 
 def test_under_mtp_without_the_row_rule_a_stop_leaves_a_short_prefill_row(model_dir, monkeypatch):

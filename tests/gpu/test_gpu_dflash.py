@@ -1,6 +1,6 @@
 """GPU host: DFlash and DFlash2 speculative decoding end to end on the tiny Qwen3-Next
-(docs/notes/spec-decode.md §11.8), with a planted drafter whose drafts are accepted (a random
-drafter drafts 1.004 tokens per step).
+(docs/notes/spec-decode.md §11.8), and DFlash2 on the tiny GLM-5.3-Flash (below), with a
+planted drafter whose drafts are accepted (a random drafter drafts 1.004 tokens per step).
 
 Each case builds the tiny planted target (``make_tiny_model``, family ``qwen3_next_mtp_planted``:
 its greedy answers follow a planted successor ~0.7 of the time; its MTP layer is not loaded) and the
@@ -31,8 +31,20 @@ times running, ~``p + p^2 + p^3`` = 1.5 drafts per step for ``p`` ~0.7 (a random
 ``fc`` is zero), so acceptance checks the bonus token and the target's tokens after a restore, not
 the draft K/V rows below it; the scheduler tests' shadow checks those. ``BC_RESULTS_DIR``
 receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts per case, about 1 min each on
-an H200-class GPU: ``bash scripts/gpu_host.sh dflash`` runs this file alone (``-k dflash2`` or
-``-k "not dflash2"`` to split it).
+an H200-class GPU: ``bash scripts/gpu_host.sh dflash`` runs this file alone (``-k "not glm"`` for
+the two Qwen3-Next cases, ``-k glm`` for the GLM case below).
+
+GLM-5.3-Flash (``test_glm5_next_dflash2_on_the_pool_grid``, ``-k glm``; not run on a GPU yet): the
+same three scenarios with DFlash2 at k = 3 on ``glm5_next_mtp_planted`` (the tiny GLM with the same
+planted successor, seed 0; its MTP layer is not loaded under DFlash) and the planted drafter sized
+to it (4 heads of 64, 4 KV heads: GLM's MLA has no heads to share), with the prompt lengths of the
+GLM MTP test (``GLM_EXTRA_LENGTHS``: 97, 200, 2103 above ``index_topk``, and ``B - 8``) instead of
+65 and 150. Judged as ``test_gpu_spec_families.test_glm5_next_mtp_boundaries``: every checkpoint
+on the indexer's pool grid (docs/design.md contract 13, ``grid=GLM_KPOOL``), the ring group
+``ring/8 p4`` and the drafter's window group among the plugin's groups, acceptance as above. Stock
+vLLM first runs the batch alone (``stock_vllm_gets_through``): GLM under MTP at k = 3 makes stock
+vLLM 0.32.0 die on a device-side assert in this batch, and if stock dies so here too the test is an
+expected failure. One more engine start (three in all).
 
 One departure from the defaults, DFlash2 only: its candidate top-k over the vocabulary runs on
 ``torch.topk`` instead of FlashInfer's ``top_k`` (``TORCH_VOCAB_TOPK``).
@@ -48,13 +60,28 @@ import pytest
 from engine_script import HELPERS_DIR, probe_rows, run_engine_script
 from mtp_checks import check_acceptance
 from results_out import results_dir, save_json
-from test_gpu_spec_families import CASE_TIMEOUT_S, SCRIPT, bounds_for, check_corrupted_run, check_plugin_run, make_case
+from test_gpu_spec_families import (
+    CASE_TIMEOUT_S,
+    GLM_EXTRA_LENGTHS,
+    SCRIPT,
+    bounds_for,
+    check_corrupted_run,
+    check_plugin_run,
+    continuation_bounds_for,
+    make_case,
+    stock_vllm_gets_through,
+)
+
+from bc_tools.fixtures.glm5_next_family import GLM_INDEX_TOPK, GLM_KPOOL
+from boundary_checkpoints.core.layout import tail_ring_slots
 
 pytestmark = pytest.mark.gpu
 
 K = 3  # = fixtures.dflash.PLANTED_DRAFTS: every draft is planted
 WINDOW = 64
 TARGET_FAMILY = "qwen3_next_mtp_planted"  # the planted successor; vLLM skips its MTP weights here
+GLM_FAMILY = "glm5_next_mtp_planted"  # the same planted successor (seed 0); vLLM skips its MTP layer here
+GLM_VARIANT = "dflash2"
 PLANTED_SEED = 0
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # DFlash2 picks each draft position's candidates with LogitsProcessor.get_top_k_tokens
@@ -76,26 +103,34 @@ TORCH_VOCAB_TOPK = {"dflash": False, "dflash2": True}
 TOPK_JIT_LINE = "Building JIT module topk"
 
 
-def run_dflash_case(variant: str, drafter_dir: Path):
-    """The three scenarios (module docstring) with a ``variant`` drafter; returns (info, rows per
-    run, bounds, the engines' log)."""
+def dflash_case(
+    variant: str, drafter_dir: Path, family: str = TARGET_FAMILY, extra_lengths: tuple = (WINDOW + 1, 150)
+) -> tuple[Path, dict]:
+    """(the tiny ``family`` model's directory, the SCRIPT's case): the planted ``variant`` drafter
+    sized to it, written into ``drafter_dir``, as the speculative config of ``K`` drafts."""
     from bc_tools.fixtures.dflash import write_dflash_drafter
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
-    model = make_tiny_model(default_model_dir(TARGET_FAMILY, 0), family=TARGET_FAMILY, seed=0)
+    model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     drafter = write_dflash_drafter(
         drafter_dir, model, variant=variant, layer_types=LAYER_TYPES, window=WINDOW, planted_seed=PLANTED_SEED
     )
     speculative = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": K}
-    case = make_case(K, (WINDOW + 1, 150), engine={"speculative_config": speculative}, planted_seed=PLANTED_SEED)
+    case = make_case(K, extra_lengths, engine={"speculative_config": speculative}, planted_seed=PLANTED_SEED)
     case["torch_vocab_topk"] = TORCH_VOCAB_TOPK[variant]
+    return model, case
+
+
+def run_dflash_case(name: str, variant: str, model: Path, case: dict, grid: int = 0):
+    """The three scenarios (module docstring) of ``case``; returns (info, rows per run, bounds, the
+    engines' log); ``grid``: as ``bounds_for``'s."""
     info, log = run_engine_script(SCRIPT, str(model), HELPERS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
-        (out / f"gpu-dflash-{variant}.log").write_text(log)
+        (out / f"gpu-dflash-{name}.log").write_text(log)
     rows = probe_rows(info)
-    bounds = bounds_for(rows, K)
-    save_json(f"gpu-dflash-{variant}.json", {"variant": variant, "k": K, "bounds": bounds.as_dict(), **info})
+    bounds = bounds_for(rows, K, grid)
+    save_json(f"gpu-dflash-{name}.json", {"variant": variant, "k": K, "bounds": bounds.as_dict(), **info})
     return info, rows, bounds, log
 
 
@@ -106,9 +141,9 @@ def active_groups(log: str) -> list[str]:
     return lines[0].split(", ")
 
 
-@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
-    info, rows, bounds, log = run_dflash_case(variant, tmp_path / f"{variant}-drafter")
+def check_setup(variant: str, info: dict, log: str) -> list[str]:
+    """The engine ran as intended (GPU defaults, the top-k choice, the plugin with the drafter's
+    window group); returns the plugin's KV groups."""
     setup = info["request_boundaries"]["setup"]
     groups = active_groups(log)
     print(f"{variant} setup: {setup}; KV groups: {groups}")
@@ -118,6 +153,31 @@ def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
     assert "NONE" not in setup["cudagraph_mode"], setup
     assert any(re.fullmatch(rf"window/\d+ w{WINDOW}", g) for g in groups), groups  # the sliding draft layer
     assert info["corrupt"]["scheduler"] == "CorruptAsyncScheduler"
+    return groups
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_dflash_restores_under_gpu_defaults(variant, tmp_path):
+    model, case = dflash_case(variant, tmp_path / f"{variant}-drafter")
+    info, rows, bounds, log = run_dflash_case(variant, variant, model, case)
+    check_setup(variant, info, log)
     check_plugin_run(info, rows, bounds, K)
     check_corrupted_run(info, rows, bounds, speculative=True)
     check_acceptance(info, K)  # the planted drafter: drafts accepted in both phases, within noise
+
+
+def test_glm5_next_dflash2_on_the_pool_grid(tmp_path):
+    """GLM-5.3-Flash under DFlash2 at k = 3 (module docstring): stock alone on the batch first, then
+    the three scenarios judged on the pool grid as the GLM MTP test judges them."""
+    name = f"glm-{GLM_VARIANT}"
+    model, case = dflash_case(GLM_VARIANT, tmp_path / f"{name}-drafter", GLM_FAMILY, GLM_EXTRA_LENGTHS)
+    stock_vllm_gets_through(name, GLM_FAMILY, case, results_prefix="gpu-dflash")
+    info, rows, bounds, log = run_dflash_case(name, GLM_VARIANT, model, case, grid=GLM_KPOOL)
+    groups = check_setup(GLM_VARIANT, info, log)
+    ring = f"ring/{tail_ring_slots(GLM_KPOOL, K)} p{GLM_KPOOL}"  # vLLM's lookahead ring: 8 slots, pool 4
+    assert ring in info["request_boundaries"]["setup"]["group_labels"] and ring in groups, groups
+    assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
+    continuation = continuation_bounds_for(rows, bounds, K, GLM_KPOOL)
+    check_plugin_run(info, rows, bounds, K, continuation, grid=GLM_KPOOL)
+    check_corrupted_run(info, rows, bounds, speculative=True, grid=GLM_KPOOL)
+    check_acceptance(info, K)

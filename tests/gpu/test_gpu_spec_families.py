@@ -220,7 +220,7 @@ def release():  # after the caller's ``del llm``: the last reference must go bef
     cleanup_dist_env_and_memory()
 
 out = {}
-if case.get("stock_only"):  # stock alone on the same batch: does vLLM itself get through it?
+if case.get("stock_only"):  # stock alone on the same batch (engine() applies case["engine"]): does vLLM get through?
     llm = engine("aligned")
     lengths = lengths_for(setup_of(llm)["block_size"])
     rows, acceptance = probes(llm, lengths, 0)
@@ -336,19 +336,24 @@ def run_case(
     return info, rows, bounds
 
 
-def stock_vllm_gets_through(name: str, family: str, k: int, extra_lengths: tuple[int | str, ...]) -> None:
-    """Where the support matrix records a failure on the GPU (``support.FAILED_ON_GPU``), stock vLLM
-    runs the case's first batch alone first. If stock itself dies on it with a device-side assert,
-    the plugin cannot be judged on that batch: the test is an expected failure that says so, with
-    stock's log saved. A stock run that gets through lets the plugin's case run as usual."""
+def stock_vllm_gets_through(name: str, family: str, case: dict, results_prefix: str = "gpu-spec") -> None:
+    """Stock vLLM runs the case's first batch alone first: ``case`` is the SCRIPT's case of the
+    plugin's run (``make_case``: lengths, planted seed and engine overrides -- a DFlash drafter's
+    ``speculative_config`` replaces the MTP one the SCRIPT builds from ``case["k"]``), run as
+    ``stock_only``. Called where the support matrix records a failure on the GPU
+    (``support.FAILED_ON_GPU``) and for cases not run on a GPU yet (``test_gpu_dflash.py``'s GLM
+    case). If stock itself dies on the batch with a device-side assert, the plugin cannot be judged
+    on it: the test is an expected failure that says so, with stock's log saved
+    (``<results_prefix>-<name>-stock.log``). A stock run that gets through lets the plugin's case
+    run as usual."""
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
-    case = {**make_case(k, extra_lengths), "stock_only": True}
+    case = {**case, "stock_only": True}
     info, log = try_engine_script(SCRIPT, str(model), HELPERS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
-        (out / f"gpu-spec-{name}-stock.log").write_text(log)
+        (out / f"{results_prefix}-{name}-stock.log").write_text(log)
     asserts = log.count("device-side assert triggered") + log.count("index out of bounds")
     if info is None and asserts:
         pytest.xfail(f"stock vLLM without the plugin dies on this batch ({asserts} device-side assert lines)")
@@ -573,7 +578,7 @@ def test_glm5_next_mtp_boundaries(k):
     the first batch alone first (``stock_vllm_gets_through``)."""
     name = f"{GLM_MTP_FAMILY}-k{k}"
     if failures_on_gpu(["Glm5NextForCausalLM"], "mtp", k):
-        stock_vllm_gets_through(name, GLM_MTP_FAMILY, k, GLM_EXTRA_LENGTHS)
+        stock_vllm_gets_through(name, GLM_MTP_FAMILY, make_case(k, GLM_EXTRA_LENGTHS))
     info, rows, bounds = run_case(name, GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS, grid=GLM_KPOOL)
     setup = info["request_boundaries"]["setup"]
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")

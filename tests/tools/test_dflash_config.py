@@ -18,7 +18,15 @@ Qwen3-Next target:
 * asks the plugin's gate: nothing unsupported and nothing unvalidated (DFlash and DFlash2 are
   measured on a GPU with the planted drafter, drafts accepted, at k = 3).
 
-About 30 s (one vLLM import, three small models).
+The same checks run for DFlash and DFlash2 drafters of the tiny GLM-5.3-Flash (``glm5_next_mtp_planted``,
+the target of ``tests/gpu/test_gpu_dflash.py``'s GLM case; an MLA model, so the drafter has heads of
+its own: 4 of 64 and 4 KV heads, ``fixtures.dflash.drafter_attention``), in a second process behind
+``family_weights.cpu_shims`` (vLLM inspects Glm5Next on CPU only with them: its module imports
+torchvision). There the gate finds nothing unsupported and one unvalidated reason, DFlash on
+Glm5NextForCausalLM: ``auto`` falls back. Without vLLM, the drafter's config and tensor shapes for
+both targets are checked against the dims each target's draft layers must have.
+
+About 60 s (two vLLM imports, five small models).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from pathlib import Path
 import pytest
 from engine_script import HELPERS_DIR, run_engine_script
 
-from bc_tools.fixtures.dflash import write_dflash_drafter
+from bc_tools.fixtures.dflash import dflash_drafter_config, dflash_drafter_weights, write_dflash_drafter
 from bc_tools.fixtures.families import FAMILIES
 
 K = 3
@@ -40,6 +48,17 @@ DRAFTERS = {
     "dflash_full_own_heads": dict(variant="dflash", layer_types=("full_attention",), num_kv_heads=1),
 }
 SHARED = {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}  # not in a DFlash checkpoint
+GLM_TARGET = "glm5_next_mtp_planted"  # the GPU GLM case's target (its config nests the text model)
+GLM_DRAFTERS = {
+    "glm_dflash_mixed": dict(variant="dflash", layer_types=("full_attention", "sliding_attention")),
+    "glm_dflash2_mixed": dict(variant="dflash2", layer_types=("full_attention", "sliding_attention")),
+}
+# (attention heads, KV heads, head size) of the draft layers: the Qwen3-Next target's own; for the
+# MLA GLM target hidden 256 / 64 heads of 64, as many KV heads.
+DRAFT_HEADS = {"qwen3_next": (4, 2, 64), GLM_TARGET: (4, 4, 64)}
+GLM_UNVALIDATED = [
+    "speculative decoding (dflash) on Glm5NextForCausalLM is not validated yet (measured with it: Qwen3NextForCausalLM)"
+]
 
 SCRIPT = r"""
 import json, math, os, sys
@@ -47,6 +66,10 @@ sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
 import fake_triton_cpu
 fake_triton_cpu.install()
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1
+if "--cpu-shims" in sys.argv:  # a GLM target: vLLM inspects Glm5Next on CPU only behind these
+    import family_weights
+    shims = family_weights.cpu_shims()
+    shims.__enter__()  # for the whole process (the reference keeps the context open)
 import torch
 from safetensors.torch import load_file
 from vllm.config import set_current_vllm_config
@@ -111,6 +134,44 @@ def checked(drafters) -> dict:
     return info
 
 
+@pytest.fixture(scope="module")
+def glm_checked(tmp_path_factory) -> dict:
+    """The SCRIPT's checks for the GLM drafters, next to a config-only ``glm5_next_mtp_planted``."""
+    root = tmp_path_factory.mktemp("glm_dflash")
+    target = root / "target"
+    target.mkdir()
+    FAMILIES[GLM_TARGET].write_config(target)
+    paths = {name: write_dflash_drafter(root / name, target, window=WINDOW, **kw) for name, kw in GLM_DRAFTERS.items()}
+    argv = (HELPERS_DIR, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K), "--cpu-shims")
+    info, _ = run_engine_script(SCRIPT, *argv, timeout=600)
+    return info
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", GLM_TARGET])
+def test_drafter_dims_and_tensor_shapes_fit_the_target(family, tmp_path):
+    """Without vLLM: the text model's vocabulary, hidden size and length (GLM's nested under
+    ``text_config``), the draft heads of ``DRAFT_HEADS``, and tensors of those shapes (``fc`` reads
+    two target layers of the target's hidden size)."""
+    FAMILIES[family].write_config(tmp_path)
+    target = json.loads((tmp_path / "config.json").read_text())
+    text = target.get("text_config", target)
+    config = dflash_drafter_config(target, "dflash2", window=WINDOW)
+    heads, kv_heads, head = DRAFT_HEADS[family]
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == DRAFT_HEADS[family]
+    for field in ("vocab_size", "hidden_size", "max_position_embeddings"):
+        assert config[field] == text[field], field
+    weights = dflash_drafter_weights(config, target)
+    hidden = text["hidden_size"]
+    assert weights["fc.weight"].shape == (hidden, 2 * hidden)
+    for i in range(2):
+        layer = f"layers.{i}.self_attn."
+        assert weights[layer + "q_proj.weight"].shape == (heads * head, hidden)
+        for kv in ("k_proj", "v_proj"):
+            assert weights[f"{layer}{kv}.weight"].shape == (kv_heads * head, hidden)
+        assert weights[layer + "o_proj.weight"].shape == (hidden, heads * head)
+        assert weights[layer + "q_norm.weight"].shape == weights[layer + "k_norm.weight"].shape == (head,)
+
+
 def test_fixture_writes_the_same_files_for_the_same_arguments(drafters, tmp_path):
     target, paths = drafters
     again = write_dflash_drafter(tmp_path / "again", target, window=WINDOW, **DRAFTERS["dflash2_mixed"])
@@ -148,3 +209,35 @@ def test_the_gate_validates_dflash_at_k3(checked, name):
     info = checked[name]
     assert info["unsupported"] == []
     assert info["unvalidated"] == []
+
+
+@pytest.mark.parametrize("name", sorted(GLM_DRAFTERS))
+def test_vllm_accepts_the_glm_drafter_and_loads_every_tensor(glm_checked, name):
+    """As for the Qwen3-Next target: vLLM's validation, class, lookahead, every tensor loaded; the
+    draft layers are numbered after GLM's 4 layers (its MTP layer, ``model.layers.4`` in the
+    checkpoint, is not built under DFlash)."""
+    info = glm_checked[name]
+    variant = GLM_DRAFTERS[name]["variant"]
+    assert info["method"] == "dflash"
+    assert info["architectures"] == [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[variant]]
+    assert info["class"] == {"dflash": "DFlashQwen3ForCausalLM", "dflash2": "DFlash2Qwen3ForCausalLM"}[variant]
+    assert info["lookahead"] == [K + 1, 1]
+    assert info["unwritten"] == sorted(SHARED)
+    assert info["layer_names"] == [f"model.layers.{4 + i}.self_attn.attn" for i in range(2)]
+
+
+@pytest.mark.parametrize("name", sorted(GLM_DRAFTERS))
+def test_glm_draft_layers_declare_full_and_sliding_specs_of_their_own_heads(glm_checked, name):
+    """4 KV heads of 64 (``DRAFT_HEADS``): a full-attention spec and a sliding-window spec of the
+    fixture's window, neither GLM's MLA spec (the draft layers form KV cache groups of their own)."""
+    _, kv_heads, head = DRAFT_HEADS[GLM_TARGET]
+    assert glm_checked[name]["specs"] == [["FullAttentionSpec", None, kv_heads, head],
+                                          ["SlidingWindowSpec", WINDOW, kv_heads, head]]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(GLM_DRAFTERS))
+def test_the_gate_leaves_dflash_on_glm_unvalidated(glm_checked, name):
+    """Nothing refuses DFlash on GLM, and it is not validated: ``auto`` falls back (an explicit
+    ``request_boundaries`` runs, as the GPU case does)."""
+    assert glm_checked[name]["unsupported"] == []
+    assert glm_checked[name]["unvalidated"] == GLM_UNVALIDATED

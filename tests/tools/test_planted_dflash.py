@@ -15,7 +15,13 @@ read at query row ``j`` (the arg-max of its logits; DFlash2: the greedy walk ove
 
 Negative control: the random drafter of ``tests/gpu/test_gpu_dflash.py`` before this fixture, with the
 planted target's embedding and LM head (vLLM shares them), drafts the successor at chance.
-About 40 s (one vLLM import, three small drafters).
+
+The GLM case of the GPU test (``glm5_next_mtp_planted``, seed 0: the same planted successor) is checked
+the same way in a second process, behind ``family_weights.cpu_shims`` (vLLM inspects Glm5Next on CPU
+only with them): its planted DFlash2 drafter (4 heads of 64 and 4 KV heads:
+``fixtures.dflash.drafter_attention``) drafts ``succ^j``, the random drafter with GLM's embedding
+and LM head at chance.
+About 80 s (two vLLM imports, five small drafters).
 """
 
 from __future__ import annotations
@@ -37,6 +43,12 @@ DRAFTERS = {
     "dflash2_planted": dict(variant="dflash2", layer_types=("sliding_attention", "full_attention"), planted_seed=SEED),
     "dflash_random": dict(variant="dflash", layer_types=("full_attention", "sliding_attention")),
 }
+GLM_TARGET = "glm5_next_mtp_planted"  # the GPU GLM case's target: planted_successor(SEED) too
+GLM_LAYERS = ("full_attention", "sliding_attention")  # the GPU GLM case's drafter
+GLM_DRAFTERS = {
+    "glm_dflash2_planted": dict(variant="dflash2", layer_types=GLM_LAYERS, planted_seed=SEED),
+    "glm_dflash_random": dict(variant="dflash", layer_types=GLM_LAYERS),
+}
 WINDOW = 64
 CONTEXTS = (70, 32000)  # bonus-token positions p: context rows at max(0, p - 70) .. p - 1
 CONTEXT_ROWS = 70
@@ -47,6 +59,10 @@ sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
 import fake_triton_cpu
 fake_triton_cpu.install()
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1
+if "--cpu-shims" in sys.argv:  # a GLM target: vLLM inspects Glm5Next on CPU only behind these
+    import family_weights
+    shims = family_weights.cpu_shims()
+    shims.__enter__()  # for the whole process (the reference keeps the context open)
 import torch
 from safetensors.torch import load_file
 from vllm.config import set_current_vllm_config
@@ -153,15 +169,24 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def drafted(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("planted_dflash")
-    target = tm.make_tiny_model(root / "target", family=TARGET, seed=SEED)
-    paths = {name: write_dflash_drafter(root / name, target, window=WINDOW, **kw) for name, kw in DRAFTERS.items()}
+def run_drafts(root, family: str, drafters: dict, *flags: str) -> dict:
+    """The SCRIPT's drafts of ``drafters`` next to the tiny ``family`` (seed ``SEED``) built in ``root``."""
+    target = tm.make_tiny_model(root / "target", family=family, seed=SEED)
+    paths = {name: write_dflash_drafter(root / name, target, window=WINDOW, **kw) for name, kw in drafters.items()}
     argv = (HELPERS_DIR, str(target), json.dumps({n: str(p) for n, p in paths.items()}), str(K), str(MASK_TOKEN_ID),
-            json.dumps(CONTEXTS), str(CONTEXT_ROWS))  # fmt: skip
+            json.dumps(CONTEXTS), str(CONTEXT_ROWS), *flags)  # fmt: skip
     info, _ = run_engine_script(SCRIPT, *argv, timeout=600)
     return info
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory) -> dict:
+    return run_drafts(tmp_path_factory.mktemp("planted_dflash"), TARGET, DRAFTERS)
+
+
+@pytest.fixture(scope="module")
+def glm_drafted(tmp_path_factory) -> dict:
+    return run_drafts(tmp_path_factory.mktemp("planted_glm_dflash"), GLM_TARGET, GLM_DRAFTERS, "--cpu-shims")
 
 
 def successor_powers(tokens: list[int]) -> list[list[int]]:
@@ -177,21 +202,40 @@ def successor_powers(tokens: list[int]) -> list[list[int]]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["dflash_planted", "dflash2_planted"])
-def test_planted_drafter_drafts_the_successor_powers(drafted, name):
-    info = drafted[name]
+def check_successor_powers(run: dict, name: str) -> None:
+    info = run[name]
     assert info["own"] == [True, True]  # its own embedding and LM head: vLLM keeps them
     assert info["unwritten"] == ["model.mask_embedding"]  # every tensor loaded (no mask_embedding.pt)
-    expected = successor_powers(drafted["tokens"])
+    expected = successor_powers(run["tokens"])
     for p, drafts in info["drafts"].items():
-        wrong = [(t, d, e) for t, d, e in zip(drafted["tokens"], drafts, expected, strict=True) if d != e]
+        wrong = [(t, d, e) for t, d, e in zip(run["tokens"], drafts, expected, strict=True) if d != e]
         assert not wrong, (p, len(wrong), wrong[:5])
 
 
-def test_random_drafter_drafts_the_successor_at_chance(drafted):
-    info = drafted["dflash_random"]
+def check_at_chance(run: dict, name: str) -> None:
+    info = run[name]
     assert info["own"] == [False, False]
-    expected = successor_powers(drafted["tokens"])
+    expected = successor_powers(run["tokens"])
     for p, drafts in info["drafts"].items():
         hits = sum(d[0] == e[0] for d, e in zip(drafts, expected, strict=True))
         assert hits <= 0.02 * len(drafts), (p, hits)
+
+
+@pytest.mark.parametrize("name", ["dflash_planted", "dflash2_planted"])
+def test_planted_drafter_drafts_the_successor_powers(drafted, name):
+    check_successor_powers(drafted, name)
+
+
+def test_random_drafter_drafts_the_successor_at_chance(drafted):
+    check_at_chance(drafted, "dflash_random")
+
+
+def test_planted_glm_drafter_drafts_the_successor_powers(glm_drafted):
+    """The GPU GLM case's drafter (DFlash2, full + sliding, 4 heads / 4 KV heads of 64) with GLM's
+    target dims: every draft ``j`` is ``succ^j`` of the bonus token."""
+    check_successor_powers(glm_drafted, "glm_dflash2_planted")
+
+
+def test_random_drafter_on_glm_drafts_the_successor_at_chance(glm_drafted):
+    """With the planted GLM target's embedding and LM head (shared by vLLM): at chance."""
+    check_at_chance(glm_drafted, "glm_dflash_random")
