@@ -11,6 +11,7 @@
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
+#   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
 #   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on a fresh engine:
 #                                stock with 2- and 3-token prefill rows of its own ($PROBES: also aligned,
@@ -34,7 +35,7 @@
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -88,6 +89,10 @@ case "$stage" in
   glmmtp)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
+    ;;
+  glmdflash)
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_dflash.py -k glm \
+      2>&1 | tee /tmp/r/glmdflash.log | tail -40
     ;;
   glmcrash)
     # Issue 32 item 2: GLM + MTP k = 3 with accepted drafts (the planted fixture), stock and the
