@@ -1,4 +1,5 @@
-"""What the plugin's scheduler adds to an engine step that captures and restores nothing.
+"""What the plugin's scheduler adds to an engine step: a decode-only step that captures and restores
+nothing, or (``--fresh``) a step that prefills fresh prompts.
 
 Contract
 --------
@@ -11,7 +12,14 @@ requests of ``--prompt-len`` tokens, runs them until every one decodes, and then
 of them; it prints per round the microseconds per step of each and the ratio, then the median
 [p25..p75] of the ratios, and writes them to ``--out`` (JSON) if given.
 
+``--fresh``: ``--prompts`` fresh prompts of ``--prompt-len`` tokens instead, ``--running`` at a
+time (the next one arrives as one finishes), each answering ``--answer`` tokens, ``--block-size``
+tokens per block and vLLM's default token budget of 8,192 per step; the time is per step that
+prefills (the steps where each prompt ends and the plugin plans its checkpoint among them).
+
     .venv/bin/python benchmarks/scheduler_step_overhead.py --running 32 --steps 400 --rounds 6
+    .venv/bin/python benchmarks/scheduler_step_overhead.py --fresh --running 8 --prompt-len 7900 \
+        --block-size 1056 --prompts 16 --rounds 6
 """
 
 from __future__ import annotations
@@ -56,27 +64,69 @@ def decode_step_us(model_dir: Path, policy: str, running: int, prompt_len: int, 
     return spent / steps * 1e6
 
 
+def prefill_step_us(
+    model_dir: Path, policy: str, running: int, prompt_len: int, prompts: int, answer: int, block_size: int, seed: int
+) -> float:
+    """Host microseconds per step that prefills, ``prompts`` fresh prompts ``running`` at a time."""
+    num_blocks = 2 * running * (prompt_len + answer) // block_size + 64  # no pressure
+    scheduler, worker = build_scheduler(
+        model_dir, policy=policy, block_size=block_size, num_blocks=num_blocks, max_num_seqs=running,
+        max_num_batched_tokens=8192, max_model_len=prompt_len + answer, prompt_capture="auto",
+    )  # fmt: skip
+    rng = random.Random(seed)
+    waiting = [make_request(tokens(rng, prompt_len), max_tokens=answer) for _ in range(prompts)]
+    live: list = []
+    spent, steps = 0.0, 0
+    while waiting or live:
+        while waiting and len(live) < running:
+            live.append(waiting.pop(0))
+            scheduler.add_request(live[-1])
+        start = time.perf_counter()
+        output = scheduler.schedule()
+        scheduled = time.perf_counter()
+        result = worker.execute(output)
+        ran = time.perf_counter()
+        scheduler.update_from_output(output, result)
+        if any(n > 1 for n in output.num_scheduled_tokens.values()):
+            spent += (scheduled - start) + (time.perf_counter() - ran)
+            steps += 1
+        live = [r for r in live if not r.is_finished()]
+    return spent / steps * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--running", type=int, default=32, help="requests decoding in every step (default 32)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (default 64)")
     parser.add_argument("--steps", type=int, default=400, help="timed decode steps per run (default 400)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating the order (default 6)")
+    parser.add_argument("--fresh", action="store_true", help="time the steps that prefill fresh prompts")
+    parser.add_argument("--prompts", type=int, default=16, help="--fresh: prompts per run (default 16)")
+    parser.add_argument("--answer", type=int, default=32, help="--fresh: answer tokens (default 32)")
+    parser.add_argument("--block-size", type=int, default=1056, help="--fresh: tokens per block (default 1056)")
     parser.add_argument("--out", type=Path, help="write the rounds and the summary here (JSON)")
     args = parser.parse_args(argv)
+    kind = "prefill" if args.fresh else "decode"
+
+    def step_us(policy: str, seed: int) -> float:
+        if args.fresh:
+            return prefill_step_us(model_dir, policy, args.running, args.prompt_len, args.prompts, args.answer,
+                                   args.block_size, seed)  # fmt: skip
+        return decode_step_us(model_dir, policy, args.running, args.prompt_len, args.steps, seed)
+
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="bc-sched-")))
     rounds = []
     for r in range(args.rounds):
         order = ("aligned", "request_boundaries") if r % 2 == 0 else ("request_boundaries", "aligned")
-        times = {p: decode_step_us(model_dir, p, args.running, args.prompt_len, args.steps, seed=r) for p in order}
+        times = {p: step_us(p, seed=r) for p in order}
         ratio = times["request_boundaries"] / times["aligned"]
         rounds.append({"order": list(order), "us_per_step": times, "ratio": ratio})
         print(f"round {r} ({order[0]} first): stock {times['aligned']:.0f} us, plugin "
-              f"{times['request_boundaries']:.0f} us per decode step, ratio {ratio:.3f}", flush=True)  # fmt: skip
+              f"{times['request_boundaries']:.0f} us per {kind} step, ratio {ratio:.3f}", flush=True)  # fmt: skip
     ratio = spread([r["ratio"] for r in rounds])  # bc-bench's median [p25..p75]
     med, p25, p75 = ratio["median"], ratio["p25"], ratio["p75"]
-    print(f"plugin / stock host time per decode step: {med:.3f} [{p25:.3f}..{p75:.3f}] over {len(rounds)} rounds "
-          f"({args.running} running, {args.steps} steps)")  # fmt: skip
+    print(f"plugin / stock host time per {kind} step: {med:.3f} [{p25:.3f}..{p75:.3f}] over {len(rounds)} rounds "
+          f"({args.running} running)")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rounds": rounds,
                                         "ratio": {"median": med, "p25": p25, "p75": p75}}, indent=1))  # fmt: skip
