@@ -53,15 +53,21 @@ def decode_step_us(model_dir: Path, policy: str, running: int, prompt_len: int, 
         scheduler.update_from_output(output, worker.execute(output))
     spent = 0.0
     for _ in range(steps):
-        start = time.perf_counter()
-        output = scheduler.schedule()
-        scheduled = time.perf_counter()
-        result = worker.execute(output)
-        ran = time.perf_counter()
-        scheduler.update_from_output(output, result)
-        spent += (scheduled - start) + (time.perf_counter() - ran)
+        output, seconds = timed_step(scheduler, worker)
+        spent += seconds
         assert output.total_num_scheduled_tokens == running, "a step that is not decode-only"
     return spent / steps * 1e6
+
+
+def timed_step(scheduler, worker):
+    """(the step's ``SchedulerOutput``, host seconds of its ``schedule()`` + ``update_from_output()``)."""
+    start = time.perf_counter()
+    output = scheduler.schedule()
+    scheduled = time.perf_counter()
+    result = worker.execute(output)
+    ran = time.perf_counter()
+    scheduler.update_from_output(output, result)
+    return output, (scheduled - start) + (time.perf_counter() - ran)
 
 
 def prefill_step_us(
@@ -81,14 +87,9 @@ def prefill_step_us(
         while waiting and len(live) < running:
             live.append(waiting.pop(0))
             scheduler.add_request(live[-1])
-        start = time.perf_counter()
-        output = scheduler.schedule()
-        scheduled = time.perf_counter()
-        result = worker.execute(output)
-        ran = time.perf_counter()
-        scheduler.update_from_output(output, result)
+        output, seconds = timed_step(scheduler, worker)
         if any(n > 1 for n in output.num_scheduled_tokens.values()):
-            spent += (scheduled - start) + (time.perf_counter() - ran)
+            spent += seconds
             steps += 1
         live = [r for r in live if not r.is_finished()]
     return spent / steps * 1e6
