@@ -39,7 +39,7 @@ VALIDATED_ARCHITECTURES = (
 # accepted, each with the methods it was measured with and the largest k measured on it:
 # Qwen3-Next under MTP and DFlash / DFlash2; Nemotron-H under MTP, k = 1 and 3 with a planted MTP
 # layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 with a planted
-# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits vLLM's own assert, FAILED_ON_GPU).
+# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits a vLLM assert, FAILED_ON_GPU).
 # Nemotron-H under DFlash has not run; vLLM 0.32 has no MTP module for Kimi-Linear (its
 # ``kimi_k3_mtp`` is Kimi-K3's).
 VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, dict[str, int]] = {
@@ -59,7 +59,8 @@ VALIDATED_SPECULATIVE = {
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 2): (
         "on a GPU k = 3 takes the engine down in the first batch of the exactness test's probes (a "
-        "device-side index assert), with the plugin and in stock vLLM 0.32.0 without it alike, so k = 3 "
+        "device-side index assert in vLLM's indexer path); stock vLLM 0.32.0 gets through that batch but dies "
+        "on the same assert once its own batch holds prefill rows of 2-3 tokens beside verify rows, so k = 3 "
         "cannot be validated on this vLLM (k = 1 passes; k = 2 has not run)"
     ),
 }

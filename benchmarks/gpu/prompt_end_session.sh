@@ -20,7 +20,7 @@
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds; under MTP:
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
-#                                (the policy is request_boundaries explicitly: auto falls back)
+#                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8)
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
@@ -127,7 +127,7 @@ case "$stage" in
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} \
       --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight 1,8 --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
+      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
       --out-json /tmp/r/glm.json --markdown 2>&1 | tee /tmp/r/glm.log | tail -60
     ;;
   pressure)
