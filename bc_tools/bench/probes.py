@@ -18,13 +18,16 @@ The bounds are *calibrated on the same engine in the same run* (:func:`calibrate
 pairs whose difference is rounding only: stock partial (block-grid) hits against their cold
 controls, and a cold control against a second cold control under another fresh ``cache_salt``.
 A restore that is wrong by one token of state must fail them (negative controls in the tests).
-The rows (:class:`ProbeRow`) come from ``probe_scenario.run_probes``.
+Where rounding grows with the context length so much that the longest prompts' references would
+let a short prompt's one-token error through, each prompt length gets its own bounds
+(:func:`calibrate_by_length`, :class:`LengthBounds`). The rows (:class:`ProbeRow`) come from
+``probe_scenario.run_probes``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 # Calibration constants (see :func:`calibrate`).
@@ -174,8 +177,31 @@ class Bounds:
     def tie_at(self, position: int) -> float:
         return self.tie[min(position, len(self.tie) - 1)]
 
+    def at(self, prompt_len: int) -> Bounds:
+        """The bounds of a row of ``prompt_len`` tokens: these, whatever the length (as
+        :meth:`LengthBounds.at`, so that a check takes either)."""
+        return self
+
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class LengthBounds:
+    """Bounds per prompt length (:func:`calibrate_by_length`): a row is judged by the bounds of its
+    own prompt length only."""
+
+    by_length: Mapping[int, Bounds]
+
+    def at(self, prompt_len: int) -> Bounds:
+        """The bounds calibrated on rows of ``prompt_len`` tokens; ``KeyError`` for a length that
+        had none (no fallback: another length's rounding is not this one's)."""
+        if prompt_len not in self.by_length:
+            raise KeyError(f"no bounds calibrated for prompt length {prompt_len} (have {sorted(self.by_length)})")
+        return self.by_length[prompt_len]
+
+    def as_dict(self) -> dict:
+        return {"by_length": {str(n): bounds.as_dict() for n, bounds in sorted(self.by_length.items())}}
 
 
 def calibrate(
@@ -208,6 +234,29 @@ def calibrate(
     )
     tie = tuple(max(floor, 2 * margin * value) for value in reference)
     return Bounds(max(floor, margin * first), tie, first, reference, len(pairs))
+
+
+def calibrate_by_length(
+    pairs: Mapping[int, Iterable[tuple[Answer, Answer]]],
+    margin: float = MARGIN,
+    floor: float = BF16_STEP,
+    reference_floor: float = 0.0,
+) -> LengthBounds:
+    """:func:`calibrate` once per prompt length, on that length's reference pairs only
+    (:func:`pairs_by_length`), with the same ``margin``, ``floor`` and ``reference_floor``.
+
+    Why: first-token rounding grows with the context length (the GLM runs on an H200: reference
+    pairs within 0.1 up to 2103 tokens, 0.19 at 32768), so one bound set by the longest prompts
+    would let a short prompt's one-token state error through; a restore is compared with
+    references of its own length, like with like. Every length needs a reference pair of its own:
+    ``ValueError`` naming the length otherwise."""
+    by_length = {}
+    for prompt_len, length_pairs in pairs.items():
+        length_pairs = list(length_pairs)
+        if not length_pairs:
+            raise ValueError(f"no reference pair of prompt length {prompt_len}: its bounds cannot be calibrated")
+        by_length[prompt_len] = calibrate(length_pairs, margin, floor, reference_floor)
+    return LengthBounds(by_length)
 
 
 def state_failures(name: str, run: Answer, cold: Answer, bounds: Bounds) -> list[str]:
@@ -295,6 +344,19 @@ def mtp_reference_pairs(plugin: Sequence[ProbeRow], stock: Sequence[ProbeRow]) -
     return reference_pairs(plugin, stock) + [(a.producer, b.producer) for a, b in zip(plugin, stock, strict=True)]
 
 
+def pairs_by_length(
+    rows: Sequence[ProbeRow],
+    stock_rows: Sequence[ProbeRow] = (),
+    pairs: Callable[[Sequence[ProbeRow], Sequence[ProbeRow]], list[tuple[Answer, Answer]]] = reference_pairs,
+) -> dict[int, list[tuple[Answer, Answer]]]:
+    """``pairs(rows, stock_rows)`` (:func:`reference_pairs` by default) taken per prompt length,
+    on the rows of that length of both runs, for :func:`calibrate_by_length`."""
+    lengths = sorted({row.prompt_len for row in (*rows, *stock_rows)})
+    return {
+        n: pairs([r for r in rows if r.prompt_len == n], [r for r in stock_rows if r.prompt_len == n]) for n in lengths
+    }
+
+
 def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
     """Each continuation's decode-path control against its cold control, where that phase ran:
     two cold runs of one continuation whose only difference is the kernel path of
@@ -306,20 +368,24 @@ def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
 
 def probe_failures(
     rows: Sequence[ProbeRow],
-    bounds: Bounds,
+    bounds: Bounds | LengthBounds,
     continuation_bounds: Bounds | None = None,
     pool: int = 0,
     resend_at: Mapping[int, int] | None = None,
 ) -> list[str]:
     """Why a plugin run is not exact (empty when it is): counts (``count_failures``, with ``pool``
     and ``resend_at``), then per restore the state criteria against ``bounds`` (from
-    :func:`calibrate`); continuations against ``continuation_bounds`` where given (calibrated with
-    :func:`decode_path_pairs`)."""
+    :func:`calibrate`, or per prompt length from :func:`calibrate_by_length`: each row against its
+    own length's); continuations against ``continuation_bounds`` where given (one :class:`Bounds`
+    for every length, e.g. calibrated with :func:`decode_path_pairs`)."""
     failures = []
     for row in rows:
         failures += count_failures(row, pool, resend_at)
         for name, run, cold in row.restored_pairs():
-            judged = continuation_bounds if name == "continuation" and continuation_bounds else bounds
+            if name == "continuation" and continuation_bounds:
+                judged = continuation_bounds
+            else:
+                judged = bounds.at(row.prompt_len)
             failures += state_failures(f"P={row.prompt_len} {name}", run, cold, judged)
     return failures
 

@@ -34,17 +34,19 @@ receives ``gpu-dflash-<case>.json`` and ``.log``. Two engine starts per case, ab
 an H200-class GPU: ``bash scripts/gpu_host.sh dflash`` runs this file alone (``-k "not glm"`` for
 the two Qwen3-Next cases, ``-k glm`` for the GLM case below).
 
-GLM-5.3-Flash (``test_glm5_next_dflash2_on_the_pool_grid``, ``-k glm``; not run on a GPU yet): the
-same three scenarios with DFlash2 at k = 3 on ``glm5_next_mtp_planted`` (the tiny GLM with the same
-planted successor, seed 0; its MTP layer is not loaded under DFlash) and the planted drafter sized
-to it (4 heads of 64, 4 KV heads: GLM's MLA has no heads to share), with the prompt lengths of the
-GLM MTP test (``GLM_EXTRA_LENGTHS``: 97, 200, 2103 above ``index_topk``, and ``B - 8``) instead of
-65 and 150. Judged as ``test_gpu_spec_families.test_glm5_next_mtp_boundaries``: every checkpoint
-on the indexer's pool grid (docs/design.md contract 13, ``grid=GLM_KPOOL``), the ring group
-``ring/8 p4`` and the drafter's window group among the plugin's groups, acceptance as above. Stock
-vLLM first runs the batch alone (``stock_vllm_gets_through``): GLM under MTP at k = 3 makes stock
-vLLM 0.32.0 die on a device-side assert in this batch, and if stock dies so here too the test is an
-expected failure. One more engine start (three in all).
+GLM-5.3-Flash (``test_glm5_next_dflash2_on_the_pool_grid``, ``-k glm``; its H200 record is replayed
+on the CPU by ``tests/tools/test_gpu_records.py``): the same three scenarios with DFlash2 at k = 3
+on ``glm5_next_mtp_planted`` (the tiny GLM with the same planted successor, seed 0; its MTP layer
+is not loaded under DFlash) and the planted drafter sized to it (4 heads of 64, 4 KV heads: GLM's
+MLA has no heads to share), with the prompt lengths of the GLM MTP test (``GLM_EXTRA_LENGTHS``: 97,
+200, 2103 above ``index_topk``, and ``B - 8``) instead of 65 and 150. Judged as
+``test_gpu_spec_families.test_glm5_next_mtp_boundaries``: every checkpoint on the indexer's pool
+grid (docs/design.md contract 13, ``grid=GLM_KPOOL``), each resend against the bounds of its own
+prompt length (``bounds_for``: rounding grows with the context), the ring group ``ring/8 p4`` and
+the drafter's window group among the plugin's groups, acceptance as above. Stock vLLM first runs
+the batch alone (``stock_vllm_gets_through``): GLM under MTP at k = 3 makes stock vLLM 0.32.0 die
+on a device-side assert in this batch, and if stock dies so here too the test is an expected
+failure. One more engine start (three in all).
 
 One departure from the defaults, DFlash2 only: its candidate top-k over the vocabulary runs on
 ``torch.topk`` instead of FlashInfer's ``top_k`` (``TORCH_VOCAB_TOPK``).

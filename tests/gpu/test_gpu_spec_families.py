@@ -55,7 +55,8 @@ when some were accepted a response bundle may lie up to ``k`` tokens earlier -- 
 -- and the count is checked within ``[committed - k, committed]``; GLM without MTP: the pool
 boundary below the committed length, from the producer's pool-grid snapshot); first-token logprobs within
 the bound calibrated in the same run (``mtp_reference_pairs`` under MTP, ``reference_pairs``
-otherwise); the corrupted restores fail those criteria; stock never caches more than the plugin;
+otherwise; GLM's resends under speculative decoding against bounds of their own prompt length,
+``bounds_for``); the corrupted restores fail those criteria; stock never caches more than the plugin;
 and, under MTP, drafts accepted in every phase and the mean accepted tokens per drafting step of
 restored continuations within noise of their cold controls (printed with their standard errors:
 ``mtp_checks.check_acceptance``). The plugin's counters after its run (``boundary_stats``: e.g.
@@ -81,11 +82,15 @@ from mtp_checks import check_acceptance, unserved_responses
 from results_out import results_dir, save_json
 
 from bc_tools.bench.probes import (
+    Bounds,
+    LengthBounds,
     ProbeRow,
     calibrate,
+    calibrate_by_length,
     decode_path_pairs,
     first_token_deviation,
     mtp_reference_pairs,
+    pairs_by_length,
     probe_failures,
     reference_pairs,
     state_failures,
@@ -285,32 +290,50 @@ def make_case(
     return case
 
 
-def bounds_for(rows: dict, k: int, grid: int = 0):
+def bounds_for(rows: dict, k: int, grid: int = 0) -> Bounds | LengthBounds:
     """Bounds calibrated on this run's reference pairs (``MARGIN``; speculative runs add the
-    producers, ``mtp_reference_pairs``, and the floor ``SPEC_ROW_REFERENCE``). ``grid``: the
-    resends' bounds under speculative decoding with every checkpoint on that pool grid (GLM,
-    contract 13) leave the producers out. Each resend restores the pool boundary its own producer
-    stopped at and runs the same tail step, so a producer pair (plugin vs stock, split
-    differently) is not its rounding; measured on the H200 (k = 1) it set the reference at 0.23
-    where the exact resends deviated at most 0.09, and let corrupted resends of 0.12-0.35 through.
-    The producers stay in the continuations' bounds (``continuation_bounds_for``)."""
+    producers, ``mtp_reference_pairs``, and the floor ``SPEC_ROW_REFERENCE``): one ``Bounds`` for
+    every prompt length.
+
+    ``grid`` (speculative decoding with every checkpoint on that pool grid: GLM, contract 13): the
+    resends' bounds leave the producers out and are calibrated per prompt length
+    (``calibrate_by_length``, same ``MARGIN`` and floor), a ``LengthBounds``. Each resend restores
+    the pool boundary its own producer stopped at and runs the same tail step, so a producer pair
+    (plugin vs stock, split differently) is not its rounding; measured on the H200 (k = 1) it set
+    the reference at 0.23 where the exact resends deviated at most 0.09, and let corrupted resends
+    of 0.12-0.35 through. Without them the largest references are stock's partial block-grid hits
+    of the longest prompts, and first-token rounding grows with the context (on the H200: 0.19 at
+    32768 tokens, within 0.1 up to 2103), so one bound for all lengths let short prompts' corrupted
+    resends through; each length is judged against references of its own length. The producers
+    stay in the continuations' bounds (``continuation_bounds_for``)."""
     if not k:
         return calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
-    pick = reference_pairs if grid else mtp_reference_pairs
+    if grid:
+        pairs = pairs_by_length(rows["request_boundaries"], rows["aligned"])
+        return calibrate_by_length(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE)
     return calibrate(
-        pick(rows["request_boundaries"], rows["aligned"]), margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE
+        mtp_reference_pairs(rows["request_boundaries"], rows["aligned"]),
+        margin=MARGIN,
+        reference_floor=SPEC_ROW_REFERENCE,
     )
 
 
-def continuation_bounds_for(rows: dict, bounds, k: int = 0, grid: int = 0):
-    """The continuations' bounds: ``bounds`` calibrated again with the decode-path pairs
-    (``decode_path_pairs``: cold vs its decode-path control, the rounding a restored continuation
-    carries from its producer's decode kernels) where that phase ran; else ``bounds``, or with
-    ``grid`` (speculative decoding, ``bounds_for``) the bounds that keep the producers."""
+def continuation_bounds_for(rows: dict, bounds: Bounds | LengthBounds, k: int = 0, grid: int = 0) -> Bounds:
+    """The continuations' bounds, one ``Bounds`` for every prompt length: ``bounds`` calibrated
+    again with the decode-path pairs (``decode_path_pairs``: cold vs its decode-path control, the
+    rounding a restored continuation carries from its producer's decode kernels) where that phase
+    ran; else with ``grid`` (speculative decoding, ``bounds_for``) the single bounds that keep the
+    producers, or ``bounds`` itself (one ``Bounds`` there)."""
     decoded = decode_path_pairs(rows["request_boundaries"])
-    if not decoded:
-        return bounds_for(rows, k) if k and grid else bounds
-    return calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]) + decoded, margin=CONTINUATION_MARGIN)
+    if decoded:
+        pairs = reference_pairs(rows["request_boundaries"], rows["aligned"]) + decoded
+        return calibrate(pairs, margin=CONTINUATION_MARGIN)
+    if k and grid:
+        single = bounds_for(rows, k)
+    else:
+        single = bounds
+    assert isinstance(single, Bounds), f"continuations are judged by one Bounds for every length, not {single!r}"
+    return single
 
 
 def run_case(
@@ -428,18 +451,22 @@ def check_plugin_run(
         assert stock.restored.cached <= mine.restored.cached, stock.prompt_len
 
 
-def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = False, grid: int = 0) -> None:
+def check_corrupted_run(
+    info: dict, rows: dict, bounds: Bounds | LengthBounds, speculative: bool = False, grid: int = 0
+) -> None:
     """Negative control: a prompt checkpoint one step late keeps its exact ``P - 1`` count; every
-    such restore that deviates from its producer more than any reference pair does (at least
-    ``MIN_TELLABLE`` of them) fails the first-token bound; a response checkpoint keyed
-    one token short restores exactly one token less than the bundle's own boundary, every time
-    (the scheduler records each boundary it corrupted: under speculative decoding it need not be
-    the committed length, and a response that kept no bundle -- an in-flight step after a trimmed
-    answer -- has nothing to corrupt; ``speculative`` allows those). Rows whose boundaries sit on a
-    group's block grid are not corrupted (``corrupted_pairs``). The detection rate is printed and
-    saved. ``grid``: the prompt checkpoint sits where the plugin chose it on that pool grid
-    (contract 13, ``grid_targets``), corrupted unless it is on a recurrent block boundary or stock's
-    hit is longer."""
+    such restore that deviates from its producer more than any reference pair does by a logit step
+    (at least ``MIN_TELLABLE`` of them) fails the first-token bound (where ``bounds`` is a
+    ``LengthBounds``, ``bounds_for``: the references and the bound of the row's own prompt
+    length); a response checkpoint keyed one token short restores exactly one token less than the
+    bundle's own boundary, every time (the scheduler records each boundary it corrupted: under
+    speculative decoding it need not be the committed length, and a response that kept no bundle
+    -- an in-flight step after a trimmed answer -- has nothing to corrupt; ``speculative`` allows
+    those). Rows whose boundaries sit on a group's block grid are not corrupted
+    (``corrupted_pairs``). The detection rate is printed, with the range of the bounds used.
+    ``grid``: the prompt checkpoint sits where the plugin chose it on that pool grid (contract 13,
+    ``grid_targets``), corrupted unless it is on a recurrent block boundary or stock's hit is
+    longer."""
     setup = info["request_boundaries"]["setup"]
     blocks = [b for b in setup["group_block_sizes"] if b != grid] or [setup["block_size"]]
     resend_at = grid_resends(info, rows) if grid else None
@@ -460,21 +487,32 @@ def check_corrupted_run(info: dict, rows: dict, bounds, speculative: bool = Fals
         if "resend" in expected:
             resends += 1
             assert row.resend.cached == prompt_at, row.prompt_len
-            caught = bool(state_failures("resend", row.resend, row.producer, bounds))
+            judged = bounds.at(row.prompt_len)
+            caught = bool(state_failures("resend", row.resend, row.producer, judged))
             detected += caught
-            if first_token_deviation(row.resend, row.producer) > bounds.reference_first_token + LOGIT_STEP:
+            if first_token_deviation(row.resend, row.producer) > judged.reference_first_token + LOGIT_STEP:
                 tellable += 1
                 missed += [] if caught else [row.prompt_len]
         if "continuation" in expected:
             continuations += 1
             assert row.restored.cached == boundary - 1, (row.prompt_len, row.restored.cached, boundary)
-    print(f"negative control: {detected}/{resends} corrupted resends fail the bound {bounds.first_token:.3f} "
-          f"({tellable} deviate more than any reference pair, {bounds.reference_first_token:.3f}, by a logit step), "
+    used = [bounds.at(n) for n in sorted({row.prompt_len for row in rows["corrupt"]})]
+    per_length = " (per prompt length)" if isinstance(bounds, LengthBounds) else ""
+    print(f"negative control: {detected}/{resends} corrupted resends fail the bound "
+          f"{value_range([b.first_token for b in used])}{per_length} ({tellable} deviate more than any reference "
+          f"pair, {value_range([b.reference_first_token for b in used])}, by a logit step), "
           f"{continuations} corrupted continuations fail the count")  # fmt: skip
     assert resends + continuations > 0, [(r.prompt_len, r.committed, blocks) for r in rows["corrupt"]]
-    assert not missed, f"corrupted resends a reference pair tells apart passed the bound: P = {missed}, {bounds}"
+    missed_bounds = {n: bounds.at(n) for n in missed}
+    assert not missed, f"corrupted resends a reference pair tells apart passed the bound: P = {missed}, {missed_bounds}"
     assert tellable >= MIN_TELLABLE * resends, (tellable, resends, bounds)
     assert probe_failures(rows["corrupt"], bounds, resend_at=resend_at)
+
+
+def value_range(values: list[float]) -> str:
+    """``0.150``, or ``0.150-0.279`` where the values differ (the bounds of several prompt lengths)."""
+    low, high = min(values), max(values)
+    return f"{low:.3f}" if high - low < 5e-4 else f"{low:.3f}-{high:.3f}"
 
 
 def quartiles(values: list[float]) -> tuple[float, ...]:
@@ -572,6 +610,7 @@ def test_glm5_next_mtp_boundaries(k):
     the pool grid (docs/design.md contract 13): where vLLM's indexer needs uniform decode rows
     (Hopper) a one-token step that completes a pool beside verify rows would run the indexer's
     prefill path (docs/notes/model-families.md §13), and no restore on the grid needs one. The
+    resends are judged against bounds calibrated per prompt length (``bounds_for``). The
     planted drafter's drafts are accepted (~0.77 per draft offline), so acceptance is checked as
     the Qwen MTP test's (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens
     per drafting step of both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``. At k = 3 stock runs

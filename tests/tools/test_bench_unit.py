@@ -327,6 +327,58 @@ def test_calibrate_scales_the_largest_reference_deviation():
     assert floored.tie == pytest.approx((2 * MARGIN * 0.2, 2 * MARGIN * 0.3))
 
 
+def test_calibrate_by_length_keeps_a_long_prompts_rounding_out_of_a_short_prompts_bound():
+    from bc_tools.bench.probes import MARGIN, calibrate, calibrate_by_length, pairs_by_length, probe_failures
+
+    short = _probe_row(prompt_len=145, noise=0.04)  # cold vs second cold control: 0.02 apart
+    long = _probe_row(prompt_len=8193, resend_cached=8192, noise=0.4)  # 0.2 apart
+    pairs = pairs_by_length([short, long])
+    assert pairs == {145: [(short.cold_again, short.cold)], 8193: [(long.cold_again, long.cold)]}
+    bounds = calibrate_by_length(pairs)
+    assert bounds.at(145).first_token == pytest.approx(MARGIN * 0.02)
+    assert bounds.at(8193).first_token == pytest.approx(MARGIN * 0.2)
+    assert bounds.at(145).tie == pytest.approx((2 * MARGIN * 0.02,) * 3)
+    # One bound for both lengths is the long prompt's: it lets a short prompt's 0.1 error through.
+    wrong = _probe_row(prompt_len=145, first=0.1)
+    single = calibrate(pair for length_pairs in pairs.values() for pair in length_pairs)
+    assert single.first_token == pytest.approx(MARGIN * 0.2)
+    assert single.at(145) is single  # one Bounds serves every length
+    assert [f for f in probe_failures([wrong], single) if "first-token" in f] == []
+    assert any("P=145 resend: first-token" in f for f in probe_failures([wrong], bounds))
+    # margin, floor and reference_floor as calibrate's, per length
+    floored = calibrate_by_length(pairs, margin=1.5, reference_floor=0.1)
+    assert floored.at(145).reference_first_token == pytest.approx(0.1)
+    assert floored.at(145).first_token == pytest.approx(0.15)
+    assert floored.at(8193).first_token == pytest.approx(1.5 * 0.2)
+    exact = calibrate_by_length({1: [(short.cold, short.cold)]}, floor=0.01)
+    assert exact.at(1).first_token == 0.01 and exact.at(1).tie == (0.01,) * 3
+    assert set(bounds.as_dict()["by_length"]) == {"145", "8193"}
+
+
+def test_calibrate_by_length_has_no_fallback_for_a_length_without_references():
+    from bc_tools.bench.probes import calibrate_by_length, decode_path_pairs, pairs_by_length
+
+    rows = [_probe_row(prompt_len=145), _probe_row(prompt_len=257, resend_cached=256)]
+    rows[0].cold_decoded = rows[0].cold
+    pairs = pairs_by_length(rows, pairs=lambda mine, stock: decode_path_pairs(mine))  # none at 257
+    with pytest.raises(ValueError, match="prompt length 257"):
+        calibrate_by_length(pairs)
+    with pytest.raises(KeyError, match="prompt length 999"):
+        calibrate_by_length(pairs_by_length(rows)).at(999)
+
+
+def test_pairs_by_length_pairs_plugin_and_stock_rows_of_one_length():
+    from bc_tools.bench.probes import pairs_by_length, reference_pairs
+
+    plugin = [_probe_row(prompt_len=145), _probe_row(prompt_len=8193, resend_cached=8192)]
+    stock = [_probe_row(prompt_len=145, resend_cached=0), _probe_row(prompt_len=8193, resend_cached=7936)]
+    pairs = pairs_by_length(plugin, stock)
+    assert pairs[145] == reference_pairs(plugin[:1], stock[:1])
+    assert pairs[8193] == reference_pairs(plugin[1:], stock[1:])
+    assert (stock[1].resend, stock[1].producer) in pairs[8193]  # the long prompt's partial hit stays its own
+    assert all(pair[0] is not stock[1].resend for pair in pairs[145])
+
+
 def test_deviation_profile_stops_after_the_first_difference():
     from bc_tools.bench.probes import deviation_profile
 
