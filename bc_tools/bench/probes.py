@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # Calibration constants (see :func:`calibrate`).
 MARGIN = 3.0
@@ -242,20 +242,29 @@ def calibrate_by_length(
     floor: float = BF16_STEP,
     reference_floor: float = 0.0,
 ) -> LengthBounds:
-    """:func:`calibrate` once per prompt length, on that length's reference pairs only
-    (:func:`pairs_by_length`), with the same ``margin``, ``floor`` and ``reference_floor``.
+    """The first-token bound of :func:`calibrate` once per prompt length, on that length's
+    reference pairs only (:func:`pairs_by_length`), with the same ``margin``, ``floor`` and
+    ``reference_floor``; the tie bounds of answers that part later come from all pairs together.
 
     Why: first-token rounding grows with the context length (the GLM runs on an H200: reference
     pairs within 0.1 up to 2103 tokens, 0.19 at 32768), so one bound set by the longest prompts
-    would let a short prompt's one-token state error through; a restore is compared with
-    references of its own length, like with like. Every length needs a reference pair of its own:
-    ``ValueError`` naming the length otherwise."""
-    by_length = {}
+    would let a short prompt's one-token state error through; a restore's first token is compared
+    with references of its own length, like with like. The tie bounds only keep rounding from
+    failing a restore and catch no corruption the first token misses, so they keep every pair's
+    evidence. Every length needs a reference pair of its own: ``ValueError`` naming the length
+    otherwise."""
+    pairs = {prompt_len: list(length_pairs) for prompt_len, length_pairs in pairs.items()}
     for prompt_len, length_pairs in pairs.items():
-        length_pairs = list(length_pairs)
         if not length_pairs:
             raise ValueError(f"no reference pair of prompt length {prompt_len}: its bounds cannot be calibrated")
-        by_length[prompt_len] = calibrate(length_pairs, margin, floor, reference_floor)
+    every = calibrate(
+        [pair for length_pairs in pairs.values() for pair in length_pairs], margin, floor, reference_floor
+    )
+    by_length = {}
+    for prompt_len, length_pairs in pairs.items():
+        own = calibrate(length_pairs, margin, floor, reference_floor)
+        first = {"first_token": own.first_token, "reference_first_token": own.reference_first_token}
+        by_length[prompt_len] = replace(every, **first, references=own.references)
     return LengthBounds(by_length)
 
 

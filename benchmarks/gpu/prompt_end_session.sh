@@ -35,7 +35,8 @@
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|fresh24|aa24}
+#   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3 ($ARCH24, $SPEC24)
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -53,8 +54,10 @@ L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102
 pair24() {
   for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
   sleep 10
-  timeout 560 bc-bench --write-model /tmp/q24 --arch qwen3_next_80b_24l --launch /tmp/q24 \
+  local arch=${ARCH24:-qwen3_next_80b_24l}
+  timeout 560 bc-bench --write-model /tmp/$arch --arch $arch --launch /tmp/$arch \
     --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+    ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
     --repeat 6 --startup-timeout 300 --markdown "$@"
@@ -141,13 +144,15 @@ case "$stage" in
       -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget 380 --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
-  turns24)
+  turns24|mtp24)
+    # mtp24: the same on the cut with its MTP layer, under MTP k = 3 (dummy weights reject the drafts)
+    [[ $stage == mtp24 ]] && export ARCH24=qwen3_next_80b_24l_mtp SPEC24='{"method": "mtp", "num_speculative_tokens": 3}'
     # Expected wall time about 530 s: 10 s pause, then bc-bench's --time-budget 500 (two servers
     # started one by one, about 100 s each; rounds while they fit, each slot after a switch adding a
     # sleep, a wake and a warm-up of about 1.5 s, in the JSON's servers.*.sleep_others), then the
     # servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
-    pair24 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/turns24.json \
-      2>&1 | tee /tmp/r/turns24.log | tail -60
+    pair24 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/$stage.json \
+      2>&1 | tee /tmp/r/$stage.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;
   fresh24|aa24)
