@@ -77,7 +77,9 @@ def test_auto_keeps_the_prompt_checkpoint_at_p_and_a_resends_at_p_minus_1_as_in_
     assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
     assert "gdn_prefill_backend=triton" in decision.reason and "by the P - 1 stop" in decision.describe()
     speculative = decide(True, AUTO, facts(speculative=True))
-    assert speculative.mode == STOP and speculative.reason.startswith("speculative decoding")
+    assert speculative == decide(True, END, facts(speculative=True))
+    assert (speculative.mode, speculative.resend, speculative.splits_in_step) == (END, STOP, False)
+    assert speculative.reason.startswith("speculative decoding")
 
 
 def test_configured_stop_and_off():
@@ -101,7 +103,9 @@ def test_real_cpu_configs(model_dir):
     assert decide_for(config, real_config(model_dir)).mode == END
     assert decide_for(BoundaryConfig(prompt_capture="in_step"), real_config(model_dir)).mode == IN_STEP
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert decide_for(config, mtp).mode == STOP and "speculative" in decide_for(config, mtp).reason
+    assert (decide_for(config, mtp).mode, decide_for(config, mtp).resend) == (END, STOP)
+    assert "speculative" in decide_for(config, mtp).reason
+    assert decide_for(BoundaryConfig(prompt_capture="stop"), mtp).mode == STOP
     assert decide_for(BoundaryConfig(prompt_capture="stop"), real_config(model_dir)).mode == STOP
 
 
@@ -135,7 +139,18 @@ def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
     assert decision.resend == decide(True, "in_step", facts(**overrides)).mode  # a resend's P - 1, as in_step takes it
 
 
-def test_end_under_speculative_decoding_stops_and_says_why():
-    decision = decide(True, "end", facts(speculative=True))
-    assert decision.mode == STOP and "drafter" in decision.reason
-    assert decide(False, "end", facts()).mode == "off"
+@pytest.mark.parametrize("asked", [AUTO, END])
+def test_end_under_speculative_decoding_keeps_p_and_a_resends_p_minus_1_by_the_stop(asked):
+    """Under speculative decoding a fresh prompt's checkpoint is at ``P`` too (the scheduler guards
+    it with the first sampled token under MTP); a resend keeps ``P - 1`` by the stop, since the
+    in-step split handles non-speculative rows only, and the startup line says so. ``stop`` and
+    ``in_step`` asked for explicitly stop at ``P - 1``."""
+    decision = decide(True, asked, facts(speculative=True))
+    assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
+    assert "speculative decoding" in decision.reason and "drafter" not in decision.reason
+    text = decision.describe()
+    assert "at the prompt's end P" in text and "no extra step" in text and "by the P - 1 stop" in text
+    assert decide(True, STOP, facts(speculative=True)).mode == STOP
+    in_step = decide(True, IN_STEP, facts(speculative=True))
+    assert in_step.mode == STOP and "speculative decoding" in in_step.reason
+    assert decide(False, asked, facts(speculative=True)).mode == OFF
