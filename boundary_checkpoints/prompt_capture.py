@@ -32,9 +32,9 @@ worker both call it on the same configuration, so they agree without talking to 
   (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): the split adds host work to every step that
   ends prompts.
 * ``stop`` (``prompt_capture: stop``, or ``in_step`` where the split does not apply, with the first
-  reason that applies; the scheduler's pool-grid override above): the prefill stops at ``P - 1``, the state is copied after that step and the
-  last prompt token runs in one more engine step (the first-turn tax,
-  ``docs/notes/first-turn-tax.md``).
+  reason that applies; the scheduler's pool-grid override above): the prefill stops at ``P - 1``,
+  the state is copied after that step and the last prompt token runs in one more engine step (the
+  first-turn tax, ``docs/notes/first-turn-tax.md``).
 
 Nothing here imports vLLM at import time.
 """

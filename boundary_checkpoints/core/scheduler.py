@@ -50,7 +50,9 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 _FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
-def prompt_checkpoint_mode(config: BoundaryConfig, decision: PromptCaptureDecision, next_token_guard: bool = False) -> str:
+def prompt_checkpoint_mode(
+    config: BoundaryConfig, decision: PromptCaptureDecision, next_token_guard: bool = False
+) -> str:
     """How prompt checkpoints are taken, for the startup log line; ``next_token_guard``: the drafter's
     row ``P - 1`` reads token ``P`` (MTP)."""
     text = decision.describe()
