@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from corrupt_restore import HeldPromptCopies
 from mtp_checks import UNSERVED_COUNTERS, unserved_responses
 from shadow_engine import ShadowMismatch, make_request, tokens
 from spec_expectations import (
@@ -416,19 +417,9 @@ def test_explicit_stop_keeps_the_p_minus_1_stop_under_mtp(model_dir, async_sched
     assert bundle.num_tokens == 19 and bundle.next_token == prompt[-1]
 
 
-class LateEndCopyScheduler(BoundaryScheduler):
+class LateEndCopyScheduler(HeldPromptCopies, BoundaryScheduler):
     """Negative control: the prompt checkpoint at ``P`` copied one step late, after the verify step
     that follows the prefill wrote its state columns."""
-
-    def _emit_pending_copies(self, output):
-        fresh = [p for p in self._pending if p.ready_seq is None and p.kind == PROMPT and not hasattr(p, "held")]
-        for pending in fresh:
-            pending.held = True
-        self._pending = [p for p in self._pending if all(p is not f for f in fresh)]
-        try:
-            return super()._emit_pending_copies(output)
-        finally:
-            self._pending.extend(fresh)
 
 
 def test_a_prompt_checkpoint_copied_after_the_verify_step_is_caught(model_dir):
