@@ -220,7 +220,7 @@ def _end_result(info: dict, rows: dict):
 
 
 end_runs = engine_fixture(
-    spec_prompt_end.SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), str(spec_prompt_end.TAIL),
+    spec_prompt_end.SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), str(spec_prompt_end.tail_tokens(K)),
     json.dumps(CPU_ENGINE), runs=(), model=mtp_model, then=_end_result, name="end_runs",
 )  # fmt: skip
 

@@ -38,7 +38,7 @@ def test_prompt_checkpoint_at_p_under_mtp_on_the_gpu(k):
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(MTP_FAMILY, 0), family=MTP_FAMILY, seed=0)
-    argv = (str(k), str(MAX_TOKENS), json.dumps(LENGTHS), str(spec_prompt_end.TAIL), json.dumps(GPU_ENGINE))
+    argv = (str(k), str(MAX_TOKENS), json.dumps(LENGTHS), str(spec_prompt_end.tail_tokens(k)), json.dumps(GPU_ENGINE))
     info, _ = run_engine_script(spec_prompt_end.SCRIPT, str(model), HELPERS_DIR, *argv, timeout=CASE_TIMEOUT_S)
     info, phases, bounds = spec_prompt_end.end_result(info, reference_floor=SPEC_ROW_REFERENCE, margin=MARGIN)
     save_json(f"gpu-spec-prompt-end-k{k}.json", {"bounds": bounds.as_dict(), **info})

@@ -5,7 +5,8 @@ the CPU engine (``tests/e2e/test_spec_decode_cpu.py``) and on a GPU
 :data:`SCRIPT` runs one engine of the plugin on the planted MTP fixture (``qwen3_next_mtp_planted``)
 with ``prompt_capture: end`` and sends every phase as one batch: producers; prompts that extend each
 producer's prompt with its first sampled token and a short tail (no response checkpoint serves them,
-so they restore the prompt's at ``P``), their cold controls twice; prompts with another token at
+so they restore the prompt's at ``P``), their cold controls twice and once with a chunk that ends
+at ``P`` (an instruction boundary: the restore's split, without a checkpoint); prompts with another token at
 ``P`` (the next-token guard refuses ``P``); the exact resend twice (the first stops at ``P - 1``, the
 second restores there); the edited prompts again (now a fallback to ``P - 1``). Then the same engine
 with its scheduler re-classed to ``corrupt_restore.CorruptScheduler`` (prompt checkpoints copied one
@@ -32,6 +33,7 @@ from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
 from bc_tools.bench.probe_scenario import TOP_LOGPROBS, top_logprobs
 from corrupt_restore import CorruptScheduler
+from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 
 plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
 extra = {**ENGINE.pop("additional_config", {}), "boundary_checkpoints": plugin}
@@ -42,9 +44,12 @@ scheduler = llm.llm_engine.engine_core.engine_core.scheduler
 block = llm.llm_engine.vllm_config.cache_config.block_size
 params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
 
-def send(prompts, salt_of):
+def send(prompts, salt_of, split_at=None):
     batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
-    outs = llm.generate(batch, params, use_tqdm=False)
+    each = params if split_at is None else [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS,
+                       extra_args={INSTRUCTION_TOKENS_KEY: n}) for n in split_at]
+    outs = llm.generate(batch, each, use_tqdm=False)
     stats = dict(scheduler.boundary_stats())
     return {"answers": [{"cached": o.num_cached_tokens, "tokens": list(o.outputs[0].token_ids),
                          "logprobs": top_logprobs(o.outputs[0].logprobs)} for o in outs], "stats": stats}
@@ -70,6 +75,8 @@ def phases(seed, full):
     out["cold"] = send(extended, lambda i: f"{salt}-cold-{i}")
     if not full:
         return out
+    # cold too, but with a chunk that ends at P (an instruction boundary there): the restore's split
+    out["split_cold"] = send(extended, lambda i: f"{salt}-split-{i}", split_at=[len(p) for p in prompts])
     out["cold_again"] = send(extended, lambda i: f"{salt}-cold-again-{i}")
     # another token at P: the MTP draft row P - 1 of the checkpoint read the first sampled token
     edited = [p + tail(rng, len(p), a[0]) for p, a in zip(prompts, answers)]
@@ -91,10 +98,13 @@ cleanup_dist_env_and_memory()
 print("RESULT " + json.dumps(result))
 """
 
-# Tokens after ``P + 1`` in the prompts that extend a prompt: few, so that the first answer token
-# depends on the restored recurrent state (after a 50-token tail, zeroing the state moved the first
-# token of the CPU fixture by less than 0.1), and more than ``1 + k``, so that the row is a prefill.
-TAIL = 3
+
+def tail_tokens(k: int) -> int:
+    """Tokens after ``P + 1`` in the prompts that extend a prompt: few, so that the first answer
+    token depends on the restored recurrent state (after a 50-token tail, zeroing the state moved
+    the first token of the CPU fixture by less than 0.1), and enough that the row from ``P`` is
+    longer than a verify row (``1 + k``): a prefill row on every backend."""
+    return max(3, k + 2)
 
 
 def answers(phase: dict) -> list[Answer]:
@@ -104,12 +114,15 @@ def answers(phase: dict) -> list[Answer]:
 def end_result(
     info: dict, reference_floor: float, margin: float = MARGIN
 ) -> tuple[dict, dict[str, list[Answer]], Bounds]:
-    """The run's answers per phase, and the bound calibrated on its own reference pairs: each
-    extension's two cold controls, and a resend's partial block-grid hit against its producer (both
-    rounding only), with ``margin`` and ``reference_floor`` (a resend restored at ``P - 1`` runs its
-    last token as a padded speculative row, a kernel path no reference pair takes)."""
+    """The run's answers per phase, and the bound calibrated on its own reference pairs (rounding
+    only): each extension's two cold controls; each extension's cold control against one whose
+    chunk ends at ``P`` (``split_cold``), the split a restore at ``P`` runs, its rounding without any
+    checkpoint; and a resend's partial block-grid hit against its producer. With ``margin`` and
+    ``reference_floor`` (a resend restored at ``P - 1`` runs its last token as a padded speculative
+    row, a kernel path no reference pair takes)."""
     phases = {name: answers(phase) for name, phase in info["plugin"].items()}
     pairs = list(zip(phases["cold_again"], phases["cold"], strict=True))
+    pairs += list(zip(phases["split_cold"], phases["cold"], strict=True))
     pairs += [(run, cold) for run, cold in zip(phases["resend"], phases["producer"], strict=True) if run.cached > 0]
     return info, phases, calibrate(pairs, margin=margin, reference_floor=reference_floor)
 
@@ -138,6 +151,8 @@ def check_end_run(info: dict, phases: dict[str, list[Answer]], bounds: Bounds, l
 
     assert all(a.cached < p - 1 for p, a in zip(lengths, phases["edited"], strict=True))  # vLLM's hit at most
     assert stat(info, "edited", "miss_draft_next_token") - stat(info, "cold_again", "miss_draft_next_token") == n
+    assert all(a.cached == 0 for a in phases["split_cold"])
+    assert stat(info, "split_cold", "instruction_stops") - stat(info, "cold", "instruction_stops") == n
 
     assert all(a.cached < p - 1 for p, a in zip(lengths, phases["resend"], strict=True))
     assert stat(info, "resend", "prompt_stops") == n  # only the prompts seen twice stop at P - 1
