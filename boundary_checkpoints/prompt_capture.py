@@ -30,7 +30,7 @@ worker both call it on the same configuration, so they agree without talking to 
   not apply, with the first reason that applies): the prefill stops at ``P - 1``, the state is
   copied after that step and the last prompt token runs in one more engine step (the first-turn
   tax, ``docs/notes/first-turn-tax.md``). Under speculative decoding a checkpoint at ``P`` is not
-  yet exact (``docs/notes/first-turn-tax.md`` §3(d)), so ``auto`` and ``end`` stop too.
+  yet validated on a GPU (``docs/notes/first-turn-tax.md`` §3(d)), so ``auto`` and ``end`` stop too.
 
 Nothing here imports vLLM at import time.
 """
@@ -115,8 +115,8 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
     if facts.speculative:
         return PromptCaptureDecision(
             STOP,
-            "speculative decoding (a checkpoint at P is not yet exact there; the in-step split handles "
-            "non-speculative rows only)",
+            "speculative decoding (a checkpoint at P is not yet validated there on a GPU; the in-step split "
+            "handles non-speculative rows only)",
         )
     if facts.micro_batching:
         return PromptCaptureDecision(STOP, "micro-batching (DBO) splits the step's GDN metadata")

@@ -137,5 +137,5 @@ def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
 
 def test_end_under_speculative_decoding_stops_and_says_why():
     decision = decide(True, "end", facts(speculative=True))
-    assert decision.mode == STOP and "not yet exact" in decision.reason
+    assert decision.mode == STOP and "not yet validated" in decision.reason
     assert decide(False, "end", facts()).mode == "off"
