@@ -351,13 +351,8 @@ def run_case(
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     planted_seed = 0 if family in (MTP_FAMILY, NEMOTRON_MTP_FAMILY) else None  # the Qwen fixture's successor
     case = make_case(k, extra_lengths, planted_seed=planted_seed, decode_path=decode_path)
-    info, log = try_engine_script(SCRIPT, str(model), HELPERS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
-    out = results_dir()
-    if out is not None:
-        (out / f"gpu-spec-{name}.log").write_text(log)  # the engines' own log (block sizes, backends)
-    if info is None and known_failure and device_asserts(log):
-        pytest.xfail(f"the plugin's engine died on a device-side assert ({device_asserts(log)} lines): {known_failure}")
-    assert info is not None, log[-6000:]
+    died = known_failure and f"the plugin's engine died on a device-side assert: {known_failure}"
+    info, _ = engine_run(model, case, f"gpu-spec-{name}.log", died)
     rows = probe_rows(info)
     bounds = bounds_for(rows, k, grid)
     continuation = continuation_bounds_for(rows, bounds, k, grid)
@@ -379,20 +374,24 @@ def stock_vllm_gets_through(name: str, family: str, case: dict, results_prefix: 
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
-    case = {**case, "stock_only": True}
+    stock_log = f"{results_prefix}-{name}-stock.log"
+    engine_run(model, {**case, "stock_only": True}, stock_log, "stock vLLM without the plugin dies on this batch")
+
+
+def engine_run(model, case: dict, log_file: str, known_failure: str = "") -> tuple[dict, str]:
+    """The SCRIPT's RESULT object for ``case`` on ``model``, and the engines' own log (block sizes,
+    backends), saved as ``log_file`` in the results directory. Engines that die on a CUDA
+    device-side assert make the test an expected failure that quotes ``known_failure`` (where
+    given); any other death fails it."""
     info, log = try_engine_script(SCRIPT, str(model), HELPERS_DIR, json.dumps(case), timeout=CASE_TIMEOUT_S)
     out = results_dir()
     if out is not None:
-        (out / f"{results_prefix}-{name}-stock.log").write_text(log)
-    asserts = device_asserts(log)
-    if info is None and asserts:
-        pytest.xfail(f"stock vLLM without the plugin dies on this batch ({asserts} device-side assert lines)")
-    assert info is not None, log[-6000:]  # any other death of stock is the test's own failure
-
-
-def device_asserts(log: str) -> int:
-    """Lines of an engine log that report a CUDA device-side assert."""
-    return log.count("device-side assert triggered") + log.count("index out of bounds")
+        (out / log_file).write_text(log)
+    asserts = log.count("device-side assert triggered") + log.count("index out of bounds")
+    if info is None and known_failure and asserts:
+        pytest.xfail(f"{known_failure} ({asserts} device-side assert lines)")
+    assert info is not None, log[-6000:]
+    return info, log
 
 
 def grid_targets(info: dict) -> dict[int, int]:
