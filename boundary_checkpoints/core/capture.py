@@ -244,10 +244,7 @@ class CaptureMixin:
             self.checkpoint_store.counters.captures_dropped += 1
             return
         elif self._capture_would_thrash(len(sources)):
-            self.checkpoint_store.counters.refused_thrashing += 1
-            # The store's clock counts it as a publication: the cache's lifetime is measured on that
-            # clock, and must keep growing while refusals stand in for publications.
-            self.checkpoint_store.reuse.stamp()
+            self.checkpoint_store.refuse_thrashing(key)
             return
         else:
             fresh = iter(self._block_pool.get_new_blocks(len(sources)))
@@ -281,12 +278,12 @@ class CaptureMixin:
     def _capture_would_thrash(self, num_blocks: int) -> bool:
         """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
         vLLM's prefix cache (more than yielding every bundle gives back) while bundles are seen
-        to wait longer for their next use than the cache keeps its blocks (a reuse distance is
-        known, ``outwaits_cache``). Such a bundle would lose its borrowed pages before its use,
-        and its private blocks would have cost stock those cached blocks. Before any reuse
-        distance is known, captures go ahead."""
+        to wait longer for their next use than the cache keeps its blocks, or before any reuse
+        was seen (``outwaits_cache``). Such a bundle would lose its borrowed pages before its
+        use, or is a bet on a reuse not yet seen, and its private blocks would cost stock those
+        cached blocks. The store remembers a refused key, so reuse is learned all the same."""
         store = self.checkpoint_store
-        if not store.borrow or store.reuse.reuse_distance() is None:
+        if not store.borrow:
             return False
         cached = self._cached_ahead(num_blocks)
         if len(cached) <= store.freeable_blocks(frees_uncached):

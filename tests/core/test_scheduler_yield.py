@@ -13,8 +13,10 @@ newer than the cached blocks about to go keeps its bundle (the same allocation w
 conversations in the other order is its control).
 
 A capture whose private blocks would evict cached blocks is not taken while bundles are seen to
-wait longer for reuse than the cache keeps blocks (``refused_thrashing``); with a short reuse
-distance, or none seen yet, the same capture is taken.
+wait longer for reuse than the cache keeps blocks, or before any reuse was seen
+(``refused_thrashing``); with a short reuse distance the same capture is taken. A refused key is
+remembered: the request it would have served records its reuse distance (a regret), so a server
+whose pool filled before its first reuse still learns one.
 """
 
 from __future__ import annotations
@@ -126,11 +128,15 @@ def test_nothing_yields_while_only_uncached_blocks_are_taken(model_dir, free):
     assert scheduler.checkpoint_store.counters.evictions_cached == 0
 
 
-def capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance: int | None) -> tuple[int, int, int]:
+def capture_on_a_pool_of_cached_blocks(
+    model_dir, reuse_distance: int | None, resend: bool = False
+) -> tuple[int, int, int]:
     """(captures refused as thrashing, bundles published, ticks of the store's clock) after
     conversation C ran with every free block the pool hands out first a block of B's, cached (the
     uncached ones taken and held). C's prompt checkpoint (at P, the default) copies into new
-    blocks; its response bundle adopts C's own blocks and takes none."""
+    blocks; its response bundle adopts C's own blocks and takes none. ``resend``: C's prompt is
+    then sent again with other tokens after it (its prompt checkpoint would serve it), and the
+    reuse distance must be known after it."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="end")
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
@@ -145,8 +151,14 @@ def capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance: int | None) ->
     pool = scheduler.kv_cache_manager.block_pool
     pool.get_new_blocks(sum(1 for block in free_queue_order(pool) if block.block_hash is None))  # held
     assert all(block.block_hash is not None for block in free_queue_order(pool))
-    driver.run([make_request(tokens(rng, 40), salt="c", max_tokens=8)])
-    return store.counters.refused_thrashing, store.counters.published - published, store.now() - clock
+    prompt = tokens(rng, 40)
+    driver.run([make_request(prompt, salt="c", max_tokens=8)])
+    counts = store.counters.refused_thrashing, store.counters.published - published, store.now() - clock
+    if resend:
+        assert store.reuse.reuse_distance() == reuse_distance
+        driver.run([make_request(prompt + tokens(rng, 20), salt="c", max_tokens=8)])
+        assert store.reuse.reuse_distance() is not None
+    return counts
 
 
 def test_a_capture_that_would_evict_cached_blocks_is_refused_while_the_cache_thrashes(model_dir):
@@ -155,7 +167,11 @@ def test_a_capture_that_would_evict_cached_blocks_is_refused_while_the_cache_thr
     assert ticks == 2  # the refusal counts on the store's clock, as a publication would
 
 
-@pytest.mark.parametrize("reuse_distance", [0, None])
-def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir, reuse_distance):
-    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance)
+def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reuse_distance(model_dir):
+    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=None, resend=True)
+    assert refused == 1 and published == 1 and ticks == 2
+
+
+def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir):
+    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=0)
     assert refused == 0 and published == 2 and ticks == 2  # the prompt bundle too
