@@ -41,6 +41,7 @@ mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/r/pip.log 2>&1 || { tail /tmp/r/pip.log; exit 1; }
+bash benchmarks/gpu/compile_cache.sh restore
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn BC_RESULTS_DIR=/tmp/r
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gpu-host.txt; date -u >> /tmp/r/gpu-host.txt
 # Labels follow serve_pair.sh's $PAIR; the second of an A/A pair is "aligned_b".
