@@ -3,13 +3,14 @@
 Same code path as ``test_gpu_e2e.py`` (``run_probes``, ``calibrate``, ``probe_failures``) at CPU
 size: prompt lengths 1, B-1, B, B+1 and 600 (B = the engine's block size), all conversations in one
 batch, in a fresh process (in-process engine core and worker, as ``vllm.LLM`` does with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Four engines run one after the other in that process: the
-plugin (prompt checkpoints captured in the step, the default), stock ``aligned`` (its partial
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Six engines run one after the other in that process: the
+plugin (prompt checkpoints captured in the step, ``prompt_capture: in_step``), stock ``aligned`` (its partial
 block-grid hits calibrate the bounds, with cold-vs-cold pairs), the plugin with
 ``corrupt_restore.CorruptScheduler`` (restores one token of state off: its prompt checkpoints hold
 the state after ``P``), the negative control that must fail the same criteria, and the plugin
 with ``prompt_capture: stop`` (the ``P - 1`` stop every engine falls back to where in-step capture
-is unsupported). Each engine's scheduler records the prefill chunks that ended at ``P - 1``.
+is unsupported); then the plugin and its negative control again with ``--prefix-match-unit 16``.
+Each engine's scheduler records the prefill chunks that ended at ``P - 1``.
 ``BC_RESULTS_DIR`` (if set) receives ``cpu-engine-probes.json``.
 """
 
@@ -32,8 +33,10 @@ from bc_tools.bench.probe_scenario import run_probes
 from chunk_recorder import record_p_minus_1_chunks
 
 out = {}
-for run in ("request_boundaries", "aligned", "corrupt", "stop"):
-    extra = {"scheduler_cls": "corrupt_restore.CorruptScheduler"} if run == "corrupt" else {}  # CPU: sync
+for run in ("request_boundaries", "aligned", "corrupt", "stop", "unit16", "corrupt_unit16"):
+    extra = {"scheduler_cls": "corrupt_restore.CorruptScheduler"} if run.startswith("corrupt") else {}  # CPU: sync
+    if run.endswith("unit16"):
+        extra["prefix_match_unit"] = 16
     section = {"policy": "aligned" if run == "aligned" else "request_boundaries",
                "prompt_capture": "stop" if run == "stop" else "in_step"}
     llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
@@ -90,6 +93,15 @@ def test_fresh_prompts_run_in_one_step_with_in_step_capture(runs):
     assert run["in_step_pairs"] == run["prompt_captures_in_step"] * run["recurrent_groups"]
 
 
+def test_a_finer_prefix_match_unit_hits_exactly(runs):
+    """``--prefix-match-unit 16`` (vLLM's hash block finer than the 256-token block): the plugin's
+    keys follow vLLM's hash block, and every probe hits exactly as with the default unit."""
+    info, rows, bounds = runs
+    assert probe_failures(rows["unit16"], bounds) == [], bounds
+    captures, restores = info["unit16"]["copies"]
+    assert captures > 0 and restores > 0
+
+
 def test_the_stop_fallback_still_stops_at_p_minus_1_and_hits_exactly(runs):
     info, rows, bounds = runs
     run = info["stop"]
@@ -102,17 +114,19 @@ def test_the_stop_fallback_still_stops_at_p_minus_1_and_hits_exactly(runs):
     assert probe_failures(rows["stop"], bounds) == [], bounds
 
 
-def test_a_restore_one_token_off_fails_the_same_criteria(runs):
+@pytest.mark.parametrize("run", ["corrupt", "corrupt_unit16"])
+def test_a_restore_one_token_off_fails_the_same_criteria(runs, run):
     """Negative control (see ``corrupt_restore``): a resend from a prompt checkpoint holding the
     state after ``P`` (copied after the step instead of split inside it) keeps its exact count and
     fails the state criteria; a continuation from a response checkpoint keyed one token short
-    fails the count (see ``test_server_boundaries`` for why only that)."""
+    fails the count (see ``test_server_boundaries`` for why only that). ``corrupt_unit16``: the
+    same with ``--prefix-match-unit 16``."""
     info, rows, bounds = runs
-    assert info["corrupt"]["scheduler"] == "CorruptScheduler"
-    assert info["corrupt"]["in_step_pairs"] == 0 and info["corrupt"]["prompt_captures_in_step"] > 0
-    block = info["corrupt"]["block"]
+    assert info[run]["scheduler"] == "CorruptScheduler"
+    assert info[run]["in_step_pairs"] == 0 and info[run]["prompt_captures_in_step"] > 0
+    block = info[run]["block"]
     resends = continuations = 0
-    for row in rows["corrupt"]:
+    for row in rows[run]:
         expected = corrupted_pairs(row.prompt_len, row.committed, block)
         if "resend" in expected:
             resends += 1
@@ -121,4 +135,4 @@ def test_a_restore_one_token_off_fails_the_same_criteria(runs):
         if "continuation" in expected:
             continuations += 1
             assert any("continuation cached" in f for f in count_failures(row)), row.prompt_len
-    assert resends == 3 and continuations == len(rows["corrupt"])
+    assert resends == 3 and continuations == len(rows[run])
