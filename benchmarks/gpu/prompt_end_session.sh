@@ -20,7 +20,8 @@
 #                                against the default, started one by one: a 5,000-token shared
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds; under MTP:
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
-#                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8)
+#                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8);
+#                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16'
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
@@ -128,7 +129,7 @@ case "$stage" in
     sleep 10
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
       --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
-      ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} \
+      ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
