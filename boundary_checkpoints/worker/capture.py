@@ -47,6 +47,7 @@ import copy
 import time
 
 import torch
+from vllm.logger import init_logger
 
 from boundary_checkpoints.core.step_copies import (
     CAPTURE_COPIES_ATTR,
@@ -55,6 +56,8 @@ from boundary_checkpoints.core.step_copies import (
     POST_FORWARD_COPIES_ATTR,
 )
 from boundary_checkpoints.worker.kernels import PageCopier
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
 class CopyTimer:
@@ -179,4 +182,5 @@ class CaptureCopyWorkerMixin:
         if self._page_copier is None or self._page_copier_key != key:
             self._page_copier = PageCopier(runner.kv_caches, runner.kv_cache_config.num_blocks)
             self._page_copier_key = key
+            logger.info("boundary_checkpoints: page copies: %s", self._page_copier.describe())
         return self._page_copier

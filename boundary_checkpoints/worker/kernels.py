@@ -246,9 +246,27 @@ class PageCopier:
                 classes.setdefault((device, vec), []).append(region)
             else:
                 self.torch_regions.append(region)
+        self.kernel_regions = [region for group in classes.values() for region in group]
         self._launches = [
             _Launch.build(group, vec, tile_words, num_warps, programs_per_sm) for (_, vec), group in classes.items()
         ]
+
+    def describe(self) -> str:
+        """Which path copies what, for the worker's startup line: the plugin's kernel over page
+        regions, a torch copy per page, or vLLM's ``copy_kv_cache_blocks_inplace`` (slower: a
+        gather and a scatter per view) for views that are not block-outermost."""
+        parts = [
+            f"{len(regions)} page regions by {how} ({_mib(regions)} per block pair)"
+            for regions, how in ((self.kernel_regions, "the plugin's kernel"), (self.torch_regions, "torch copies"))
+            if regions
+        ]
+        if self.strided:
+            shapes = sorted({f"{tuple(c.shape)}/{tuple(c.stride())}" for c in self.strided})
+            parts.append(
+                f"{len(self.strided)} KV cache views by vLLM's copy_kv_cache_blocks_inplace, not laid out as "
+                f"whole pages per block (shape/stride {', '.join(shapes[:3])}{', ...' if len(shapes) > 3 else ''})"
+            )
+        return "; ".join(parts) or "no KV cache"
 
     def warm_up(self, block: int = 0) -> None:
         """Compile, before the first request, every kernel variant a step's copy launches: Triton
@@ -281,6 +299,10 @@ class PageCopier:
 
             copies = [KVCacheBlockCopy(int(s), int(d)) for s, d in pairs]
             copy_kv_cache_blocks_inplace(self.strided, self.num_blocks, copies)
+
+
+def _mib(regions: Sequence[PageRegion]) -> str:
+    return f"{sum(r.page_bytes for r in regions) / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)

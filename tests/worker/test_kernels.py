@@ -303,3 +303,14 @@ def test_views_of_one_storage_with_different_block_strides_stay_strided():
     narrow = buffer[: blocks * 128].view(blocks, 128)
     regions, strided = split_regions([wide, narrow], blocks)
     assert regions == [] and len(strided) == 2
+
+
+def test_the_copier_says_which_path_copies_what():
+    """The worker logs this once per KV cache: a view copied through vLLM's slower path is named."""
+    storage = torch.zeros(NUM_BLOCKS * 64, dtype=torch.int32)
+    whole_pages = PageCopier([storage.view(NUM_BLOCKS, 64)], NUM_BLOCKS).describe()
+    assert "1 page regions" in whole_pages and "copy_kv_cache_blocks_inplace" not in whole_pages
+    view = torch.zeros(2, NUM_BLOCKS, 8).transpose(0, 1)
+    strided = PageCopier([view], NUM_BLOCKS).describe()
+    assert strided.startswith("1 KV cache views by vLLM's copy_kv_cache_blocks_inplace"), strided
+    assert f"({NUM_BLOCKS}, 2, 8)" in strided
