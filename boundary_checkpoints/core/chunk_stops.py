@@ -217,11 +217,14 @@ class ChunkStopMixin:
 
     def _is_resend(self, request: Request) -> bool:
         """Whether a bundle at this very prompt (``P``) is retained or pending when the request's
-        prefill starts; decided once per request."""
+        prefill starts; decided once per request. A resend of a prompt whose bundle was evicted or
+        refused is no resend here, but records the reuse distance (``ReuseTracker.revisit``)."""
         ledger = self._ledgers[request.request_id]
         if ledger.resend is None:
             key = self._key(request, request.num_prompt_tokens)
             ledger.resend = key is not None and self._kept_or_pending(key)
+            if key is not None and not ledger.resend:
+                self.checkpoint_store.reuse.revisit(key)
         return ledger.resend
 
     def _kept_or_pending(self, key: CheckpointKey) -> bool:

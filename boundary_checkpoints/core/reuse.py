@@ -11,7 +11,8 @@ module lets the store keep a stable subset instead:
   current count);
 * a *reuse distance* is the number of publications between a bundle's publication and a request
   that used it: observed on every hit, and on every *regret* -- a miss that an evicted bundle
-  would have served (evicted keys are remembered as ghosts, a bounded number of them);
+  would have served (evicted keys are remembered as ghosts, a bounded number of them, and so
+  are captures refused while the cache thrashes) -- and on every resend of a remembered prompt;
 * once distances have been observed, a bundle younger than twice their median is *protected*:
   it is likely still to be used, so the store refuses a newcomer rather than evict it
   (:meth:`ReuseTracker.protects`). Older bundles (their conversation is late or gone) are evicted
@@ -80,12 +81,26 @@ class ReuseTracker:
                 continue
             for tail in list(tails):
                 if start + len(tail) <= max_tokens and tuple(tokens[start : start + len(tail)]) == tail:
-                    self._distances.append(self.clock - tails.pop(tail))
-                    self._num_ghosts -= 1
-                    if not tails:
-                        del self._ghosts[(parent, start)]
+                    self._reused((parent, start), tail)
                     return True
         return False
+
+    def revisit(self, key: CheckpointKey) -> bool:
+        """Whether ``key`` is remembered (evicted, or refused while the cache thrashed): a prompt
+        sent again, which that checkpoint would not have served (a resend resumes at ``P - 1``)
+        but whose reuse it was kept for. If so its reuse distance is recorded and it is forgotten."""
+        tails = self._ghosts.get((key.parent, key.start))
+        if not tails or key.tail not in tails:
+            return False
+        self._reused((key.parent, key.start), key.tail)
+        return True
+
+    def _reused(self, where: tuple[Hashable, int], tail: tuple[int, ...]) -> None:
+        tails = self._ghosts[where]
+        self._distances.append(self.clock - tails.pop(tail))
+        self._num_ghosts -= 1
+        if not tails:
+            del self._ghosts[where]
 
     # ---- decisions -----------------------------------------------------------------------------
     def reuse_distance(self) -> float | None:

@@ -129,14 +129,14 @@ def test_nothing_yields_while_only_uncached_blocks_are_taken(model_dir, free):
 
 
 def capture_on_a_pool_of_cached_blocks(
-    model_dir, reuse_distance: int | None, resend: bool = False
+    model_dir, reuse_distance: int | None, resend: str | None = None
 ) -> tuple[int, int, int]:
     """(captures refused as thrashing, bundles published, ticks of the store's clock) after
     conversation C ran with every free block the pool hands out first a block of B's, cached (the
     uncached ones taken and held). C's prompt checkpoint (at P, the default) copies into new
     blocks; its response bundle adopts C's own blocks and takes none. ``resend``: C's prompt is
-    then sent again with other tokens after it (its prompt checkpoint would serve it), and the
-    reuse distance must be known after it."""
+    then sent again, ``"longer"`` with other tokens after it (its prompt checkpoint would serve
+    it) or ``"same"`` as it was, and the reuse distance must be known after it."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="end")
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
@@ -156,7 +156,8 @@ def capture_on_a_pool_of_cached_blocks(
     counts = store.counters.refused_thrashing, store.counters.published - published, store.now() - clock
     if resend:
         assert store.reuse.reuse_distance() == reuse_distance
-        driver.run([make_request(prompt + tokens(rng, 20), salt="c", max_tokens=8)])
+        again = prompt + tokens(rng, 20) if resend == "longer" else prompt
+        driver.run([make_request(again, salt="c", max_tokens=8)])
         assert store.reuse.reuse_distance() is not None
     return counts
 
@@ -167,8 +168,9 @@ def test_a_capture_that_would_evict_cached_blocks_is_refused_while_the_cache_thr
     assert ticks == 2  # the refusal counts on the store's clock, as a publication would
 
 
-def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reuse_distance(model_dir):
-    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=None, resend=True)
+@pytest.mark.parametrize("resend", ["longer", "same"])
+def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reuse_distance(model_dir, resend):
+    refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=None, resend=resend)
     assert refused == 1 and published == 1 and ticks == 2
 
 
