@@ -6,13 +6,21 @@ Three ways, chosen once per engine from its configuration by :func:`decide`, a p
 :class:`EngineFacts` (:func:`decide_for` reads them from a ``VllmConfig``; the scheduler and the
 worker both call it on the same configuration, so they agree without talking to each other):
 
-* ``end`` (``prompt_capture`` ``auto``, the default, or ``end``; no speculative decoding): the
-  state after all ``P`` prompt tokens, copied from the request's blocks before the next step's
-  forward, as a response checkpoint is: no split and no extra step, on any kernel and family. A
-  next turn (a prompt that extends this one) restores it. A resend of the same prompt cannot (its
-  last token must run to give logits) and gets vLLM's block-grid hit, but is itself captured at
-  ``P - 1`` the way ``in_step`` would (``resend``: in step where the split applies, else by the
-  stop), so the sends after it restore all but the last token: only prompts seen twice pay.
+* ``end`` (``prompt_capture`` ``auto``, the default, without speculative decoding, or ``end``):
+  the state after all ``P`` prompt tokens, copied from the request's blocks before the next step's
+  forward, as a response checkpoint is: no split and no extra step, on any kernel and family, with
+  or without speculative decoding. Under speculative decoding ``auto`` stops instead
+  (:data:`SPECULATIVE_AUTO_REASON`) until a GPU validates ``end`` there. A next turn (a prompt
+  that extends this one) restores it. A resend of the same prompt cannot (its last token must run
+  to give logits) and gets vLLM's block-grid hit, but is itself
+  captured at ``P - 1`` the way ``in_step`` would (``resend``: in step where the split applies,
+  else by the stop; under speculative decoding always by the stop), so the sends after it restore
+  all but the last token: only prompts seen twice pay. Under MTP the drafter's row ``P - 1`` is
+  computed from token ``P``, the first sampled token, so the bundle serves only prompts whose token
+  ``P`` is that one (the next-token guard, ``core/drafters.py``; the scheduler takes the token from
+  the step's output). A pooled indexer under speculative decoding keeps every checkpoint on its
+  pool grid (``docs/design.md`` contract 13), where ``P`` rarely is: the scheduler turns every
+  mode into the stop there (:func:`on_pool_grid`).
 * ``in_step`` (asked for by ``prompt_capture: in_step``): every prompt keeps ``P - 1``. The whole
   prompt is prefilled in one step; inside every Gated DeltaNet layer the last token of each prompt
   that is captured is split off (``worker/gdn_split.py``), so the state after ``P - 1`` is written
@@ -26,11 +34,10 @@ worker both call it on the same configuration, so they agree without talking to 
   ``triton``; vLLM's Hopper default is FlashInfer's). On CUDA it carries a caveat
   (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): the split adds host work to every step that
   ends prompts.
-* ``stop`` (``prompt_capture: stop``, speculative decoding, or ``in_step`` where the split does
-  not apply, with the first reason that applies): the prefill stops at ``P - 1``, the state is
-  copied after that step and the last prompt token runs in one more engine step (the first-turn
-  tax, ``docs/notes/first-turn-tax.md``). Under speculative decoding a checkpoint at ``P`` is not
-  yet validated on a GPU (``docs/notes/first-turn-tax.md`` §3(d)), so ``auto`` and ``end`` stop too.
+* ``stop`` (``prompt_capture: stop``, ``auto`` under speculative decoding, or ``in_step`` where
+  the split does not apply, with the first reason that applies): the prefill stops at ``P - 1``,
+  the state is copied after that step and the last prompt token runs in one more engine step (the
+  first-turn tax, ``docs/notes/first-turn-tax.md``).
 
 Nothing here imports vLLM at import time.
 """
@@ -102,6 +109,27 @@ class PromptCaptureDecision:
             return f"on (captured inside the step that computes the prompt: no P - 1 stop{caveat})"
         return f"on (prefills stop at P - 1: {self.reason})"
 
+    def startup_phrase(self, min_tokens: int = 0, next_token_guard: bool = False) -> str:
+        """:meth:`describe` with the settings that narrow it, for the scheduler's startup line:
+        ``min_tokens`` (``prompt_checkpoint_min_tokens``), ``next_token_guard`` (MTP: the
+        drafter's row ``P - 1`` reads token ``P``)."""
+        text = self.describe()
+        if next_token_guard and self.mode == END:
+            text += (
+                "; under MTP a checkpoint at P serves only prompts whose token P is the first token sampled after it"
+            )
+        if min_tokens and self.mode != OFF:
+            text += f", when the prompt's last step computes >= {min_tokens} tokens"
+        return text
+
+
+POOL_GRID_REASON = "speculative decoding with a pooled indexer keeps every checkpoint on its pool grid"
+# Why ``auto`` stops at ``P - 1`` under speculative decoding, where ``end`` would not.
+SPECULATIVE_AUTO_REASON = (
+    "speculative decoding (the checkpoint at P, prompt_capture: end, is exact on the CPU engine and not yet "
+    "validated on a GPU)"
+)
+
 
 def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) -> PromptCaptureDecision:
     """How prompt checkpoints are taken for an engine with ``facts`` (module docstring)."""
@@ -109,15 +137,13 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(OFF)
     if prompt_capture == STOP:
         return PromptCaptureDecision(STOP, "prompt_capture is 'stop'")
-    if prompt_capture in (AUTO, END) and not facts.speculative:
+    if prompt_capture == END or (prompt_capture == AUTO and not facts.speculative):
         resend = decide(True, IN_STEP, facts)
         return PromptCaptureDecision(END, resend.reason, resend.caveat, resend=resend.mode)
+    if facts.speculative and prompt_capture == AUTO:
+        return PromptCaptureDecision(STOP, SPECULATIVE_AUTO_REASON)
     if facts.speculative:
-        return PromptCaptureDecision(
-            STOP,
-            "speculative decoding (a checkpoint at P is not yet validated there on a GPU; the in-step split "
-            "handles non-speculative rows only)",
-        )
+        return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
     if facts.micro_batching:
         return PromptCaptureDecision(STOP, "micro-batching (DBO) splits the step's GDN metadata")
     if not facts.architectures or any(a not in IN_STEP_ARCHITECTURES for a in facts.architectures):
@@ -143,6 +169,15 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
             "additional_config gdn_prefill_backend=triton)",
         )
     return PromptCaptureDecision(IN_STEP, caveat=CUDA_IN_STEP_CAVEAT)
+
+
+def on_pool_grid(decision: PromptCaptureDecision) -> PromptCaptureDecision:
+    """``decision`` for a pooled indexer under speculative decoding, where every checkpoint sits on
+    the pool grid (``docs/design.md`` contract 13) and ``P`` rarely does: every prompt stops at a
+    pool boundary below ``P - 1``. Its checkpoint is also what a next turn restores there, as no
+    pool-grid snapshot is kept under speculative decoding and a response keeps a bundle only where
+    it ends on the grid."""
+    return decision if decision.mode == OFF else PromptCaptureDecision(STOP, POOL_GRID_REASON)
 
 
 def facts_of(vllm_config: Any) -> EngineFacts:

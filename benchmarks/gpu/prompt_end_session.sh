@@ -12,6 +12,7 @@
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
+#   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
 #   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on a fresh engine:
 #                                stock with 2- and 3-token prefill rows of its own ($PROBES: also aligned,
@@ -36,8 +37,9 @@
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
-#   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3: stock against the default
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
+#   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
+#                                the plugin with prompt_capture $MTP24_CAPTURE (end: the checkpoint at P; stop: auto's)
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|specend|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -95,6 +97,10 @@ case "$stage" in
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
     ;;
+  specend)
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py \
+      2>&1 | tee /tmp/r/specend.log | tail -40
+    ;;
   glmdflash)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_dflash.py -k glm \
       2>&1 | tee /tmp/r/glmdflash.log | tail -40
@@ -147,13 +153,19 @@ case "$stage" in
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
   turns24|mtp24)
-    # mtp24: the same on the cut with its MTP layer, under MTP k = 3 (dummy weights reject the drafts)
-    [[ $stage == mtp24 ]] && export ARCH24=qwen3_next_80b_24l_mtp SPEC24='{"method": "mtp", "num_speculative_tokens": 3}'
+    # mtp24: the same on the cut with its MTP layer, under MTP k = 3 (dummy weights reject the
+    # drafts); the plugin as $MTP24_CAPTURE takes its prompt checkpoint (end: at P, no stop)
+    variant=()
+    if [[ $stage == mtp24 ]]; then
+      export ARCH24=qwen3_next_80b_24l_mtp SPEC24='{"method": "mtp", "num_speculative_tokens": 3}'
+      capture=${MTP24_CAPTURE:-end}
+      variant=(--policies aligned --variant "$capture={\"policy\": \"request_boundaries\", \"prompt_capture\": \"$capture\"}")
+    fi
     # Expected wall time about 530 s: 10 s pause, then bc-bench's --time-budget 500 (two servers
     # started one by one, about 100 s each; rounds while they fit, each slot after a switch adding a
     # sleep, a wake and a warm-up of about 1.5 s, in the JSON's servers.*.sleep_others), then the
     # servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
-    pair24 -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/$stage.json \
+    pair24 "${variant[@]}" -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/$stage.json \
       2>&1 | tee /tmp/r/$stage.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;

@@ -88,7 +88,9 @@ class CaptureMixin:
     def _settle_speculative_step(self, output: SchedulerOutput, model_runner_output) -> None:
         """Before vLLM processes step ``_processed_seq``: take its rejected drafts back from the
         recorded end of each request's later step (as vLLM does from ``num_computed_tokens``),
-        and settle the response bundles that waited for this step's output (contract 3)."""
+        and settle the bundles that waited for this step's output: response bundles adopted from
+        it (contract 3) and, under MTP, prompt bundles at ``P`` whose guard token it sampled
+        (contract 2)."""
         seq = self._processed_seq
         for request_id, drafts in output.scheduled_spec_decode_tokens.items():
             ledger = self._ledgers.get(request_id)
@@ -110,8 +112,13 @@ class CaptureMixin:
                 unsettled.append(pending)
         for pending in unsettled:
             self._pending.remove(pending)
-            self._discard(pending, dropped=False)
-            self.checkpoint_store.counters.responses_spec_in_flight += 1
+            if pending.ready_seq is None:  # a prompt bundle at P whose copies were not emitted
+                self._block_pool.free_blocks(pending.plan.copy_sources())
+            if pending.kind == RESPONSE:
+                self._discard(pending, dropped=False)
+                self.checkpoint_store.counters.responses_spec_in_flight += 1
+            else:
+                self._discard(pending)
 
     def _response_boundary(self, request: Request) -> tuple[int, int | None, StepRecord | None]:
         """(N, state_end, in-flight step) of the response checkpoint of a finished request (N =
@@ -165,7 +172,9 @@ class CaptureMixin:
             at_end = target == request.num_prompt_tokens  # prompt_capture end: no stop applied the minimum
             if end == target and (not at_end or self._keeps_prompt_checkpoint(request, start)):
                 self.checkpoint_store.counters.prompt_stops += stopped
-                self._plan_capture(request, target, PROMPT, adopt=False)
+                # At P under MTP the guard token is the one this step samples: settled from its output.
+                in_flight = StepRecord(end, 0, self._sched_seq, None) if at_end and self._next_token_guard else None
+                self._plan_capture(request, target, PROMPT, adopt=False, in_flight=in_flight)
             elif self._keeps_prompt_checkpoint(request, start) and self._captures_in_step(request, start, end):
                 self._plan_capture(request, target, PROMPT, adopt=False, state_end=end, in_step=True)
 

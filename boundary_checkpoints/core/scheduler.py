@@ -42,20 +42,12 @@ from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIME
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
-from boundary_checkpoints.prompt_capture import END, IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for
+from boundary_checkpoints.prompt_capture import END, IN_STEP, STOP, PromptCaptureDecision, decide_for, on_pool_grid
 from boundary_checkpoints.settings import BoundaryConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 _FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-
-
-def prompt_checkpoint_mode(config: BoundaryConfig, decision: PromptCaptureDecision) -> str:
-    """How prompt checkpoints are taken, for the startup log line."""
-    text = decision.describe()
-    if config.prompt_checkpoint_min_tokens and decision.mode != OFF:
-        text += f", when the prompt's last step computes >= {config.prompt_checkpoint_min_tokens} tokens"
-    return text
 
 
 class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGridMixin):
@@ -87,12 +79,14 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
                 STOP if self._prompt_capture.mode == IN_STEP else self._prompt_capture.mode, ring,
                 resend=STOP if self._prompt_capture.resend else "",
             )  # fmt: skip
-        self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
-        p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
-        self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
         self._grid_only = bool(self._kpool and self.num_spec_tokens)
+        if self._grid_only:
+            self._prompt_capture = on_pool_grid(self._prompt_capture)
+        self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
+        p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
+        self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
         # The fewest tokens a restore leaves to compute: under contract 13 a prefill row.
         self._restore_tail = restore_tail(self.num_spec_tokens) if self._grid_only else 1
         self._ring_restores: dict[str, Checkpoint] = {}  # this schedule()'s checkpoint hits (item 11)
@@ -139,7 +133,11 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
-            prompt_checkpoint_mode(self.boundary_config, self._prompt_capture) if self._prompt_captures_on else "off",
+            self._prompt_capture.startup_phrase(
+                self.boundary_config.prompt_checkpoint_min_tokens, self._next_token_guard
+            )
+            if self._prompt_captures_on
+            else "off",
             self._chat_markers.describe(),
             copy_times_reach_metrics(self.vllm_config),
             self._pool_grid_line(),

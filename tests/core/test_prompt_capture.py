@@ -12,10 +12,14 @@ from boundary_checkpoints.prompt_capture import (
     END,
     IN_STEP,
     OFF,
+    POOL_GRID_REASON,
+    SPECULATIVE_AUTO_REASON,
     STOP,
     EngineFacts,
+    PromptCaptureDecision,
     decide,
     decide_for,
+    on_pool_grid,
 )
 from boundary_checkpoints.settings import BoundaryConfig
 
@@ -76,8 +80,9 @@ def test_auto_keeps_the_prompt_checkpoint_at_p_and_a_resends_at_p_minus_1_as_in_
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
     assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
     assert "gdn_prefill_backend=triton" in decision.reason and "by the P - 1 stop" in decision.describe()
-    speculative = decide(True, AUTO, facts(speculative=True))
-    assert speculative.mode == STOP and speculative.reason.startswith("speculative decoding")
+    speculative = decide(True, AUTO, facts(speculative=True))  # until a GPU validates end there
+    assert (speculative.mode, speculative.reason) == (STOP, SPECULATIVE_AUTO_REASON)
+    assert "not yet validated on a GPU" in speculative.describe()
 
 
 def test_configured_stop_and_off():
@@ -101,7 +106,10 @@ def test_real_cpu_configs(model_dir):
     assert decide_for(config, real_config(model_dir)).mode == END
     assert decide_for(BoundaryConfig(prompt_capture="in_step"), real_config(model_dir)).mode == IN_STEP
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert decide_for(config, mtp).mode == STOP and "speculative" in decide_for(config, mtp).reason
+    assert (decide_for(config, mtp).mode, decide_for(config, mtp).reason) == (STOP, SPECULATIVE_AUTO_REASON)
+    at_end = decide_for(BoundaryConfig(prompt_capture="end"), mtp)
+    assert (at_end.mode, at_end.resend) == (END, STOP) and "speculative" in at_end.reason
+    assert decide_for(BoundaryConfig(prompt_capture="stop"), mtp).mode == STOP
     assert decide_for(BoundaryConfig(prompt_capture="stop"), real_config(model_dir)).mode == STOP
 
 
@@ -135,7 +143,27 @@ def test_end_needs_no_split_so_any_kernel_and_family_takes_it(overrides):
     assert decision.resend == decide(True, "in_step", facts(**overrides)).mode  # a resend's P - 1, as in_step takes it
 
 
-def test_end_under_speculative_decoding_stops_and_says_why():
-    decision = decide(True, "end", facts(speculative=True))
-    assert decision.mode == STOP and "not yet validated" in decision.reason
-    assert decide(False, "end", facts()).mode == "off"
+def test_end_under_speculative_decoding_keeps_p_and_a_resends_p_minus_1_by_the_stop():
+    """Under speculative decoding ``end`` keeps a fresh prompt's checkpoint at ``P`` too (the
+    scheduler guards it with the first sampled token under MTP); a resend keeps ``P - 1`` by the
+    stop, since the in-step split handles non-speculative rows only, and the startup line says so.
+    ``stop`` and ``in_step`` asked for explicitly stop at ``P - 1``."""
+    decision = decide(True, END, facts(speculative=True))
+    assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
+    assert "speculative decoding" in decision.reason and "drafter" not in decision.reason
+    text = decision.describe()
+    assert "at the prompt's end P" in text and "no extra step" in text and "by the P - 1 stop" in text
+    assert decide(True, STOP, facts(speculative=True)).mode == STOP
+    in_step = decide(True, IN_STEP, facts(speculative=True))
+    assert in_step.mode == STOP and "speculative decoding" in in_step.reason
+    assert decide(False, END, facts(speculative=True)).mode == OFF
+
+
+@pytest.mark.parametrize("asked", [AUTO, END, STOP, IN_STEP])
+def test_a_pooled_indexer_under_speculative_decoding_stops_every_prompt_on_its_grid(asked):
+    """A pooled indexer under speculative decoding (GLM-5.3-Flash): every checkpoint sits on its
+    pool grid, which ``P`` rarely is, so every prompt stops on the grid below ``P - 1`` whatever
+    was asked (a next turn restores that checkpoint there); off stays off."""
+    grid = on_pool_grid(decide(True, asked, facts(speculative=True)))
+    assert grid == PromptCaptureDecision(STOP, POOL_GRID_REASON)
+    assert on_pool_grid(decide(False, asked, facts(speculative=True))).mode == OFF

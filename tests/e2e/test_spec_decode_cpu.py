@@ -7,8 +7,10 @@ interpreter, about 1 s per step). One fresh process runs two engines on the tiny
 MTP layer predicts its greedy answers (``qwen3_next_mtp_planted``; ~0.7 of drafts accepted): the
 plugin, then stock ``aligned``, each through the probe scenario of ``bench.probe_scenario`` (producer,
 exact resend, continuation restored from the response, two cold controls) for six conversations.
-The plugin's engine then runs the scenario once more with its scheduler re-classed to
-``corrupt_restore.CorruptScheduler`` (one token of state off), the negative control.
+The plugin's engine (``prompt_capture: stop``: every prompt stops at ``P - 1``) then runs the
+scenario once more with its scheduler re-classed to ``corrupt_restore.CorruptScheduler`` (one token
+of state off), the negative control. A second process runs the plugin with ``prompt_capture: end``
+(the prompt checkpoint at ``P``, no stop, guarded by the first sampled token): ``spec_prompt_end``.
 
 Checked: exact cached counts at the prompt boundary (``P - 1``) and at the response boundary --
 the first token of the producer's last step (docs/notes/spec-decode.md §7): the committed length
@@ -29,9 +31,11 @@ at 64 (docs/notes/spec-decode.md, "CPU feasibility").
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import spec_prompt_end
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
 from engine_script import engine_fixture
 from mtp_checks import check_acceptance
@@ -105,14 +109,14 @@ for policy in ("request_boundaries", "aligned"):
     llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
               enforce_eager=True, distributed_executor_backend="uni", enable_prefix_caching=True, seed=0,
               disable_log_stats=False, speculative_config={"method": "mtp", "num_speculative_tokens": K},
-              additional_config={"boundary_checkpoints": {"policy": policy}})
+              additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "stop"}})
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     block = llm.llm_engine.vllm_config.cache_config.block_size
     rows, acceptance = probes(llm, 0)
     out[policy] = {"rows": rows, "acceptance": acceptance, "block": block, "scheduler": type(scheduler).__name__}
     if policy == "request_boundaries":
         out[policy]["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
-        stats, decision = scheduler.boundary_stats(), scheduler._prompt_capture  # MTP: the P - 1 stop
+        stats, decision = scheduler.boundary_stats(), scheduler._prompt_capture  # the P - 1 stop, as configured
         out[policy]["prompt"] = [stats["prompt_stops"], stats["prompt_captures_in_step"], decision.reason]
         scheduler.__class__ = CorruptScheduler  # same instance, restores one token off from now on
         rows, acceptance = probes(llm, 1)
@@ -176,8 +180,8 @@ def test_mtp_boundaries_hit_exactly_within_the_calibrated_bound(runs):
     assert any(n < row.committed for row, n in zip(plugin, boundaries))  # a last step with an accepted draft
     captures, restores = info["request_boundaries"]["copies"]
     assert captures > 0 and restores > 0
-    stops, in_step, reason = info["request_boundaries"]["prompt"]  # the fallback: every prompt stops at P - 1
-    assert stops >= 2 * len(LENGTHS) and in_step == 0 and "speculative" in reason
+    stops, in_step, reason = info["request_boundaries"]["prompt"]  # prompt_capture stop: every prompt at P - 1
+    assert stops >= 2 * len(LENGTHS) and in_step == 0 and "'stop'" in reason
     stock = rows["aligned"]
     assert all(row.resend.cached < row.prompt_len - 1 for row in stock)  # stock drops a block under MTP
 
@@ -203,3 +207,41 @@ def test_acceptance_after_a_restore_matches_cold(runs):
     drafts, and their mean tokens per drafting step agree within noise (``mtp_checks``)."""
     info, _, _ = runs
     check_acceptance(info, K)
+
+
+# ---- prompt_capture end: the prompt checkpoint at P, no stop (tests/helpers/spec_prompt_end.py) ------
+
+CPU_ENGINE = {"cpu": True, "enforce_eager": True, "distributed_executor_backend": "uni"}
+
+
+def _end_result(info: dict, rows: dict):
+    save_json("cpu-mtp-end-probes.json", info)
+    return spec_prompt_end.end_result(info, reference_floor=PADDED_ROW_REFERENCE)
+
+
+end_runs = engine_fixture(
+    spec_prompt_end.SCRIPT, str(K), str(MAX_TOKENS), str(list(LENGTHS)), str(spec_prompt_end.tail_tokens(K)),
+    json.dumps(CPU_ENGINE), runs=(), model=mtp_model, then=_end_result, name="end_runs",
+)  # fmt: skip
+
+
+def test_mtp_end_keeps_the_prompt_checkpoint_at_p_without_a_stop(end_runs):
+    """``prompt_capture: end`` under MTP (``spec_prompt_end.check_end_run``): fresh prompts take no
+    stop; a later prompt that extends a prompt with its first sampled token restores exactly ``P``,
+    its first-token logprobs and answer within the bound calibrated in the same run; a prompt with
+    another token at ``P`` does not restore the checkpoint at ``P`` (the next-token guard); the
+    first resend stops at ``P - 1`` and the one after it restores there."""
+    info, phases, bounds = end_runs
+    assert info["scheduler"] == "BoundaryScheduler"
+    print("bounds:", bounds)
+    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS)
+
+
+def test_a_prompt_checkpoint_at_p_copied_after_the_verify_step_fails_the_bound(end_runs):
+    """Negative control (``spec_prompt_end.check_late_copies``): the copies of the checkpoint at
+    ``P`` held back until after the verify step keep the exact count; the bound catches them. On
+    this fixture 5 of 6 exceed it (first-token deviations 0.42-1.80 against 0.06-0.26 for the
+    correct restores of the same run); the one inside it changed its first greedy token."""
+    info, _, bounds = end_runs
+    caught, corrupted = spec_prompt_end.check_late_copies(info, bounds, LENGTHS, K)
+    assert corrupted > 0 and len(caught) >= corrupted - 1

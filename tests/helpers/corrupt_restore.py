@@ -27,8 +27,9 @@ from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler, Boundary
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 
-class OneTokenCorruption:
-    """Mixin placed before the plugin's scheduler class (see the module docstring)."""
+class HeldPromptCopies:
+    """Mixin placed before the plugin's scheduler class: the copies of each prompt capture ride the
+    step after the one they were planned for, one step late."""
 
     def _emit_pending_copies(self, output):
         # Prompt captures planned by the previous schedule() would ride this step: keep them one more.
@@ -40,6 +41,10 @@ class OneTokenCorruption:
             return super()._emit_pending_copies(output)
         finally:
             self._pending.extend(fresh)
+
+
+class OneTokenCorruption(HeldPromptCopies):
+    """Mixin placed before the plugin's scheduler class (see the module docstring)."""
 
     def _emit_in_step_captures(self, output):
         # The state blocks hold the state after P once the step's forward ran: copy them then.

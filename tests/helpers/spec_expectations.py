@@ -10,9 +10,17 @@ from spec_shadow import SpecDriver, SpecShadowWorker
 BLOCK = 16
 
 
-def spec_engine(model_dir, k: int, accept, scheduler_cls=None, async_scheduling: bool = False):
+def spec_engine(
+    model_dir, k: int, accept, scheduler_cls=None, async_scheduling: bool = False, prompt_capture: str = "in_step"
+):
+    """The shadow engine under MTP; ``prompt_capture`` as configured (``in_step``, the builder's
+    default, stops at ``P - 1`` under speculative decoding; ``auto`` / ``end`` keep ``P``)."""
     scheduler, worker = build_scheduler(
-        model_dir, num_speculative_tokens=k, worker_cls=SpecShadowWorker, async_scheduling=async_scheduling
+        model_dir,
+        num_speculative_tokens=k,
+        worker_cls=SpecShadowWorker,
+        async_scheduling=async_scheduling,
+        prompt_capture=prompt_capture,
     )
     if scheduler_cls is not None:
         scheduler.__class__ = scheduler_cls

