@@ -178,3 +178,7 @@ case "$stage" in
       --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
 esac
+status=$?
+# Which path copied the KV cache's pages in this stage's engines (docs/notes/next-gpu-session.md).
+grep -rhaoE "boundary_checkpoints: page copies: [^\"]*" /tmp/r 2> /dev/null | sort | uniq -c | head -4
+exit $status
