@@ -108,6 +108,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self._chat_markers = chat_markers_for(self.boundary_config, self.vllm_config)  # contract 10
         self._sched_seq = 0
         self._copy_timers: list[Any] = []  # the worker's capture-copy timers not yet reported
+        self._step_counter_reporter = StepCounterReporter()
         self._processed_seq = 0
         self._next_token_guard = reads_next_token(self.vllm_config.speculative_config)
         self._state_block_size = next(g.block_size for g in geometries if g.is_recurrent)
@@ -358,8 +359,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         state = self._stats_state()
         if copy_seconds or state != self.__dict__.get("_reported_stats_state"):  # else nothing to send
             self._reported_stats_state = state
-            reporter = self.__dict__.setdefault("_step_counter_reporter", StepCounterReporter())
-            reporter.attach(stats, self.boundary_stats, copy_seconds)
+            self._step_counter_reporter.attach(stats, self.boundary_stats, copy_seconds)
         return stats
 
     def _stats_state(self) -> tuple[int, ...]:

@@ -60,8 +60,10 @@ class StepCounterReporter:
     current values) into a step's ``SchedulerStats``."""
 
     def __init__(self, enabled: bool | None = None) -> None:
+        """``enabled`` None: whether the frontend collects (:func:`frontend_collects`), looked up
+        here, at the scheduler's start, rather than in a serving step (it scans entry points)."""
         self._reported: dict[str, int] = {}
-        self._enabled = enabled
+        self._enabled = frontend_collects() if enabled is None else enabled
 
     def payload(self, current: Mapping[str, int]) -> dict[str, int]:
         """Gauges as they are, counters as deltas; unchanged counters are left out."""
@@ -79,8 +81,6 @@ class StepCounterReporter:
     def attach(self, stats: Any, current: Callable[[], Mapping[str, int]], copy_seconds: Sequence[float] = ()) -> None:
         """Add ``current()`` (read only when the frontend collects it) and the capture-copy times
         ``copy_seconds`` to ``stats``."""
-        if self._enabled is None:
-            self._enabled = frontend_collects()
         if not self._enabled:
             return
         carrier = getattr(stats, CARRIER_FIELD, None)
