@@ -3,25 +3,26 @@
 # from one bare host to the next, so that a server's first start skips the compiles (on a bare
 # H200 the 24-layer cut's engine init took 154 s, 15-37 s once the caches were warm).
 #   compile_cache.sh restore   before any server starts: unpack the parts carried in .gpu-cache/
-#                              (moved to /tmp/cc-parts as they arrive, like the bundle's parts); once per host
+#                              (moved to $CC_WORK/cc-parts as they arrive, like the bundle's parts); once per host
 #   compile_cache.sh save DIR  pack both caches into DIR/cc-part-0, -1, ... (15 MiB each, at most
 #                              $CC_MAX_PARTS, default 3; a larger cache is not saved, and says so)
 # vLLM and Triton key their entries by versions, GPU and source: an entry that does not match is
 # not used, and that start compiles as on a bare host. Nothing here can fail a stage.
 set -u
+work=${CC_WORK:-/tmp}  # where parts wait, the packed archive and the restored marker
 vllm_cache=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/torch_compile_cache
 triton_cache=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 case ${1:-} in
   restore)
-    mkdir -p /tmp/cc-parts
-    mv .gpu-cache/cc-part-* /tmp/cc-parts/ 2> /dev/null
-    if [[ -e /tmp/cc-restored ]] || ! ls /tmp/cc-parts/cc-part-* > /dev/null 2>&1; then
+    mkdir -p "$work"/cc-parts
+    mv .gpu-cache/cc-part-* "$work"/cc-parts/ 2> /dev/null
+    if [[ -e "$work"/cc-restored ]] || ! ls "$work"/cc-parts/cc-part-* > /dev/null 2>&1; then
       echo "compile cache: nothing to restore"
       exit 0
     fi
     mkdir -p "$vllm_cache" "$triton_cache"
-    if cat /tmp/cc-parts/cc-part-* | tar xzf - -C /; then
-      touch /tmp/cc-restored
+    if cat "$work"/cc-parts/cc-part-* | tar xzf - -C /; then
+      touch "$work"/cc-restored
       echo "compile cache: restored $(du -sm "$vllm_cache" | cut -f1) MB of vLLM's, $(du -sm "$triton_cache" | cut -f1) MB of Triton's"
     else
       echo "compile cache: the parts did not unpack; compiling as on a bare host"
@@ -32,14 +33,14 @@ case ${1:-} in
     paths=()
     for p in "$vllm_cache" "$triton_cache"; do [[ -d $p ]] && paths+=("${p#/}"); done
     ((${#paths[@]})) || { echo "compile cache: none on this host"; exit 0; }
-    tar czf /tmp/cc.tgz -C / "${paths[@]}" || { echo "compile cache: tar failed, not saved"; exit 0; }
-    size=$(stat -c %s /tmp/cc.tgz)
+    tar czf "$work"/cc.tgz -C / "${paths[@]}" || { echo "compile cache: tar failed, not saved"; exit 0; }
+    size=$(stat -c %s "$work"/cc.tgz)
     max=$((${CC_MAX_PARTS:-3} * 15 * 1024 * 1024))
     if ((size > max)); then
       echo "compile cache: $((size >> 20)) MiB packed, over $((max >> 20)) MiB: not saved"
       exit 0
     fi
-    split -b 15M -d -a 1 /tmp/cc.tgz "$out/cc-part-"
+    split -b 15M -d -a 1 "$work"/cc.tgz "$out/cc-part-"
     echo "compile cache: saved $((size >> 20)) MiB in $(ls "$out"/cc-part-* | wc -l) parts"
     ;;
   *)
