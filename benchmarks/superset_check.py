@@ -11,7 +11,8 @@ tokens; turns run one request at a time in a seeded order (so both schedulers se
 requests in the same order and nothing depends on timing), each answering 8 tokens. For each pool
 size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
 tokens fell below stock's for the same request. ``--prompt-capture`` sets the plugin's
-``prompt_capture`` (default ``auto``). ``--without-grid-blocks`` runs the plugin with
+``prompt_capture`` (default ``auto``), ``--prompt-admission`` its ``prompt_admission`` (default
+``auto``); the line also gives the plugin's capture copies. ``--without-grid-blocks`` runs the plugin with
 its bundles holding no block-grid hit (contract 7 of ``docs/design.md``): the comparison that
 shows what those blocks are for.
 
@@ -52,13 +53,14 @@ def conversation_order(rng: random.Random, args) -> list[int]:
     return order
 
 
-def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> list[int]:
-    """Cached tokens of each request of the seeded workload, in the order they ran."""
+def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> tuple[list[int], int]:
+    """Cached tokens of each request of the seeded workload, in the order they ran, and the capture
+    copies the plugin ran (0 for stock)."""
     rng = random.Random(seed)
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
         max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
-        retention=args.retention,
+        retention=args.retention, prompt_admission=args.prompt_admission,
     )  # fmt: skip
     driver = Driver(scheduler, worker)
     system = tokens(rng, args.system)
@@ -70,7 +72,8 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
         [answer] = driver.run([request])
         cached.append(driver.cached_tokens.get(request.request_id, 0))
         history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(20, 120))
-    return cached
+    store = getattr(scheduler, "checkpoint_store", None)
+    return cached, store.counters.capture_copies if store is not None else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
     parser.add_argument("--prompt-capture", default="auto", help="the plugin's prompt_capture (default auto)")
     parser.add_argument("--retention", default="borrow", help="the plugin's retention (default borrow)")
+    parser.add_argument("--prompt-admission", default="auto", help="the plugin's prompt_admission (default auto)")
     parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
     args = parser.parse_args(argv)
@@ -95,17 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for blocks in (int(b) for b in args.blocks.split(",")):
         for seed in range(args.seeds):
-            stock = cached_per_request(model_dir, "aligned", seed, blocks, args)
-            plugin = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
+            stock, _ = cached_per_request(model_dir, "aligned", seed, blocks, args)
+            plugin, copies = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
             below = [i for i, (s, p) in enumerate(zip(stock, plugin, strict=True)) if p < s]
-            rows.append({"blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below})
+            rows.append(
+                {"blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below, "copies": copies}
+            )
         subset = [r for r in rows if r["blocks"] == blocks]
         stock_total = sum(sum(r["stock"]) for r in subset)
         plugin_total = sum(sum(r["plugin"]) for r in subset)
         rounds_below = sum(sum(r["plugin"]) < sum(r["stock"]) for r in subset)
         print(f"{blocks} blocks: cached tokens plugin / stock {plugin_total / stock_total:.3f} ({plugin_total} / "
               f"{stock_total}); workloads with fewer cached tokens than stock {rounds_below} of {len(subset)}; "
-              f"requests below stock {sum(len(r['below']) for r in subset)} of {sum(len(r['stock']) for r in subset)}",
+              f"requests below stock {sum(len(r['below']) for r in subset)} of {sum(len(r['stock']) for r in subset)}; "
+              f"capture copies {sum(r['copies'] for r in subset)}",
               flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))

@@ -88,6 +88,7 @@ def _check_token_count(value: Any, name: str) -> int:
 
 
 CHAT_INSTRUCTION_BOUNDARIES = ("auto", "off")
+PROMPT_ADMISSIONS = ("auto", "all")
 RETENTIONS = ("hold", "borrow")
 
 
@@ -113,6 +114,7 @@ _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
     "prompt_checkpoint_min_tokens": _check_token_count,
+    "prompt_admission": _one_of(PROMPT_ADMISSIONS),
     "prompt_capture": _one_of(PROMPT_CAPTURES),
     "max_retained_fraction": _check_fraction,
     "stats_log_interval_s": _check_interval,
@@ -161,6 +163,13 @@ class BoundaryConfig:
     would add a step to this prompt to save a resend little: the resend then recomputes that tail
     (fewer than this many tokens) from the earlier checkpoint or cached block it starts from. 0
     (default): every prompt keeps one."""
+    prompt_admission: str = "auto"
+    """With ``prompt_checkpoints``, which prompts keep one (``core/admission.py``). ``auto``
+    (default): every prompt while prompt checkpoints are seen used (a resend, a regenerate, a next
+    turn that restores or would restore the prompt's checkpoint: at least 1 in 32 of the last 64
+    prompts), else 1 prompt in 16 and every resend, so that traffic which reuses no prompt stops
+    paying their copies, blocks and (where the prompt stops at ``P - 1``) steps; the first 64
+    prompts keep one. ``all``: every prompt."""
     chat_instruction_boundary: str = "auto"
     """``auto``: the engine learns the chat template's block markers once at startup
     (``core/chat_markers.py``) and gives a request with no explicit instruction boundary the end of

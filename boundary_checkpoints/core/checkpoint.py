@@ -189,6 +189,9 @@ class StoreCounters:
     capture_steps: int = exported("Engine steps that carried capture copies.")
     capture_copies: int = exported("Block copies run for captures.")  # by those steps
     capture_copy_bytes: int = exported("Bytes copied for captures.")  # moved by those copies
+    prompts_skipped: int = exported(
+        "Prompts that kept no checkpoint at their end: prompt checkpoints were not seen reused (prompt_admission)."
+    )
     prompt_stops: int = exported(
         "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
     )

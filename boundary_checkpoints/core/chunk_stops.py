@@ -145,7 +145,9 @@ class ChunkStopMixin:
         a resend keeps ``P - 1`` (in step or by the stop, ``PromptCaptureDecision.resend``), so the
         sends after it restore all but the last token; under speculative decoding with a pooled
         indexer, a pool boundary below ``P - 1`` (contract 13, :meth:`_grid_prompt_target`, for a
-        prefill from ``start``)."""
+        prefill from ``start``). 0 for a prompt that prompt admission skips (:meth:`_prompt_admitted`)."""
+        if not self._prompt_admitted(request):
+            return 0
         if self._prompt_at_end and not self._is_resend(request):
             return request.num_prompt_tokens
         if self._grid_only:
@@ -226,6 +228,17 @@ class ChunkStopMixin:
             if key is not None and not ledger.resend:
                 self.checkpoint_store.reuse.revisit(key)
         return ledger.resend
+
+    def _prompt_admitted(self, request: Request) -> bool:
+        """Whether ``request``'s prompt keeps a checkpoint (``core/admission.py``); decided once per
+        request, when its prefill is first planned. A skipped prompt counts in the store's
+        ``prompts_skipped``."""
+        ledger = self._ledgers[request.request_id]
+        if ledger.prompt_admitted is None:
+            key = self._key(request, request.num_prompt_tokens)
+            ledger.prompt_admitted = self._prompt_admission.admit(key, self._is_resend(request))
+            self.checkpoint_store.counters.prompts_skipped += not ledger.prompt_admitted
+        return ledger.prompt_admitted
 
     def _kept_or_pending(self, key: CheckpointKey) -> bool:
         """Whether a bundle with ``key`` is retained or its capture is pending."""

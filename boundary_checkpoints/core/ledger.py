@@ -31,6 +31,7 @@ class RequestLedger:
 
     counted: bool = False  # its lookup was counted, as a hit or a miss (contract 9)
     resend: bool | None = None  # a bundle at its prompt's P existed when its prefill started (None: not asked)
+    prompt_admitted: bool | None = None  # its prompt keeps a checkpoint (core/admission.py; None: not asked)
     instruction_checked: bool = False  # its instruction boundary was validated and counted (contract 10)
     instruction_target: int | None = None  # that boundary N_i, or None
     stopped_at: int | None = None  # P - 1 where the plugin cut its next chunk (contract 1)

@@ -17,6 +17,7 @@ from boundary_checkpoints.compat import (
 )
 from boundary_checkpoints.core.boundaries import (
     INSTRUCTION,
+    PROMPT,
 )
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
@@ -77,6 +78,7 @@ class RestoreMixin:
                 else:
                     reason = answer.miss_reason
                 self._count_lookup(request, None, reason, num_hit)
+                self._observe_prompt_reuse(request, parents, num_hit, None)
             ledger.restored_from = None
             return blocks, num_hit, shared_boundary, diverged
         if refused is not None and refused.num_tokens > hit.num_tokens:
@@ -92,6 +94,8 @@ class RestoreMixin:
                 refused.next_token,
                 request.all_token_ids[refused.num_tokens],
             )
+        if counting:
+            self._observe_prompt_reuse(request, parents, hit.num_tokens, hit)
         self._count_lookup(request, hit, None, num_hit)
         ledger.restored_from = hit
         pins = hit.distinct_blocks()
@@ -108,6 +112,19 @@ class RestoreMixin:
             self._ring_restores[request.request_id] = hit
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
+
+    def _observe_prompt_reuse(self, request: Request, parents, served: int, hit: Checkpoint | None) -> None:
+        """Tell prompt admission (``core/admission.py``) what a request's first lookup found: a
+        prompt checkpoint restored, or a prompt that kept none and would have served it further."""
+        if self._prompt_captures_on:
+            self._prompt_admission.observe_lookup(
+                request.all_token_ids,
+                request.num_tokens - self._restore_tail,
+                parents,
+                self.hash_block_size,
+                served,
+                restored_prompt=hit is not None and hit.kind == PROMPT,
+            )
 
     def _count_lookup(
         self, request: Request, hit: Checkpoint | None, reason: MissReason | None, num_hit: int = 0

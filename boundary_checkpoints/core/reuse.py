@@ -69,18 +69,22 @@ class ReuseTracker:
         max_tokens: int,
         parents: Callable[[int], Hashable | None],
         hash_block_size: int,
+        min_tokens: int = 0,
     ) -> bool:
-        """Whether an evicted bundle would have served ``tokens`` (a prefix of at most
-        ``max_tokens``); if so its reuse distance is recorded and the ghost forgotten."""
-        if max_tokens <= 0:
+        """Whether an evicted bundle would have served ``tokens`` (a prefix of more than
+        ``min_tokens`` and at most ``max_tokens``); if so its reuse distance is recorded and the
+        ghost forgotten."""
+        if max_tokens <= min_tokens:
             return False
         for start in range((max_tokens - 1) // hash_block_size * hash_block_size, -1, -hash_block_size):
+            if start + hash_block_size <= min_tokens:
+                break  # a tail is shorter than a hash block: every bundle from here is too short
             parent = parents(start)
             tails = self._ghosts.get((parent, start)) if parent is not None else None
             if not tails:
                 continue
             for tail in list(tails):
-                if start + len(tail) <= max_tokens and tuple(tokens[start : start + len(tail)]) == tail:
+                if min_tokens < start + len(tail) <= max_tokens and tuple(tokens[start : start + len(tail)]) == tail:
                     self._reused((parent, start), tail)
                     return True
         return False

@@ -26,6 +26,7 @@ from boundary_checkpoints.compat import (
     request_blocks,
     single_type_managers,
 )
+from boundary_checkpoints.core.admission import PromptAdmission
 from boundary_checkpoints.core.boundaries import RESPONSE, restore_tail
 from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, frees_uncached
 from boundary_checkpoints.core.chat_markers import chat_markers_for
@@ -99,6 +100,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             reclass_instance(block_pool, YieldingBlockPool)
         self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks, borrow=borrow)
         self._pending: list[PendingCapture] = []
+        self._prompt_admission = PromptAdmission(admit_all=self.boundary_config.prompt_admission == "all")
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
         # of at most max_model_len - 1 tokens.
         self._max_useful_tokens = self.vllm_config.model_config.max_model_len - 2
@@ -137,6 +139,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self._prompt_capture.startup_phrase(
                 self.boundary_config.prompt_checkpoint_min_tokens, self._next_token_guard
             )
+            + f"; kept for {self._prompt_admission.describe()}"
             if self._prompt_captures_on
             else "off",
             self._chat_markers.describe(),

@@ -35,6 +35,7 @@ def test_defaults(additional_config):
     assert cfg.prompt_checkpoints is True
     assert cfg.prompt_checkpoint_min_tokens == 0
     assert cfg.prompt_capture == "auto"
+    assert cfg.prompt_admission == "auto"
 
 
 def test_public_constants():
@@ -53,8 +54,10 @@ def test_all_fields_parsed():
             "prompt_checkpoints": False,
             "prompt_checkpoint_min_tokens": 512,
             "prompt_capture": "stop",
+            "prompt_admission": "all",
         }
     )
+    assert cfg.prompt_admission == "all"
     assert cfg.prompt_checkpoints is False
     assert cfg.prompt_capture == "stop"
     assert cfg.prompt_checkpoint_min_tokens == 512
@@ -96,6 +99,8 @@ BAD_VALUES = [
     ("prompt_capture", "always", "auto, in_step, stop"),
     ("prompt_capture", True, "auto, in_step, stop"),
     ("prompt_capture", None, "auto, in_step, stop"),
+    ("prompt_admission", "sample", "auto, all"),
+    ("prompt_admission", True, "auto, all"),
 ]
 
 

@@ -269,6 +269,7 @@ def build_scheduler(
     prompt_checkpoint_min_tokens: int = 0,
     prompt_capture: str = "in_step",
     retention: str = "borrow",
+    prompt_admission: str = "auto",
     scheduler_reserve_full_isl: bool = True,
     dcp: int = 1,
     interleave: int = 1,
@@ -360,6 +361,7 @@ def build_scheduler(
                 "prompt_checkpoint_min_tokens": prompt_checkpoint_min_tokens,
                 "prompt_capture": prompt_capture,
                 "retention": retention,
+                "prompt_admission": prompt_admission,
                 "pool_grid_snapshots": pool_grid_snapshots,
             }
         },
