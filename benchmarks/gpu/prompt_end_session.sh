@@ -13,6 +13,8 @@
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
+#   prompt_end_session.sh copypool one prompt's capture copy on a 60 GiB KV cache vLLM lays out (24 layers of
+#                                Qwen3-Next-80B dims): the copier's line and GB/s (benchmarks/gpu/copy_in_pool.py)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
 #   prompt_end_session.sh glmprobe  GLM fixture under MTP k = 3: the GPU test's probe workload on a fresh engine:
 #                                stock with 2- and 3-token prefill rows of its own ($PROBES: also aligned,
@@ -39,7 +41,7 @@
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
 #   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
 #                                the plugin with prompt_capture $MTP24_CAPTURE (end: the checkpoint at P; stop: auto's)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|specend|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|specend|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -100,6 +102,10 @@ case "$stage" in
   specend)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py \
       2>&1 | tee /tmp/r/specend.log | tail -40
+    ;;
+  copypool)
+    timeout 200 python3 benchmarks/gpu/copy_in_pool.py --out /tmp/r/copy_in_pool.json 2>&1 | grep -v -i warn \
+      | tee /tmp/r/copypool.log | tail -12
     ;;
   glmdflash)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_dflash.py -k glm \
