@@ -39,13 +39,14 @@ VALIDATED_ARCHITECTURES = (
 # accepted, each with the methods it was measured with and the largest k measured on it:
 # Qwen3-Next under MTP and DFlash / DFlash2; Nemotron-H under MTP, k = 1 and 3 with a planted MTP
 # layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 with a planted
-# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits a vLLM assert, FAILED_ON_GPU).
+# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits a vLLM assert, FAILED_ON_GPU) and under
+# a DFlash2 drafter at k = 3 (docs/results/gpu-glm-dflash-h200.md).
 # Nemotron-H under DFlash has not run; vLLM 0.32 has no MTP module for Kimi-Linear (its
 # ``kimi_k3_mtp`` is Kimi-K3's).
 VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, dict[str, int]] = {
     "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
     "NemotronHForCausalLM": {"mtp": 3},
-    "Glm5NextForCausalLM": {"mtp": 1},
+    "Glm5NextForCausalLM": {"mtp": 1, "dflash": 3},
 }
 # Supported speculative methods validated on a GPU with drafts accepted, each with the largest k
 # validated on any architecture (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).

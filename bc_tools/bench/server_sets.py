@@ -47,15 +47,19 @@ class ServerSet:
         self.settings = settings
         self.info: dict[str, dict[str, Any]] = {}
         self._warm: set[str] = set()
+        self._warmups: dict[str, int] = {}  # label -> warm-ups run (each with its own salt)
         self._asleep: dict[str, bool] = {}  # label -> known state under sleep_others (absent: unknown)
         self._slots = 0  # slots handed out so far (the index in the sleep_others entries)
 
     def _ready(self, target: Target, progress: Progress) -> Target:
-        """Warm ``target`` up the first time it is handed out (per server start, and per wake)."""
+        """Warm ``target`` up the first time it is handed out (per server start, and per wake). Each
+        warm-up has its own salt: a server must not see the previous warm-up's prompts sent again
+        (prompt admission counts a prompt sent again as a use)."""
         s = self.settings
         if target.label not in self._warm and s.warmup > 0:
             progress.write(f"[{target.label}] warm-up ({s.warmup} conversation(s))")
-            warm_up(target, s.workload, f"{s.run_salt}-warmup-{target.label}", s.warmup, s.request_timeout,
+            n = self._warmups[target.label] = self._warmups.get(target.label, -1) + 1
+            warm_up(target, s.workload, f"{s.run_salt}-warmup-{target.label}-{n}", s.warmup, s.request_timeout,
                     s.chat_words)  # fmt: skip
         self._warm.add(target.label)
         return target

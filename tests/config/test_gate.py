@@ -457,24 +457,25 @@ def test_nemotron_h_under_mtp_above_k3_is_unvalidated():
     check_unvalidated_above_k3(fake, "mtp", 4)
 
 
-@pytest.mark.parametrize("architecture", ["NemotronHForCausalLM", "Glm5NextForCausalLM"])
-def test_dflash_on_an_architecture_validated_under_mtp_only_falls_back_under_auto(architecture):
-    """Nemotron-H and GLM-5.3-Flash are validated under MTP only: a DFlash drafter on them (vLLM's
-    Nemotron-H takes EAGLE-3 style drafters; the GPU test's GLM case has not run) falls back under
-    ``auto`` naming the architectures measured with DFlash, nothing refuses it, and an explicit
-    ``request_boundaries`` runs. Qwen3-Next with the same drafter turns on."""
+def test_dflash_on_an_architecture_validated_under_mtp_only_falls_back_under_auto():
+    """Nemotron-H is validated under MTP only: a DFlash drafter on it (vLLM's Nemotron-H takes
+    EAGLE-3 style drafters) falls back under ``auto`` naming the architectures measured with
+    DFlash, nothing refuses it, and an explicit ``request_boundaries`` runs. Qwen3-Next and
+    GLM-5.3-Flash with the same drafter turn on."""
     fake = dflash_fake(3)
-    fake.model_config.architectures = [architecture]
+    fake.model_config.architectures = ["NemotronHForCausalLM"]
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled
     assert auto.reasons == (
-        f"speculative decoding (dflash) on {architecture} is not validated yet "
-        "(measured with it: Qwen3NextForCausalLM)",
+        "speculative decoding (dflash) on NemotronHForCausalLM is not validated yet "
+        "(measured with it: Qwen3NextForCausalLM, Glm5NextForCausalLM)",
     )
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
-    fake.model_config.architectures = ["Qwen3NextForCausalLM"]
-    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
+    for validated in ("Qwen3NextForCausalLM", "Glm5NextForCausalLM"):
+        fake.model_config.architectures = [validated]
+        auto = decide_policy(BoundaryConfig(policy="auto"), fake)
+        assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
 
 
 def test_glm_under_mtp_k1_turns_on_under_auto():

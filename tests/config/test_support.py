@@ -18,24 +18,26 @@ def test_speculative_validation_is_on_validated_architectures():
 def test_speculative_validation_is_what_the_gpu_measured():
     """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
     (gpu-nemotron-mtp-h200.md), GLM-5.3-Flash under MTP at k = 1 (gpu-glm-mtp-h200.md: k = 3 hits
-    vLLM's own assert, FAILED_ON_GPU); nothing else. Kimi-Linear has no MTP module in vLLM 0.32."""
+    vLLM's own assert, FAILED_ON_GPU) and under DFlash2 at k = 3 (gpu-glm-dflash-h200.md); nothing
+    else. Kimi-Linear has no MTP module in vLLM 0.32."""
     assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
         "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
         "NemotronHForCausalLM": {"mtp": 3},
-        "Glm5NextForCausalLM": {"mtp": 1},
+        "Glm5NextForCausalLM": {"mtp": 1, "dflash": 3},
     }
     assert support.VALIDATED_SPECULATIVE == {"mtp": 3, "dflash": 3}
     assert support.speculative_architectures("mtp") == [
         "Qwen3NextForCausalLM", "NemotronHForCausalLM", "Glm5NextForCausalLM",
     ]  # fmt: skip
-    assert support.speculative_architectures("dflash") == ["Qwen3NextForCausalLM"]
+    assert support.speculative_architectures("dflash") == ["Qwen3NextForCausalLM", "Glm5NextForCausalLM"]
     assert support.speculative_architectures(None) == []
 
 
 def test_largest_speculative_k_is_the_architectures_own():
     assert support.largest_speculative_k(["Glm5NextForCausalLM"], "mtp") == 1
     assert support.largest_speculative_k(["Other", "NemotronHForCausalLM"], "mtp") == 3
-    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "dflash") == 0
+    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "dflash") == 3
+    assert support.largest_speculative_k(["NemotronHForCausalLM"], "dflash") == 0
     assert support.largest_speculative_k(["KimiLinearForCausalLM"], "mtp") == 0
     assert support.largest_speculative_k([], "mtp") == 0
     assert support.largest_speculative_k(["Qwen3NextForCausalLM"], None) == 0

@@ -4,7 +4,7 @@ Loaded into a real engine only by the tests, through vLLM's ``scheduler_cls`` (`
 corrupt_restore.CorruptAsyncScheduler`` for a server whose engine-core process finds this directory
 on ``PYTHONPATH``; ``scheduler_cls=`` for an in-process ``vllm.LLM``). The plugin keeps a configured
 scheduler class that extends its mixin (``gate.unsupported_reasons``), so the corruption runs
-with everything else of the plugin unchanged. Two corruptions, one per boundary kind:
+with everything else of the plugin unchanged. The corruptions:
 
 * prompt checkpoint: the bundle keyed ``P - 1`` holds the state after ``P`` tokens. Where the
   prefill stops at ``P - 1``, the capture copies are held back one engine step (the last prompt
@@ -17,7 +17,9 @@ with everything else of the plugin unchanged. Two corruptions, one per boundary 
   well). Skipped where ``N - 1`` is a multiple of a group's block size (the bundle would have one
   block too many for ``N - 1``); the tests pick lengths that avoid it. The scheduler lists every
   response it corrupted in ``corrupted_responses`` (prompt length, answer, ``N``), read by
-  :func:`corrupted_response_boundaries`.
+  :func:`corrupted_response_boundaries`;
+* prompt checkpoint at ``P`` (``prompt_capture: end``, ``PromptEndCorruptScheduler``): keyed
+  ``P - 1`` the same way, whenever its copies run; a prompt that extends ``P`` restores ``P - 1``.
 """
 
 from __future__ import annotations
@@ -59,30 +61,50 @@ class OneTokenCorruption(HeldPromptCopies):
                       state_blocks=None):  # fmt: skip
         before = len(self._pending)
         super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight, in_step, state_blocks)
-        if kind != RESPONSE or len(self._pending) == before or num_tokens < 2:
-            return
-        if any((num_tokens - 1) % g.block_size == 0 for g in self._geometries):
-            return
-        pending = self._pending[-1]
-        key = self._key(request, num_tokens - 1)
-        if key is None:
-            return
-        if key in self.checkpoint_store or any(p.key == key for p in self._pending[:-1]):
-            # Another request (an identical resend's answer) already holds the corrupted key: drop
-            # this exact bundle too, so no restore finds a correct checkpoint at N.
-            self._pending.pop()
-            self._discard(pending)
-        else:
-            pending.checkpoint.key = key
-            if pending.checkpoint.next_token is not None or pending.in_flight is not None:
-                # Speculative decoding: the guard follows (an in-flight step's token is not needed).
-                pending.checkpoint.next_token = request.all_token_ids[num_tokens - 1]
-                pending.in_flight = None
+        if kind == RESPONSE and len(self._pending) > before and _key_one_short(self, request, num_tokens):
             # Where the exact bundle was (under speculation it need not be the committed length), so
             # that a test can expect its continuation at exactly one token less (``corrupted_responses``).
             self.__dict__.setdefault("corrupted_responses", []).append(
                 {"prompt_len": request.num_prompt_tokens, "answer": list(request.output_token_ids), "kept": num_tokens}
             )
+
+
+class PromptKeyedOneShort:
+    """Mixin placed before the plugin's scheduler class, for ``prompt_capture: end``: each prompt
+    checkpoint at ``P`` is keyed ``P - 1`` while its state and pages are those after ``P``, whenever
+    its copies run. (Holding the copies back instead depends on where the runner writes the next
+    step's state: under MTP on vLLM's GPU runner the verify step leaves the block copied intact.)
+    The prompt lengths it re-keyed are listed in ``corrupted_prompts``."""
+
+    def _plan_capture(self, request, num_tokens, kind, adopt, state_end=None, in_flight=None, in_step=False,
+                      state_blocks=None):  # fmt: skip
+        before = len(self._pending)
+        super()._plan_capture(request, num_tokens, kind, adopt, state_end, in_flight, in_step, state_blocks)
+        if kind == PROMPT and len(self._pending) > before and _key_one_short(self, request, num_tokens):
+            self.__dict__.setdefault("corrupted_prompts", []).append(num_tokens)
+
+
+def _key_one_short(scheduler, request, num_tokens: int) -> bool:
+    """Key the bundle ``scheduler`` just planned at ``num_tokens`` as ``num_tokens - 1``, its state
+    unchanged. False where it cannot: ``num_tokens - 1`` a multiple of a group's block size (the
+    bundle would have one block too many), no key, or the short key already held (then the exact
+    bundle is dropped too, so no restore finds a correct checkpoint at ``num_tokens``)."""
+    if num_tokens < 2 or any((num_tokens - 1) % g.block_size == 0 for g in scheduler._geometries):
+        return False
+    pending = scheduler._pending[-1]
+    key = scheduler._key(request, num_tokens - 1)
+    if key is None:
+        return False
+    if key in scheduler.checkpoint_store or any(p.key == key for p in scheduler._pending[:-1]):
+        scheduler._pending.pop()
+        scheduler._discard(pending)
+        return False
+    pending.checkpoint.key = key
+    if pending.checkpoint.next_token is not None or pending.in_flight is not None:
+        # Speculative decoding: the guard follows (an in-flight step's token is not needed).
+        pending.checkpoint.next_token = request.all_token_ids[num_tokens - 1]
+        pending.in_flight = None
+    return True
 
 
 class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):
@@ -91,6 +113,14 @@ class CorruptScheduler(OneTokenCorruption, BoundaryScheduler):
 
 class CorruptAsyncScheduler(OneTokenCorruption, BoundaryAsyncScheduler):
     """Async scheduler with one-token-off restores."""
+
+
+class PromptEndCorruptScheduler(PromptKeyedOneShort, BoundaryScheduler):
+    """Synchronous scheduler whose prompt checkpoints at ``P`` are keyed one token short."""
+
+
+class PromptEndCorruptAsyncScheduler(PromptKeyedOneShort, BoundaryAsyncScheduler):
+    """Async scheduler whose prompt checkpoints at ``P`` are keyed one token short."""
 
 
 def corrupted_pairs(prompt_len: int, committed: int, block_size: int) -> set[str]:

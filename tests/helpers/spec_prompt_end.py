@@ -9,10 +9,11 @@ so they restore the prompt's at ``P``), their cold controls twice and once with 
 at ``P`` (an instruction boundary: the restore's split, without a checkpoint); prompts with another token at
 ``P`` (the next-token guard refuses ``P``); the exact resend twice (the first stops at ``P - 1``, the
 second restores there); the edited prompts again (now a fallback to ``P - 1``). Then the same engine
-with its scheduler re-classed to ``corrupt_restore.CorruptScheduler`` (prompt checkpoints copied one
-step late, after the verify step) runs the first phases again: the negative control.
+with its scheduler re-classed to ``corrupt_restore``'s ``PromptEndCorruptScheduler`` (each prompt
+checkpoint at ``P`` keyed ``P - 1``: one token of state off) runs the first phases again: the
+negative control.
 
-:func:`check_end_run` and :func:`check_late_copies` judge it with bounds calibrated in the same run
+:func:`check_end_run` and :func:`check_corrupted_prompts` judge it with bounds calibrated in the same run
 (:func:`end_result`).
 """
 
@@ -32,7 +33,8 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
 from bc_tools.bench.probe_scenario import TOP_LOGPROBS, top_logprobs
-from corrupt_restore import CorruptScheduler
+from corrupt_restore import PromptEndCorruptAsyncScheduler, PromptEndCorruptScheduler
+from boundary_checkpoints.core.scheduler import BoundaryAsyncScheduler
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 
 plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
@@ -90,8 +92,12 @@ result = {"block": block, "scheduler": type(scheduler).__name__, "mode": schedul
           "resend_mode": scheduler._prompt_capture.resend, "guard": scheduler._next_token_guard,
           "plugin": phases(0, True)}
 result["copies"] = llm.collective_rpc("boundary_copy_counts")[0]
-scheduler.__class__ = CorruptScheduler  # prompt checkpoints copied one step late: after the verify step
+# the same instance; from now on each prompt checkpoint at P is keyed P - 1
+asynchronous = isinstance(scheduler, BoundaryAsyncScheduler)
+scheduler.__class__ = PromptEndCorruptAsyncScheduler if asynchronous else PromptEndCorruptScheduler
 result["corrupt"] = phases(1, False)
+result["corrupt_scheduler"] = type(scheduler).__name__
+result["corrupted_prompts"] = scheduler.__dict__.get("corrupted_prompts", [])
 del llm, scheduler
 gc.collect()
 cleanup_dist_env_and_memory()
@@ -172,19 +178,16 @@ def check_end_run(info: dict, phases: dict[str, list[Answer]], bounds: Bounds, l
     assert captures > 0 and restores > 0
 
 
-def check_late_copies(info: dict, bounds: Bounds, lengths: tuple[int, ...], k: int) -> tuple[list[int], int]:
-    """Negative control: the copies of the checkpoint at ``P`` held back one step run after the
-    verify step that follows the prefill. Where that step's state column is the block holding the
-    state after ``P`` (``P - 1`` and ``P + k`` in one block) the checkpoint holds a later state under
-    the same key: the count stays exact. Returns (the lengths the bounds caught, how many were
-    corrupted)."""
-    block = info["block"]
-    corrupt = {name: answers(phase) for name, phase in info["corrupt"].items()}
-    corrupted, caught = 0, []
-    for p, run, cold in zip(lengths, corrupt["extended"], corrupt["cold"], strict=True):
-        assert run.cached == p, (p, run.cached)
-        if (p - 1) // block == (p + k) // block:
-            corrupted += 1
+def check_corrupted_prompts(info: dict, bounds: Bounds, lengths: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Negative control: each prompt checkpoint at ``P`` keyed ``P - 1`` (``corrupted_prompts``)
+    restores exactly ``P - 1`` and runs token ``P - 1`` a second time; the others keep ``P``.
+    Returns (the lengths the bounds caught, the lengths corrupted)."""
+    corrupt = info["corrupt"]
+    assert info["corrupt_scheduler"].startswith("PromptEndCorrupt"), info["corrupt_scheduler"]
+    relabeled, caught = sorted(set(info["corrupted_prompts"]) & set(lengths)), []  # the producers' prompts
+    for p, run, cold in zip(lengths, answers(corrupt["extended"]), answers(corrupt["cold"]), strict=True):
+        assert run.cached == (p - 1 if p in relabeled else p), (p, run.cached)
+        if p in relabeled:
             caught += [p] if state_failures(f"P={p} corrupted", run, cold, bounds) else []
-    print("corrupted restores at P caught:", caught, "of", corrupted)
-    return caught, corrupted
+    print("corrupted restores at P - 1 caught:", caught, "of", relabeled)
+    return caught, relabeled

@@ -32,7 +32,8 @@ def _switches(events):
 
 def _check_one_awake_and_warm_after_wake(events):
     """Every request found its own server the only one awake, and the first requests to a server
-    after each wake are a warm-up conversation (2 turns) before any timed one."""
+    after each wake are a warm-up conversation (2 turns) before any timed one, with a salt no
+    earlier warm-up of that server used (a repeated prompt would count as reuse)."""
     requests = [e for e in events if e[1] == "request"]
     assert requests and all(awake == [name] for name, _, _, awake in requests), requests
     woken_at = [i for i, e in enumerate(events) if e[1] == "wake"]
@@ -42,6 +43,8 @@ def _check_one_awake_and_warm_after_wake(events):
         assert ["-warmup-" in salt for salt in after] == [True, True, False], (name, after)
     warmups = [e for e in requests if "-warmup-" in e[2]]
     assert len(warmups) == 2 * len(woken_at)  # one 2-turn warm-up conversation per wake, no more
+    salts = [(name, salt) for name, _, salt, _ in warmups]
+    assert len(set(salts)) == len(salts) // 2, salts  # both turns of one warm-up share its salt
 
 
 def test_url_servers_sleep_all_but_the_slots_and_warm_up_after_each_wake(tmp_path, capsys):

@@ -22,8 +22,8 @@ The same checks run for DFlash and DFlash2 drafters of the tiny GLM-5.3-Flash (`
 the target of ``tests/gpu/test_gpu_dflash.py``'s GLM case; an MLA model, so the drafter has heads of
 its own: 4 of 64 and 4 KV heads, ``fixtures.dflash.drafter_attention``), in a second process behind
 ``family_weights.cpu_shims`` (vLLM inspects Glm5Next on CPU only with them: its module imports
-torchvision). There the gate finds nothing unsupported and one unvalidated reason, DFlash on
-Glm5NextForCausalLM: ``auto`` falls back. Without vLLM, the drafter's config and tensor shapes for
+torchvision). There too the gate finds nothing unsupported and nothing unvalidated (GLM + DFlash2
+measured on a GPU at k = 3). Without vLLM, the drafter's config and tensor shapes for
 both targets are checked against the dims each target's draft layers must have.
 
 About 60 s (two vLLM imports, five small models).
@@ -56,9 +56,6 @@ GLM_DRAFTERS = {
 # (attention heads, KV heads, head size) of the draft layers: the Qwen3-Next target's own; for the
 # MLA GLM target hidden 256 / 64 heads of 64, as many KV heads.
 DRAFT_HEADS = {"qwen3_next": (4, 2, 64), GLM_TARGET: (4, 4, 64)}
-GLM_UNVALIDATED = [
-    "speculative decoding (dflash) on Glm5NextForCausalLM is not validated yet (measured with it: Qwen3NextForCausalLM)"
-]
 
 SCRIPT = r"""
 import json, math, os, sys
@@ -236,8 +233,8 @@ def test_glm_draft_layers_declare_full_and_sliding_specs_of_their_own_heads(glm_
 
 
 @pytest.mark.parametrize("name", sorted(GLM_DRAFTERS))
-def test_the_gate_leaves_dflash_on_glm_unvalidated(glm_checked, name):
-    """Nothing refuses DFlash on GLM, and it is not validated: ``auto`` falls back (an explicit
-    ``request_boundaries`` runs, as the GPU case does)."""
+def test_the_gate_takes_dflash_on_glm(glm_checked, name):
+    """Nothing refuses DFlash on GLM, and it is validated up to k = 3
+    (docs/results/gpu-glm-dflash-h200.md): ``auto`` turns it on."""
     assert glm_checked[name]["unsupported"] == []
-    assert glm_checked[name]["unvalidated"] == GLM_UNVALIDATED
+    assert glm_checked[name]["unvalidated"] == []

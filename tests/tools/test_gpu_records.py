@@ -5,10 +5,14 @@
   resends' bounds calibrated per prompt length, the negative control, acceptance), and fail the
   negative control when the resends' bound keeps the producer pairs, which let corrupted resends
   through.
-* The GLM-5.3-Flash DFlash2 k = 3 run (``docs/results/gpu-glm-dflash-h200/``) passes the checks of
-  ``test_glm5_next_dflash2_on_the_pool_grid``, and fails the negative control under one bound for
+* Both GLM-5.3-Flash DFlash2 k = 3 runs (``docs/results/gpu-glm-dflash-h200/``) pass the checks of
+  ``test_glm5_next_dflash2_on_the_pool_grid``, and fail the negative control under one bound for
   every prompt length: the 32768-token prompts' references set it above most short prompts'
   corrupted resends.
+* Both runs of ``prompt_capture: end`` under MTP (``docs/results/gpu-spec-prompt-end-h200/``, k = 1
+  and 3) pass the exactness checks of ``test_prompt_checkpoint_at_p_under_mtp_on_the_gpu``; their
+  negative control, copies held back one step, restored the exact state there (no restore further
+  from its cold control than the reference pairs), which is why that control was replaced.
 """
 
 from __future__ import annotations
@@ -16,28 +20,38 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
+import spec_prompt_end
 from engine_script import probe_rows
 from mtp_checks import check_acceptance
 
-from bc_tools.bench.probes import LengthBounds, calibrate, reference_pairs
+from bc_tools.bench.probes import LengthBounds, calibrate, first_token_deviation, reference_pairs
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs/results/gpu-glm-mtp-h200"
 # The run before the row rule, and the run with it (which records each prompt checkpoint).
 RUNS = ("gpu-spec-glm5_next_mtp_planted-k1.json.gz", "row-rule-gpu-spec-glm5_next_mtp_planted-k1.json.gz")
-DFLASH_RECORD = ROOT / "docs/results/gpu-glm-dflash-h200/gpu-dflash-glm-dflash2.json.gz"
+# The run that set per-length bounds, and the run that passed the test as it now stands.
+DFLASH_RECORDS = ("gpu-dflash-glm-dflash2.json.gz", "gpu-dflash-glm-dflash2-1de37f0.json.gz")
 
 
-def gpu_checks():
-    """tests/gpu/test_gpu_spec_families.py as a module (its tests are not collected from here)."""
-    spec = importlib.util.spec_from_file_location("gpu_spec_checks", ROOT / "tests/gpu/test_gpu_spec_families.py")
+SPEC_END_RECORDS = ROOT / "docs/results/gpu-spec-prompt-end-h200"
+
+
+def gpu_module(name: str):
+    """``tests/gpu/{name}.py`` as a module (its tests are not collected from here)."""
+    spec = importlib.util.spec_from_file_location(f"records_{name}", ROOT / f"tests/gpu/{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def gpu_checks():
+    return gpu_module("test_gpu_spec_families")
 
 
 def load(path: Path) -> tuple[int, dict]:
@@ -59,9 +73,9 @@ def recorded(request):
     return checks, k, info, probe_rows(info)
 
 
-@pytest.fixture(scope="module")
-def dflash():
-    k, info = load(DFLASH_RECORD)
+@pytest.fixture(scope="module", params=DFLASH_RECORDS)
+def dflash(request):
+    k, info = load(ROOT / "docs/results/gpu-glm-dflash-h200" / request.param)
     assert "grid_targets" in info["request_boundaries"]["setup"]  # recorded with the row rule
     return gpu_checks(), k, info, probe_rows(info)
 
@@ -105,3 +119,21 @@ def test_glm_dflash2_record_with_one_bound_lets_corrupted_resends_through(dflash
     single = calibrate(pairs, margin=checks.MARGIN, reference_floor=checks.SPEC_ROW_REFERENCE)
     with pytest.raises(AssertionError, match="passed the bound"):
         checks.check_corrupted_run(info, rows, single, speculative=True, grid=checks.GLM_KPOOL)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_spec_prompt_end_record_passes_the_exactness_checks(k, monkeypatch):
+    checks = gpu_checks()
+    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)  # what the GPU test imports
+    lengths = gpu_module("test_gpu_spec_prompt_end").LENGTHS
+    record = json.loads(gzip.open(SPEC_END_RECORDS / f"gpu-spec-prompt-end-k{k}.json.gz").read())
+    record.pop("bounds")  # calibrated again from the record's own pairs
+    info, phases, bounds = spec_prompt_end.end_result(
+        record, reference_floor=checks.SPEC_ROW_REFERENCE, margin=checks.MARGIN
+    )
+    spec_prompt_end.check_end_run(info, phases, bounds, lengths)
+    # The control of that run held the copies back one step: each restored the state at P exactly.
+    held = {name: spec_prompt_end.answers(phase) for name, phase in info["corrupt"].items()}
+    deviations = [first_token_deviation(run, cold) for run, cold in zip(held["extended"], held["cold"], strict=True)]
+    assert [run.cached for run in held["extended"]] == list(lengths)
+    assert max(deviations) <= bounds.reference_first_token, (deviations, bounds)
