@@ -41,7 +41,7 @@
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
 #   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
 #                                the plugin with prompt_capture $MTP24_CAPTURE (end: the checkpoint at P; stop: auto's)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmdflash|specend|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|specend|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -98,6 +98,10 @@ case "$stage" in
   glmmtp)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
+    ;;
+  glmmtp2)  # issue 32 item 1: GLM + MTP at k = 2, never run (auto falls back from k = 2)
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2]" \
+      2>&1 | tee /tmp/r/glmmtp2.log | tail -40
     ;;
   specend)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py \

@@ -27,10 +27,13 @@ override their hooks. Names and the behaviour relied on:
   side effects when the pool is short, which the plugin's subclass answers by evicting retained
   checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
   instance to the subclass (``__class__`` assignment; no vLLM function is replaced).
-* ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``), ``BlockPool``
+* ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``, ``block_hash``:
+  a ``BlockHashWithGroupId``, whose hash-block hash ``get_block_hash`` gives), ``BlockPool``
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
-  ``num_gpu_blocks``), the coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`) and
-  ``single_type_managers`` (``req_to_blocks``,
+  ``num_gpu_blocks``; ``_maybe_evict_cached_block(block)``, overridden under retention ``borrow``
+  to learn each cached block it evicts: it returns True when it removed the block's hash), the
+  coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`) and ``single_type_managers``
+  (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
   GLM-5.3-Flash indexer's tail ring, named in a fallback reason only); ``SlidingWindowManager``
   (``sliding_window``; its spec's ``extra_retained_tokens`` and ``prefix_replay_tokens``): a request
@@ -78,7 +81,7 @@ from collections.abc import Iterator
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_block_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -111,6 +114,7 @@ __all__ = [
     "block_grid_hit",
     "copy_kv_cache_blocks_inplace",
     "free_queue_order",
+    "hash_block_hash",
     "request_blocks",
     "sampled_token_ids",
     "single_type_managers",
@@ -147,6 +151,12 @@ def free_queue_order(block_pool) -> Iterator:
     """The pool's free blocks in the order ``get_new_blocks`` hands them out (the free queue's head
     first: ``FreeKVCacheBlockQueue.iter_blocks_after(None)``)."""
     return block_pool.free_block_queue.iter_blocks_after(None)
+
+
+def hash_block_hash(block_hash):
+    """The hash-block hash (as in ``Request.block_hashes``) of a cached block's ``block_hash``
+    (vLLM's ``BlockHashWithGroupId``)."""
+    return get_block_hash(block_hash)
 
 
 def watermark_blocks(kv_cache_manager) -> int:

@@ -43,6 +43,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (BlockPool, "touch", ("blocks",)),
     (BlockPool, "free_blocks", ("ordered_blocks",)),
     (BlockPool, "get_num_free_blocks", ()),
+    (BlockPool, "_maybe_evict_cached_block", ("block",)),
     (FreeKVCacheBlockQueue, "iter_blocks_after", ("cursor",)),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (

@@ -78,7 +78,7 @@ class RestoreMixin:
                 else:
                     reason = answer.miss_reason
                 self._count_lookup(request, None, reason, num_hit)
-                self._observe_prompt_reuse(request, parents, num_hit, None)
+                self._observe_first_lookup(request, parents, num_hit, num_hit, None)
             ledger.restored_from = None
             return blocks, num_hit, shared_boundary, diverged
         if refused is not None and refused.num_tokens > hit.num_tokens:
@@ -95,7 +95,7 @@ class RestoreMixin:
                 request.all_token_ids[refused.num_tokens],
             )
         if counting:
-            self._observe_prompt_reuse(request, parents, hit.num_tokens, hit)
+            self._observe_first_lookup(request, parents, num_hit, hit.num_tokens, hit)
         self._count_lookup(request, hit, None, num_hit)
         ledger.restored_from = hit
         pins = hit.distinct_blocks()
@@ -113,9 +113,17 @@ class RestoreMixin:
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
 
-    def _observe_prompt_reuse(self, request: Request, parents, served: int, hit: Checkpoint | None) -> None:
-        """Tell prompt admission (``core/admission.py``) what a request's first lookup found: a
-        prompt checkpoint restored, or a prompt that kept none and would have served it further."""
+    def _observe_first_lookup(
+        self, request: Request, parents, stock_hit: int, served: int, hit: Checkpoint | None
+    ) -> None:
+        """Tell prompt admission (``core/admission.py``) what a request's first lookup found (a
+        prompt checkpoint restored, or a prompt that kept none and would have served it further),
+        and the hit balance (``core/hit_balance.py``) what it served against vLLM's own hit."""
+        if self.checkpoint_store.borrow:
+            self._hit_balance.observe(
+                request.block_hashes, self.hash_block_size, stock_hit, served, request.num_tokens - 1,
+                horizon=self.checkpoint_store.retained_blocks,
+            )  # fmt: skip
         if self._prompt_captures_on:
             self._prompt_admission.observe_lookup(
                 request.all_token_ids,

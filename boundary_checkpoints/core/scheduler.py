@@ -33,6 +33,7 @@ from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
+from boundary_checkpoints.core.hit_balance import HitBalance
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
 from boundary_checkpoints.core.layout import describe_layout
@@ -101,6 +102,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks, borrow=borrow)
         self._pending: list[PendingCapture] = []
         self._prompt_admission = PromptAdmission(admit_all=self.boundary_config.prompt_admission == "all")
+        self._hit_balance = HitBalance(capacity=block_pool.num_gpu_blocks)
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
         # of at most max_model_len - 1 tokens.
         self._max_useful_tokens = self.vllm_config.model_config.max_model_len - 2
@@ -124,6 +126,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             block_pool.yield_to_cache = self._yield_to_cache
             block_pool.clock = self.checkpoint_store.now
             block_pool.freed_stamps = {}
+            block_pool.on_evicted = self._hit_balance.evicted
         logger.info(
             "boundary_checkpoints: request_boundaries active: %d KV groups (%s), hash block %d, "
             "retaining at most %d of %d blocks (%s), prompt checkpoints %s, chat instruction boundaries %s, "
@@ -133,7 +136,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
-            "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen"
+            "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen, "
+            "to every cached block while they cost more cached tokens than they serve"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(
@@ -308,7 +312,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             if not cached:
                 return
             newest = max(self._block_pool.freed_at(block) for block in cached)
-            used_by = None if store.outwaits_cache(newest) else newest
+            used_by = None if self._hit_balance.losing() or store.outwaits_cache(newest) else newest
             if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
 

@@ -12,6 +12,10 @@ use, a bundle yields only to cached blocks freed no earlier than its last use: a
 newer than the cached blocks about to go keeps its bundle (the same allocation with the
 conversations in the other order is its control).
 
+While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle yields
+to every cached block again, however recently it was used. The pool tells the balance which
+cached blocks it evicted, by the hashes requests name them with.
+
 A capture whose private blocks would evict cached blocks is not taken while bundles are seen to
 wait longer for reuse than the cache keeps blocks, or before any reuse was seen
 (``refused_thrashing``); with a short reuse distance the same capture is taken. A refused key is
@@ -34,15 +38,18 @@ def cached_blocks(pool) -> int:
     return sum(1 for block in pool.blocks if block.block_hash is not None)
 
 
-def two_conversations(model_dir, a_first: bool = True):
+def two_conversations(model_dir, a_first: bool = True, requests: list | None = None):
     """(scheduler, store, pool) after conversations A and B ran (in that order, or B first), with
     A's bundles retained and B's blocks cached in the free queue (its bundles retired). Response
-    bundles only: a demoted prompt bundle counts as used before anything."""
+    bundles only: a demoted prompt bundle counts as used before anything. ``requests`` receives
+    A and B."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=96, max_retained_fraction=0.5, prompt_checkpoints=False)
     driver = Driver(scheduler, worker)
     rng = random.Random(11)
     a = make_request(tokens(rng, 200), salt="a", max_tokens=8)
     b = make_request(tokens(rng, 100), salt="b", max_tokens=8)
+    if requests is not None:
+        requests.extend((a, b))
     for request in (a, b) if a_first else (b, a):
         driver.run([request])
         if request is b:
@@ -65,12 +72,20 @@ def allocation_past_the_uncached_blocks(model_dir, yielding: bool) -> tuple[int,
     return before, cached_blocks(pool), store.counters.evictions_cached
 
 
-def allocation_by_age(model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool) -> tuple[bool, int, int]:
+def allocation_by_age(
+    model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool, losing: bool = False
+) -> tuple[bool, int, int]:
     """(A's bundle still retained, bundles evicted to spare the cache, cached blocks lost) after an
     allocation of the free queue's blocks freed before A's bundle was last used, or
     (``past_the_bundle``) through the first one freed after it, once the store has seen bundles
-    reused after ``reuse_distance`` publications."""
-    _, store, pool = two_conversations(model_dir, a_first)
+    reused after ``reuse_distance`` publications; ``losing``: after one lookup whose hit a
+    recently evicted block would have extended."""
+    scheduler, store, pool = two_conversations(model_dir, a_first)
+    if losing:
+        balance = scheduler._hit_balance
+        balance.evicted("gone")
+        balance.observe(["gone"], 16, stock_hit=0, served=0, max_tokens=16, horizon=1)
+        assert balance.losing()
     [bundle] = store.checkpoints()
     used = store.policy.used_at(bundle)
     store.reuse.record_hit(store.reuse.clock - reuse_distance)
@@ -102,6 +117,36 @@ def test_negative_control_without_yielding_a_cached_block_goes(model_dir):
 def test_a_bundle_used_after_every_cached_block_about_to_go_stays(model_dir):
     kept, yielded, lost = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False)
     assert kept and yielded == 0 and lost > 0
+
+
+def test_a_bundle_yields_to_every_cached_block_while_bundles_cost_more_hits_than_they_serve(model_dir):
+    """The allocation of the test above (its control), after a lookup that lost cached tokens."""
+    kept, yielded, lost = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False,
+                                            losing=True)  # fmt: skip
+    assert not kept and yielded >= 1
+
+
+def test_the_pool_reports_each_cached_block_it_evicts_by_the_requests_hashes(model_dir):
+    """Evicting B's cached blocks shows in the balance: a lookup of B's prompt with nothing cached
+    counts every full block of it as lost while the bundles hold private blocks, and nothing with
+    none held (horizon 0) or before the eviction."""
+    requests: list = []
+    scheduler, store, pool = two_conversations(model_dir, requests=requests)
+    _, b = requests
+    full = (b.num_prompt_tokens - 1) // 16
+    balance = scheduler._hit_balance
+
+    def lookup_of_b(horizon: int) -> None:
+        balance.observe(b.block_hashes, 16, stock_hit=0, served=0, max_tokens=b.num_prompt_tokens - 1, horizon=horizon)
+
+    lookup_of_b(pool.num_gpu_blocks)
+    assert balance.lost == 0  # not evicted yet
+    pool.yield_to_cache = None  # every cached block goes, bundles stay
+    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
+    lookup_of_b(0)
+    assert balance.lost == 0
+    lookup_of_b(pool.num_gpu_blocks)
+    assert balance.lost == full * 16 > 0
 
 
 def test_negative_control_it_yields_while_bundles_wait_longer_than_the_cache_keeps_blocks(model_dir):

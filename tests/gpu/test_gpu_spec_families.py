@@ -610,7 +610,7 @@ def test_nemotron_h_mtp_boundaries(k):
     check_acceptance(info, k)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_glm5_next_mtp_boundaries(k):
     """GLM-5.3-Flash under MTP (``glm5_next_mtp_planted``: the tiny GLM plus one planted MTP layer,
     which vLLM builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the

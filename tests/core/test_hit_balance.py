@@ -1,0 +1,69 @@
+"""The hit balance (``core/hit_balance.py``): tokens restores served beyond stock's estimate
+against tokens lost to cached blocks the pool evicted within the bundles' private blocks of
+evictions. Scheduler-level use: ``tests/core/test_scheduler_yield.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from boundary_checkpoints.core.hit_balance import DECAY, HitBalance
+
+B = 16
+
+
+def evicted(*hashes: str, capacity: int = 100) -> HitBalance:
+    balance = HitBalance(capacity)
+    for block_hash in hashes:
+        balance.evicted(block_hash)
+    return balance
+
+
+def test_a_chain_evicted_within_the_horizon_counts_as_lost():
+    balance = evicted("a", "b", "c", "d")
+    # x and y still cached (stock hit 32), c and d among the last 2 evictions
+    balance.observe(["x", "y", "c", "d", "e"], B, stock_hit=32, served=32, max_tokens=79, horizon=2)
+    assert (balance.lost, balance.gained) == (32, 0) and balance.losing()
+
+
+@pytest.mark.parametrize("horizon", [0, 2])
+def test_evictions_before_the_horizon_cost_nothing(horizon):
+    balance = evicted("a", "b", "c", "d")
+    balance.observe(["x", "y", "a", "b"], B, stock_hit=32, served=32, max_tokens=79, horizon=horizon)
+    assert balance.lost == 0 and not balance.losing()
+
+
+def test_the_chain_ends_at_the_first_block_not_evicted():
+    balance = evicted("c", "d")
+    balance.observe(["c", "z", "d"], B, stock_hit=0, served=0, max_tokens=79, horizon=2)
+    assert balance.lost == B
+
+
+def test_blocks_past_what_the_request_could_be_served_are_not_counted():
+    balance = evicted("c", "d")
+    balance.observe(["c", "d"], B, stock_hit=0, served=0, max_tokens=B + 5, horizon=2)
+    assert balance.lost == B
+
+
+def test_a_restore_beyond_stock_gains_and_outweighs_a_smaller_loss():
+    balance = evicted("c")
+    balance.observe(["x", "y", "z", "w"], B, stock_hit=32, served=60, max_tokens=63, horizon=1)
+    assert balance.gained == 28 and balance.lost == 0
+    balance.observe(["c", "q"], B, stock_hit=0, served=0, max_tokens=31, horizon=1)
+    assert balance.lost == B and balance.gained == pytest.approx(28 * DECAY)
+    assert not balance.losing()
+    balance.observe(["c", "q"], B, stock_hit=0, served=0, max_tokens=31, horizon=1)
+    assert balance.losing()  # 26.9 gained against 31.7 lost
+
+
+def test_a_restore_that_only_recovers_what_the_bundles_evicted_gains_nothing():
+    balance = evicted("c", "d")
+    balance.observe(["c", "d", "e"], B, stock_hit=0, served=20, max_tokens=47, horizon=2)
+    assert balance.gained == 0 and balance.lost == 12 and balance.losing()
+
+
+def test_only_capacity_evictions_are_remembered():
+    balance = evicted("a", "b", "c", capacity=2)
+    balance.observe(["a"], B, stock_hit=0, served=0, max_tokens=B, horizon=10)
+    assert balance.lost == 0
+    balance.observe(["b"], B, stock_hit=0, served=0, max_tokens=B, horizon=10)
+    assert balance.lost == B
