@@ -5,11 +5,11 @@ Contract: :class:`HitBalance` keeps two decayed sums over requests' first lookup
 served above and below what stock vLLM would have served. Stock's estimate is vLLM's block-grid
 hit extended by the cached blocks the pool evicted among its last ``horizon`` evictions,
 ``horizon`` being the private blocks the bundles hold: without them the pool would still hold
-those blocks (one least-recently-used order). It learns evictions from
-:meth:`evicted` (the block pool's hash of each cached block it evicts; at most ``capacity``
-remembered). :meth:`losing` is true while ``lost`` exceeds ``gained``: the scheduler then lets
-bundles yield to every cached block and refuses captures that would evict one, as before any
-reuse is seen. Hash blocks only: a group whose blocks span several hash blocks adds no ghosts the
+those blocks (one least-recently-used order). It learns evictions from :meth:`evicted` (the
+block pool's hash of each cached block it evicts; at most ``capacity`` remembered; :meth:`forget`
+on a prefix-cache reset). :meth:`losing` is true while ``lost`` exceeds ``gained``: the scheduler
+then lets bundles yield to every cached block and refuses captures that would evict one, as
+before any reuse is seen. Hash blocks only: a group whose blocks span several hash blocks adds no ghosts the
 request's hashes name, so the balance then stays with the gains.
 """
 
@@ -56,6 +56,12 @@ class HitBalance:
                 stock += hash_block_size
         self.gained = self.gained * DECAY + max(served - stock, 0)
         self.lost = self.lost * DECAY + max(stock - served, 0)
+
+    def forget(self) -> None:
+        """A prefix-cache reset emptied the pool: stock would hold none of the evicted blocks
+        either, and the sums start again."""
+        self._ghosts.clear()
+        self.gained = self.lost = 0.0
 
     def losing(self) -> bool:
         """Whether the bundles recently cost more cached tokens than they served."""

@@ -273,6 +273,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             if self._pool_snapshots is not None:
                 self._pool_snapshots.release_all()
             dropped = self.checkpoint_store.clear()
+            self._hit_balance.forget()
             logger.info(
                 "boundary_checkpoints: prefix cache reset dropped %d checkpoints and %d pending captures",
                 dropped,

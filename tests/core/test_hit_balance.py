@@ -67,3 +67,13 @@ def test_only_capacity_evictions_are_remembered():
     assert balance.lost == 0
     balance.observe(["b"], B, stock_hit=0, served=0, max_tokens=B, horizon=10)
     assert balance.lost == B
+
+
+def test_a_prefix_cache_reset_forgets_the_evictions_and_the_sums():
+    balance = evicted("c")
+    balance.observe(["c"], B, stock_hit=0, served=0, max_tokens=B, horizon=1)
+    assert balance.losing()
+    balance.forget()
+    assert not balance.losing()
+    balance.observe(["c"], B, stock_hit=0, served=0, max_tokens=B, horizon=1)
+    assert balance.lost == 0

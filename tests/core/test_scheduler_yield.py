@@ -149,6 +149,16 @@ def test_the_pool_reports_each_cached_block_it_evicts_by_the_requests_hashes(mod
     assert balance.lost == full * 16 > 0
 
 
+def test_a_prefix_cache_reset_starts_the_balance_again(model_dir):
+    scheduler, _, _ = two_conversations(model_dir)
+    balance = scheduler._hit_balance
+    balance.evicted("gone")
+    balance.observe(["gone"], 16, stock_hit=0, served=0, max_tokens=16, horizon=1)
+    assert balance.losing()
+    assert scheduler.reset_prefix_cache()
+    assert not balance.losing()
+
+
 def test_negative_control_it_yields_while_bundles_wait_longer_than_the_cache_keeps_blocks(model_dir):
     kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=1000, past_the_bundle=False)
     assert not kept and yielded >= 1
