@@ -114,7 +114,7 @@ __all__ = [
     "block_grid_hit",
     "copy_kv_cache_blocks_inplace",
     "free_queue_order",
-    "hash_block_hash",
+    "get_block_hash",
     "request_blocks",
     "sampled_token_ids",
     "single_type_managers",
@@ -151,12 +151,6 @@ def free_queue_order(block_pool) -> Iterator:
     """The pool's free blocks in the order ``get_new_blocks`` hands them out (the free queue's head
     first: ``FreeKVCacheBlockQueue.iter_blocks_after(None)``)."""
     return block_pool.free_block_queue.iter_blocks_after(None)
-
-
-def hash_block_hash(block_hash):
-    """The hash-block hash (as in ``Request.block_hashes``) of a cached block's ``block_hash``
-    (vLLM's ``BlockHashWithGroupId``)."""
-    return get_block_hash(block_hash)
 
 
 def watermark_blocks(kv_cache_manager) -> int:

@@ -286,19 +286,20 @@ class CaptureMixin:
 
     def _capture_would_thrash(self, num_blocks: int) -> bool:
         """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
-        vLLM's prefix cache (more than yielding every bundle gives back) while bundles are seen
-        to wait longer for their next use than the cache keeps its blocks, or before any reuse
-        was seen (``outwaits_cache``), or while bundles cost more cached tokens than they served
-        (``core/hit_balance.py``). Such a bundle would lose its borrowed pages before its use, or
-        is a bet on a reuse not yet seen, and its private blocks would cost stock those cached
-        blocks. The store remembers a refused key, so reuse is learned all the same."""
+        vLLM's prefix cache (more than yielding every bundle gives back) while bundles yield to
+        every cached block (:meth:`_yields_to_every_cached`: before any reuse was seen, while
+        bundles wait longer for their next use than the cache keeps its blocks, or while they
+        cost more cached tokens than they served). Such a bundle would lose its borrowed pages
+        before its use, or is a bet on a reuse not yet seen, and its private blocks would cost
+        stock those cached blocks. The store remembers a refused key, so reuse is learned all the
+        same."""
         store = self.checkpoint_store
         if not store.borrow:
             return False
         cached = self._cached_ahead(num_blocks)
         if len(cached) <= store.freeable_blocks(frees_uncached):
             return False
-        return self._hit_balance.losing() or store.outwaits_cache(max(self._block_pool.freed_at(b) for b in cached))
+        return self._yields_to_every_cached(max(self._block_pool.freed_at(block) for block in cached))
 
     def _grid_blocks(self, request: Request, num_tokens: int, plan) -> tuple[tuple, ...]:
         """Per KV group, the blocks of vLLM's own block-grid hit for ``request``'s first

@@ -48,9 +48,8 @@ class HitBalance:
         ``horizon`` private blocks now."""
         stock = stock_hit
         if horizon > 0:
-            first = stock_hit // hash_block_size
-            for block_hash in block_hashes[first : max_tokens // hash_block_size]:
-                number = self._ghosts.get(block_hash)
+            for index in range(stock_hit // hash_block_size, max_tokens // hash_block_size):
+                number = self._ghosts.get(block_hashes[index])
                 if number is None or self._evictions - number >= horizon:
                     break
                 stock += hash_block_size

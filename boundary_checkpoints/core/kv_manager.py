@@ -21,7 +21,7 @@ from boundary_checkpoints.compat import (
     BlockPool,
     KVCacheManager,
     RequestStatus,
-    hash_block_hash,
+    get_block_hash,
     reclass_instance,
     restore_class,
     watermark_blocks,
@@ -151,7 +151,7 @@ class YieldingBlockPool(BlockPool):
         block_hash = block.block_hash
         evicted = super()._maybe_evict_cached_block(block)
         if evicted and block_hash is not None and self.on_evicted is not None:
-            self.on_evicted(hash_block_hash(block_hash))
+            self.on_evicted(get_block_hash(block_hash))
         return evicted
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[override]

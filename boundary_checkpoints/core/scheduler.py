@@ -299,7 +299,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         """Before vLLM hands out ``num_blocks`` new blocks, while they would include blocks of its
         prefix cache: evict the least recently used bundle whose release gives back a block no
         cache entry names (freed to the free queue's head, so handed out first). Once bundles are
-        seen reused within the time vLLM's cache keeps its blocks (``outwaits_cache``), only a
+        seen reused within the time vLLM's cache keeps its blocks, and while they cost no more
+        cached tokens than they serve (``_yields_to_every_cached``), only a
         bundle last used no later than the newest of those cached blocks was freed goes: bundles
         and cached blocks then leave in one least-recently-used order (a bundle is last used no
         earlier than the pages it borrows were freed, so it never outlives them)."""
@@ -313,9 +314,17 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             if not cached:
                 return
             newest = max(self._block_pool.freed_at(block) for block in cached)
-            used_by = None if self._hit_balance.losing() or store.outwaits_cache(newest) else newest
+            used_by = None if self._yields_to_every_cached(newest) else newest
             if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
+
+    def _yields_to_every_cached(self, freed_at: int) -> bool:
+        """Under retention ``borrow``: whether bundles give way to any cached block rather than
+        only to those freed after their last use, given the newest block about to go was freed
+        at ``freed_at``: before any reuse is seen or while the cache thrashes
+        (``outwaits_cache``), and while bundles cost more cached tokens than they served
+        (``core/hit_balance.py``)."""
+        return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
 
     # ---- metrics --------------------------------------------------------------------------
     def boundary_stats(self) -> dict[str, int]:
