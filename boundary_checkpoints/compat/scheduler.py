@@ -28,11 +28,13 @@ override their hooks. Names and the behaviour relied on:
   checkpoints and retrying. The scheduler builds its manager itself, so the plugin re-classes that
   instance to the subclass (``__class__`` assignment; no vLLM function is replaced).
 * ``KVCacheBlocks`` and ``KVCacheBlock`` (``block_id``, ``ref_cnt``, ``is_null``, ``block_hash``:
-  a ``BlockHashWithGroupId``, whose hash-block hash ``get_block_hash`` gives), ``BlockPool``
+  a ``BlockHashWithGroupId``, whose hash-block hash ``get_block_hash`` gives and KV group
+  ``get_group_id``), ``BlockPool``
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
   ``num_gpu_blocks``; ``_maybe_evict_cached_block(block)``, overridden under retention ``borrow``
   to learn each cached block it evicts: it returns True when it removed the block's hash), the
-  coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`) and ``single_type_managers``
+  coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`), ``cached_block_hash_to_block``
+  (:func:`caches_hash`) and ``single_type_managers``
   (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
   GLM-5.3-Flash indexer's tail ring, named in a fallback reason only); ``SlidingWindowManager``
@@ -81,7 +83,13 @@ from collections.abc import Iterator
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, KVCacheBlockCopy, get_block_hash
+from vllm.v1.core.kv_cache_utils import (
+    KVCacheBlock,
+    KVCacheBlockCopy,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -112,9 +120,11 @@ __all__ = [
     "SchedulerOutput",
     "SlidingWindowManager",
     "block_grid_hit",
+    "caches_hash",
     "copy_kv_cache_blocks_inplace",
     "free_queue_order",
     "get_block_hash",
+    "get_group_id",
     "request_blocks",
     "sampled_token_ids",
     "single_type_managers",
@@ -164,3 +174,10 @@ def block_grid_hit(kv_cache_manager, block_hashes, max_tokens: int) -> tuple[tup
     ``find_longest_cache_hit`` (a lookup with no side effect on the pool)."""
     blocks, num_tokens, _ = kv_cache_manager.coordinator.find_longest_cache_hit(block_hashes, max_tokens)
     return blocks, num_tokens
+
+
+def caches_hash(block_pool, block_hash, group: int) -> bool:
+    """Whether the pool's prefix cache holds a block of hash-block hash ``block_hash`` in KV group
+    ``group`` (``cached_block_hash_to_block``, keyed by ``make_block_hash_with_group_id``)."""
+    key = make_block_hash_with_group_id(block_hash, group)
+    return block_pool.cached_block_hash_to_block.get_one_block(key) is not None

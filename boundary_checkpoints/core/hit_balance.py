@@ -2,21 +2,25 @@
 ``borrow``).
 
 Contract: :class:`HitBalance` keeps two decayed sums over requests' first lookups, of the tokens
-served above and below what stock vLLM would have served. Stock's estimate is vLLM's block-grid
-hit extended by the cached blocks the pool evicted among its last ``horizon`` evictions,
-``horizon`` being the private blocks the bundles hold: without them the pool would still hold
-those blocks (one least-recently-used order). It learns evictions from :meth:`evicted` (the
-block pool's hash of each cached block it evicts; at most ``capacity`` remembered; :meth:`forget`
-on a prefix-cache reset). :meth:`losing` is true while ``lost`` exceeds ``gained``: the scheduler
-then lets bundles yield to every cached block and refuses captures that would evict one, as
-before any reuse is seen. Hash blocks only: a group whose blocks span several hash blocks adds no ghosts the
-request's hashes name, so the balance then stays with the gains.
+served above and below what stock vLLM would have served. Stock's estimate extends vLLM's
+block-grid hit to the longest prefix of the request's hash blocks whose pages (every group not
+``recurrent``) and, at its end, recurrent states (every ``recurrent`` group) are each still
+cached (``is_cached(hash, group)``) or were evicted among the pool's last ``horizon`` evictions,
+with at least one so evicted. ``horizon`` is the private blocks the bundles hold: without them
+the pool would still hold those blocks (one least-recently-used order). So a state block that
+aged out alone counts as lost too. It learns evictions from :meth:`evicted` (the block pool's
+hash of each cached block it evicts and its group; at most ``capacity`` remembered;
+:meth:`forget` on a prefix-cache reset). :meth:`losing` is true until restores have served
+tokens beyond stock's estimate, and while ``lost`` is at least ``gained``: the scheduler then
+lets bundles yield to every cached block and refuses captures that would evict one. Hash blocks
+only: a group whose blocks span several hash blocks adds no ghosts the request's hashes name, so
+the balance then sees fewer losses.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 DECAY = 0.98  # per lookup: the balance follows about the last 50 requests
 
@@ -24,18 +28,26 @@ DECAY = 0.98  # per lookup: the balance follows about the last 50 requests
 class HitBalance:
     """Decayed tokens gained by restores against tokens lost to evictions the bundles caused."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(
+        self, capacity: int, recurrent: Sequence[bool] = (False,),
+        is_cached: Callable[[Hashable, int], bool] = lambda block_hash, group: False,
+    ) -> None:  # fmt: skip
         self.capacity = max(capacity, 1)
-        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()  # block hash -> eviction number
+        self._page_groups = [g for g, is_recurrent in enumerate(recurrent) if not is_recurrent]
+        self._state_groups = [g for g, is_recurrent in enumerate(recurrent) if is_recurrent]
+        self.is_cached = is_cached
+        self._ghosts: OrderedDict[tuple[Hashable, int], int] = OrderedDict()  # (hash, group) -> eviction number
         self._evictions = 0
         self.gained = 0.0
         self.lost = 0.0
 
-    def evicted(self, block_hash: Hashable) -> None:
-        """vLLM's pool evicted the cached block of ``block_hash`` (its hash-block hash)."""
+    def evicted(self, block_hash: Hashable, group: int = 0) -> None:
+        """vLLM's pool evicted the cached block of ``block_hash`` (its hash-block hash) in KV
+        group ``group``."""
         self._evictions += 1
-        self._ghosts[block_hash] = self._evictions
-        self._ghosts.move_to_end(block_hash)
+        key = (block_hash, group)
+        self._ghosts[key] = self._evictions
+        self._ghosts.move_to_end(key)
         if len(self._ghosts) > self.capacity:
             self._ghosts.popitem(last=False)
 
@@ -48,13 +60,25 @@ class HitBalance:
         ``horizon`` private blocks now."""
         stock = stock_hit
         if horizon > 0:
+            any_evicted = False
             for index in range(stock_hit // hash_block_size, max_tokens // hash_block_size):
-                number = self._ghosts.get(block_hashes[index])
-                if number is None or self._evictions - number >= horizon:
+                pages = [self._held_by_stock(block_hashes[index], g, horizon) for g in self._page_groups]
+                if not all(pages):
                     break
-                stock += hash_block_size
+                states = [self._held_by_stock(block_hashes[index], g, horizon) for g in self._state_groups]
+                any_evicted = any_evicted or "evicted" in pages
+                if all(states) and (any_evicted or "evicted" in states):
+                    stock = (index + 1) * hash_block_size
         self.gained = self.gained * DECAY + max(served - stock, 0)
         self.lost = self.lost * DECAY + max(stock - served, 0)
+
+    def _held_by_stock(self, block_hash: Hashable, group: int, horizon: int) -> str:
+        """``"evicted"`` if the pool evicted this block within ``horizon`` evictions, ``"cached"`` if
+        it holds it, else ``""``."""
+        number = self._ghosts.get((block_hash, group))
+        if number is not None and self._evictions - number < horizon:
+            return "evicted"
+        return "cached" if self.is_cached(block_hash, group) else ""
 
     def forget(self) -> None:
         """A prefix-cache reset emptied the pool: stock would hold none of the evicted blocks
@@ -63,5 +87,6 @@ class HitBalance:
         self.gained = self.lost = 0.0
 
     def losing(self) -> bool:
-        """Whether the bundles recently cost more cached tokens than they served."""
-        return self.lost > self.gained
+        """Whether the bundles recently cost at least as many cached tokens as they served (so too
+        before they served any)."""
+        return self.lost >= self.gained

@@ -22,6 +22,7 @@ from boundary_checkpoints.compat import (
     KVCacheManager,
     RequestStatus,
     get_block_hash,
+    get_group_id,
     reclass_instance,
     restore_class,
     watermark_blocks,
@@ -137,7 +138,8 @@ class PressureRelievingKVCacheManager(KVCacheManager):
 class YieldingBlockPool(BlockPool):
     """vLLM's block pool that calls ``yield_to_cache(num_blocks)`` before it hands out new blocks,
     stamps each block of vLLM's prefix cache it frees with ``clock()`` (:meth:`freed_at`), and
-    tells ``on_evicted(block_hash)`` (the hash-block hash) of each cached block it evicts.
+    tells ``on_evicted(block_hash, group)`` (the hash-block hash and the KV group) of each cached
+    block it evicts.
     The scheduler evicts retained checkpoints there, each only if it was last used no later than
     the newest cached block those new blocks would take: checkpoints and vLLM's cached blocks
     leave in one least-recently-used order."""
@@ -145,13 +147,13 @@ class YieldingBlockPool(BlockPool):
     yield_to_cache: Any = None  # (num_blocks) -> None, set by the scheduler
     clock: Any = None  # () -> int, set by the scheduler
     freed_stamps: Any = None  # block id -> clock() at its last free as a cached block
-    on_evicted: Any = None  # (block hash) -> None, set by the scheduler
+    on_evicted: Any = None  # (block hash, group) -> None, set by the scheduler
 
     def _maybe_evict_cached_block(self, block) -> bool:  # type: ignore[override]
         block_hash = block.block_hash
         evicted = super()._maybe_evict_cached_block(block)
         if evicted and block_hash is not None and self.on_evicted is not None:
-            self.on_evicted(get_block_hash(block_hash))
+            self.on_evicted(get_block_hash(block_hash), get_group_id(block_hash))
         return evicted
 
     def get_new_blocks(self, num_blocks: int):  # type: ignore[override]

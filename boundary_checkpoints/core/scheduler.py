@@ -21,6 +21,7 @@ from boundary_checkpoints.compat import (
     RequestStatus,
     Scheduler,
     SchedulerOutput,
+    caches_hash,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
@@ -102,7 +103,11 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self.checkpoint_store = CheckpointStore(release=block_pool.free_blocks, max_blocks=max_blocks, borrow=borrow)
         self._pending: list[PendingCapture] = []
         self._prompt_admission = PromptAdmission(admit_all=self.boundary_config.prompt_admission == "all")
-        self._hit_balance = HitBalance(capacity=block_pool.num_gpu_blocks)
+        self._hit_balance = HitBalance(
+            capacity=block_pool.num_gpu_blocks,
+            recurrent=[g.is_recurrent for g in geometries],
+            is_cached=lambda block_hash, group: caches_hash(block_pool, block_hash, group),
+        )
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts
         # of at most max_model_len - 1 tokens.
         self._max_useful_tokens = self.vllm_config.model_config.max_model_len - 2

@@ -1,6 +1,8 @@
 """The hit balance (``core/hit_balance.py``): tokens restores served beyond stock's estimate
 against tokens lost to cached blocks the pool evicted within the bundles' private blocks of
-evictions. Scheduler-level use: ``tests/core/test_scheduler_yield.py``."""
+evictions; a recurrent state that aged out alone is a loss too. Until restores served anything
+beyond stock, the balance reads as losing. Scheduler-level use:
+``tests/core/test_scheduler_yield.py``."""
 
 from __future__ import annotations
 
@@ -28,8 +30,55 @@ def test_a_chain_evicted_within_the_horizon_counts_as_lost():
 @pytest.mark.parametrize("horizon", [0, 2])
 def test_evictions_before_the_horizon_cost_nothing(horizon):
     balance = evicted("a", "b", "c", "d")
-    balance.observe(["x", "y", "a", "b"], B, stock_hit=32, served=32, max_tokens=79, horizon=horizon)
-    assert balance.lost == 0 and not balance.losing()
+    balance.observe(["x", "y", "a", "b"], B, stock_hit=32, served=33, max_tokens=79, horizon=horizon)
+    assert balance.lost == 0 and balance.gained == 1 and not balance.losing()
+
+
+def test_before_any_restore_served_beyond_stock_the_balance_reads_as_losing():
+    balance = HitBalance(100)
+    assert balance.losing()
+    balance.observe(["x", "y"], B, stock_hit=16, served=16, max_tokens=31, horizon=4)
+    assert balance.losing()  # a restore no longer than stock's hit gains nothing
+    balance.observe(["x", "y"], B, stock_hit=16, served=20, max_tokens=31, horizon=4)
+    assert not balance.losing()
+
+
+# Three KV groups as in Qwen3-Next: pages in group 0, recurrent states in groups 1 and 2.
+RECURRENT = (False, True, True)
+
+
+def hybrid(cached: set[tuple[str, int]], evictions: list[tuple[str, int]]) -> HitBalance:
+    balance = HitBalance(100, recurrent=RECURRENT, is_cached=lambda block_hash, group: (block_hash, group) in cached)
+    for block_hash, group in evictions:
+        balance.evicted(block_hash, group)
+    return balance
+
+
+def test_a_recurrent_state_evicted_alone_costs_stock_its_hit():
+    """The prefix's pages are all cached; only its states at block 2 aged out."""
+    pages = {(h, 0) for h in "abc"}
+    balance = hybrid(pages, [("b", 1), ("b", 2)])
+    balance.observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
+    assert balance.lost == 2 * B
+
+
+def test_negative_control_pages_cached_without_a_state_give_stock_no_hit():
+    """The same prefix with no state ever written at block 2 (nothing evicted there): stock's
+    hit stays vLLM's, as does one whose states are evicted in one group only."""
+    pages = {(h, 0) for h in "abc"}
+    hybrid(pages, []).observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
+    balance = hybrid(pages, [("b", 1)])
+    balance.observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
+    assert balance.lost == 0
+
+
+def test_an_evicted_page_before_a_cached_state_costs_stock_up_to_that_state():
+    """Block 1's page aged out; the states at block 3 are still cached: stock would have hit 3
+    blocks, the request got none."""
+    cached = {("a", 0), ("c", 0), ("c", 1), ("c", 2)}
+    balance = hybrid(cached, [("b", 0)])
+    balance.observe(["a", "b", "c", "d"], B, stock_hit=0, served=0, max_tokens=63, horizon=1)
+    assert balance.lost == 3 * B
 
 
 def test_the_chain_ends_at_the_first_block_not_evicted():
@@ -72,8 +121,8 @@ def test_only_capacity_evictions_are_remembered():
 def test_a_prefix_cache_reset_forgets_the_evictions_and_the_sums():
     balance = evicted("c")
     balance.observe(["c"], B, stock_hit=0, served=0, max_tokens=B, horizon=1)
-    assert balance.losing()
+    assert balance.lost == B
     balance.forget()
-    assert not balance.losing()
+    assert balance.lost == balance.gained == 0
     balance.observe(["c"], B, stock_hit=0, served=0, max_tokens=B, horizon=1)
     assert balance.lost == 0

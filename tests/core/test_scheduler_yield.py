@@ -12,9 +12,10 @@ use, a bundle yields only to cached blocks freed no earlier than its last use: a
 newer than the cached blocks about to go keeps its bundle (the same allocation with the
 conversations in the other order is its control).
 
-While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle yields
-to every cached block again, however recently it was used. The pool tells the balance which
-cached blocks it evicted, by the hashes requests name them with.
+While bundles cost at least as many cached tokens as they served (``core/hit_balance.py``; so
+too before any restore served beyond vLLM's hit), a bundle yields to every cached block,
+however recently it was used. The pool tells the balance which cached blocks it evicted, by the
+hashes requests name them with and their KV group.
 
 A capture whose private blocks would evict cached blocks is not taken while bundles are seen to
 wait longer for reuse than the cache keeps blocks, or before any reuse was seen
@@ -81,14 +82,13 @@ def allocation_by_age(
     reused after ``reuse_distance`` publications; ``losing``: after one lookup whose hit a
     recently evicted block would have extended."""
     scheduler, store, pool = two_conversations(model_dir, a_first)
-    if losing:
-        balance = scheduler._hit_balance
-        balance.evicted("gone")
-        balance.observe(["gone"], 16, stock_hit=0, served=0, max_tokens=16, horizon=1)
-        assert balance.losing()
     [bundle] = store.checkpoints()
     used = store.policy.used_at(bundle)
     store.reuse.record_hit(store.reuse.clock - reuse_distance)
+    served_beyond_stock(scheduler)
+    if losing:
+        lose_a_cached_block(scheduler)
+        assert scheduler._hit_balance.losing()
     queue = list(free_queue_order(pool))
     newer = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) > used]
     older = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) < used]
@@ -100,6 +100,21 @@ def allocation_by_age(
     before = cached_blocks(pool)
     pool.free_blocks(pool.get_new_blocks(num_blocks))
     return bundle in store.checkpoints(), store.counters.evictions_cached, before - cached_blocks(pool)
+
+
+def served_beyond_stock(scheduler) -> None:
+    """What the restore that showed the reuse also tells the hit balance: it served a token beyond
+    vLLM's own hit."""
+    scheduler._hit_balance.observe([], 16, stock_hit=0, served=1, max_tokens=0, horizon=0)
+
+
+def lose_a_cached_block(scheduler) -> None:
+    """A lookup whose one block (its page and both states) the pool evicted while bundles held a
+    private block."""
+    balance = scheduler._hit_balance
+    for group in range(3):
+        balance.evicted(b"gone", group)
+    balance.observe([b"gone"], 16, stock_hit=0, served=0, max_tokens=16, horizon=3)
 
 
 def test_a_bundle_yields_before_a_cached_block_is_taken(model_dir):
@@ -152,11 +167,10 @@ def test_the_pool_reports_each_cached_block_it_evicts_by_the_requests_hashes(mod
 def test_a_prefix_cache_reset_starts_the_balance_again(model_dir):
     scheduler, _, _ = two_conversations(model_dir)
     balance = scheduler._hit_balance
-    balance.evicted("gone")
-    balance.observe(["gone"], 16, stock_hit=0, served=0, max_tokens=16, horizon=1)
-    assert balance.losing()
+    lose_a_cached_block(scheduler)
+    assert balance.lost > 0
     assert scheduler.reset_prefix_cache()
-    assert not balance.losing()
+    assert balance.lost == balance.gained == 0
 
 
 def test_negative_control_it_yields_while_bundles_wait_longer_than_the_cache_keeps_blocks(model_dir):
@@ -203,6 +217,7 @@ def capture_on_a_pool_of_cached_blocks(
     published, clock = store.counters.published, store.now()
     if reuse_distance is not None:
         store.reuse.record_hit(store.reuse.clock - reuse_distance)
+        served_beyond_stock(scheduler)
     pool = scheduler.kv_cache_manager.block_pool
     pool.get_new_blocks(sum(1 for block in free_queue_order(pool) if block.block_hash is None))  # held
     assert all(block.block_hash is not None for block in free_queue_order(pool))
