@@ -142,7 +142,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             max_blocks,
             block_pool.num_gpu_blocks,
             "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen, "
-            "to every cached block while they cost more cached tokens than they serve"
+            "to every cached block until they serve beyond vLLM's hit and while they cost as many cached tokens"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(
@@ -327,8 +327,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         """Under retention ``borrow``: whether bundles give way to any cached block rather than
         only to those freed after their last use, given the newest block about to go was freed
         at ``freed_at``: before any reuse is seen or while the cache thrashes
-        (``outwaits_cache``), and while bundles cost more cached tokens than they served
-        (``core/hit_balance.py``)."""
+        (``outwaits_cache``), and while bundles cost as many cached tokens as they served or
+        served none beyond vLLM's hit (``core/hit_balance.py``)."""
         return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
 
     # ---- metrics --------------------------------------------------------------------------
