@@ -47,9 +47,9 @@ class PromptAdmission:
             f"of the last {WINDOW} prompts), else 1 in {SAMPLE_EVERY} and every resend"
         )
 
-    def reuse_rate(self) -> float | None:
-        """Reuses per prompt over the window, or None before any prompt."""
-        return self._reuses / self._prompts if self._prompts else None
+    def reuse_rate(self) -> float:
+        """Reuses per prompt over the window (0 before any prompt)."""
+        return self._reuses / self._prompts if self._prompts else 0.0
 
     def observe_reuse(self) -> None:
         self._reuses += 1
@@ -71,7 +71,7 @@ class PromptAdmission:
             sent_again
             or self.admit_all
             or self._count <= MIN_EVIDENCE
-            or self._reuses >= MIN_REUSE_RATE * self._prompts
+            or self.reuse_rate() >= MIN_REUSE_RATE
             or self._count % SAMPLE_EVERY == 0
         )
 
