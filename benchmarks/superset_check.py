@@ -12,9 +12,10 @@ requests in the same order and nothing depends on timing), each answering 8 toke
 size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
 tokens fell below stock's for the same request. ``--prompt-capture`` sets the plugin's
 ``prompt_capture`` (default ``auto``), ``--prompt-admission`` its ``prompt_admission`` (default
-``auto``); the line also gives the plugin's capture copies. ``--without-grid-blocks`` runs the plugin with
-its bundles holding no block-grid hit (contract 7 of ``docs/design.md``): the comparison that
-shows what those blocks are for.
+``auto``); the line also gives the plugin's capture copies, and the tokens requests got below
+stock's hit for the same request beside the plugin's own estimate of them (``stock_tokens_lost``).
+``--without-grid-blocks`` runs the plugin with its bundles holding no block-grid hit (contract 7
+of ``docs/design.md``): the comparison that shows what those blocks are for.
 
     .venv/bin/python benchmarks/superset_check.py --blocks 80,120,200,400 --seeds 6
 """
@@ -53,9 +54,9 @@ def conversation_order(rng: random.Random, args) -> list[int]:
     return order
 
 
-def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> tuple[list[int], int]:
-    """Cached tokens of each request of the seeded workload, in the order they ran, and the capture
-    copies the plugin ran (0 for stock)."""
+def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> tuple[list[int], dict]:
+    """Cached tokens of each request of the seeded workload, in the order they ran, and the plugin's
+    counters (``capture_copies``, and the hit balance's ``stock_tokens_lost``; empty for stock)."""
     rng = random.Random(seed)
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
@@ -73,7 +74,9 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
         cached.append(driver.cached_tokens.get(request.request_id, 0))
         history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(20, 120))
     store = getattr(scheduler, "checkpoint_store", None)
-    return cached, store.counters.capture_copies if store is not None else 0
+    if store is None:
+        return cached, {}
+    return cached, {name: getattr(store.counters, name) for name in ("capture_copies", "stock_tokens_lost")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     for blocks in (int(b) for b in args.blocks.split(",")):
         for seed in range(args.seeds):
             stock, _ = cached_per_request(model_dir, "aligned", seed, blocks, args)
-            plugin, copies = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
+            plugin, counters = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
             below = [i for i, (s, p) in enumerate(zip(stock, plugin, strict=True)) if p < s]
-            rows.append(
-                {"blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below, "copies": copies}
-            )
+            rows.append({
+                "blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below,
+                "copies": counters["capture_copies"], "estimated_lost": counters["stock_tokens_lost"],
+            })  # fmt: skip
         subset = [r for r in rows if r["blocks"] == blocks]
         stock_total = sum(sum(r["stock"]) for r in subset)
         plugin_total = sum(sum(r["plugin"]) for r in subset)
@@ -112,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{blocks} blocks: cached tokens plugin / stock {plugin_total / stock_total:.3f} ({plugin_total} / "
               f"{stock_total}); workloads with fewer cached tokens than stock {rounds_below} of {len(subset)}; "
               f"requests below stock {sum(len(r['below']) for r in subset)} of {sum(len(r['stock']) for r in subset)}; "
-              f"capture copies {sum(r['copies'] for r in subset)}",
+              f"capture copies {sum(r['copies'] for r in subset)}; tokens below stock "
+              f"{sum(max(s - p, 0) for r in subset for s, p in zip(r['stock'], r['plugin']))} "
+              f"(the plugin's estimate: {sum(r['estimated_lost'] for r in subset)})",
               flush=True)  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}))

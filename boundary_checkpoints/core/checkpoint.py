@@ -151,6 +151,15 @@ class StoreCounters:
     tokens_restored: int = exported(
         "Prompt tokens restored from boundary checkpoints.", metric="vllm:boundary_checkpoint_restored_tokens"
     )
+    # retention borrow: each request's first lookup against stock's estimate (core/hit_balance.py)
+    tokens_beyond_stock: int = exported(
+        "Prompt tokens restored beyond what stock vLLM's prefix cache would have served (retention borrow; "
+        "stock's hit estimated as the cache plus the blocks it evicted while checkpoints held private blocks)."
+    )
+    stock_tokens_lost: int = exported(
+        "Prompt tokens stock vLLM's prefix cache would have served that the plugin did not: blocks evicted "
+        "while checkpoints held private blocks (retention borrow, estimated)."
+    )
     published: int = exported(
         "Checkpoints published into the store.", metric="vllm:boundary_checkpoint_captures_published"
     )

@@ -54,10 +54,11 @@ class HitBalance:
     def observe(
         self, block_hashes: Sequence[Hashable], hash_block_size: int, stock_hit: int, served: int, max_tokens: int,
         horizon: int,
-    ) -> None:  # fmt: skip
+    ) -> tuple[int, int]:  # fmt: skip
         """A request's first lookup: vLLM's cache gave ``stock_hit`` tokens, the plugin served
         ``served`` (at least that), at most ``max_tokens`` were servable, and the bundles hold
-        ``horizon`` private blocks now."""
+        ``horizon`` private blocks now. Returns the tokens served beyond stock's estimate and the
+        tokens short of it."""
         stock = stock_hit
         if horizon > 0:
             any_evicted = False
@@ -69,8 +70,10 @@ class HitBalance:
                 any_evicted = any_evicted or "evicted" in pages
                 if all(states) and (any_evicted or "evicted" in states):
                     stock = (index + 1) * hash_block_size
-        self.gained = self.gained * DECAY + max(served - stock, 0)
-        self.lost = self.lost * DECAY + max(stock - served, 0)
+        beyond, short = max(served - stock, 0), max(stock - served, 0)
+        self.gained = self.gained * DECAY + beyond
+        self.lost = self.lost * DECAY + short
+        return beyond, short
 
     def _held_by_stock(self, block_hash: Hashable, group: int, horizon: int) -> str:
         """``"evicted"`` if the pool evicted this block within ``horizon`` evictions, ``"cached"`` if

@@ -120,10 +120,15 @@ class RestoreMixin:
         prompt checkpoint restored, or a prompt that kept none and would have served it further),
         and the hit balance (``core/hit_balance.py``) what it served against vLLM's own hit."""
         if self.checkpoint_store.borrow:
-            self._hit_balance.observe(
+            beyond, short = self._hit_balance.observe(
                 request.block_hashes, self.hash_block_size, stock_hit, served, request.num_tokens - 1,
                 horizon=self.checkpoint_store.retained_blocks,
             )  # fmt: skip
+            counters = self.checkpoint_store.counters
+            if beyond:
+                counters.tokens_beyond_stock += beyond
+            if short:
+                counters.stock_tokens_lost += short
         if self._prompt_captures_on:
             self._prompt_admission.observe_lookup(
                 request.all_token_ids,

@@ -106,7 +106,7 @@ def test_a_restore_beyond_stock_gains_and_outweighs_a_smaller_loss():
 
 def test_a_restore_that_only_recovers_what_the_bundles_evicted_gains_nothing():
     balance = evicted("c", "d")
-    balance.observe(["c", "d", "e"], B, stock_hit=0, served=20, max_tokens=47, horizon=2)
+    assert balance.observe(["c", "d", "e"], B, stock_hit=0, served=20, max_tokens=47, horizon=2) == (0, 12)
     assert balance.gained == 0 and balance.lost == 12 and balance.losing()
 
 

@@ -164,6 +164,21 @@ def test_the_pool_reports_each_cached_block_it_evicts_by_the_requests_hashes(mod
     assert balance.lost == full * 16 > 0
 
 
+@pytest.mark.parametrize("retention", ["borrow", "hold"])
+def test_each_first_lookup_adds_what_the_balance_saw_to_the_counters(model_dir, retention):
+    """``tokens_beyond_stock`` and ``stock_tokens_lost`` (on ``/metrics``) sum what the balance
+    returns for each request's first lookup, once per request; under ``hold`` (control) the
+    balance is not consulted."""
+    scheduler, worker = build_scheduler(model_dir, num_blocks=96, retention=retention)
+    scheduler._hit_balance.observe = lambda *args, **kwargs: (5, 7)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(5)
+    driver.run([make_request(tokens(rng, 300), max_tokens=8), make_request(tokens(rng, 40), max_tokens=8)])
+    counters = scheduler.checkpoint_store.counters
+    expected = (10, 14) if retention == "borrow" else (0, 0)
+    assert (counters.tokens_beyond_stock, counters.stock_tokens_lost) == expected
+
+
 def test_a_prefix_cache_reset_starts_the_balance_again(model_dir):
     scheduler, _, _ = two_conversations(model_dir)
     balance = scheduler._hit_balance
