@@ -3,10 +3,11 @@
 
 Contract: :class:`HitBalance` keeps two decayed sums over requests' first lookups, of the tokens
 served above and below what stock vLLM would have served. Stock's estimate extends vLLM's
-block-grid hit to the longest prefix of the request's hash blocks whose pages (every group not
-``recurrent``) and, at its end, recurrent states (every ``recurrent`` group) are each still
-cached (``is_cached(hash, group)``) or were evicted among the pool's last ``horizon`` evictions,
-with at least one so evicted. ``horizon`` is the private blocks the bundles hold: without them
+block-grid hit to the longest prefix of the request's hash blocks whose pages (``page_groups``)
+and, at its end, recurrent states (``state_groups``) are each still cached
+(``is_cached(hash, group)``) or were evicted among the pool's last ``horizon`` evictions, with at
+least one so evicted; other groups (GLM's indexer tail ring, which vLLM's cache never holds) do
+not count. ``horizon`` is the private blocks the bundles hold: without them
 the pool would still hold those blocks (one least-recently-used order). So a state block that
 aged out alone counts as lost too. It learns evictions from :meth:`evicted` (the block pool's
 hash of each cached block it evicts and its group; at most ``capacity`` remembered;
@@ -29,12 +30,12 @@ class HitBalance:
     """Decayed tokens gained by restores against tokens lost to evictions the bundles caused."""
 
     def __init__(
-        self, capacity: int, recurrent: Sequence[bool] = (False,),
+        self, capacity: int, page_groups: Sequence[int] = (0,), state_groups: Sequence[int] = (),
         is_cached: Callable[[Hashable, int], bool] = lambda block_hash, group: False,
     ) -> None:  # fmt: skip
         self.capacity = max(capacity, 1)
-        self._page_groups = [g for g, is_recurrent in enumerate(recurrent) if not is_recurrent]
-        self._state_groups = [g for g, is_recurrent in enumerate(recurrent) if is_recurrent]
+        self._page_groups = list(page_groups)
+        self._state_groups = list(state_groups)
         self.is_cached = is_cached
         self._ghosts: OrderedDict[tuple[Hashable, int], int] = OrderedDict()  # (hash, group) -> eviction number
         self._evictions = 0

@@ -105,7 +105,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self._prompt_admission = PromptAdmission(admit_all=self.boundary_config.prompt_admission == "all")
         self._hit_balance = HitBalance(
             capacity=block_pool.num_gpu_blocks,
-            recurrent=[g.is_recurrent for g in geometries],
+            page_groups=[g for g, geo in enumerate(geometries) if not (geo.is_recurrent or geo.is_ring)],
+            state_groups=[g for g, geo in enumerate(geometries) if geo.is_recurrent],
             is_cached=lambda block_hash, group: caches_hash(block_pool, block_hash, group),
         )
         # A checkpoint is usable only by a prompt of N + 1 tokens or more, and vLLM takes prompts

@@ -43,12 +43,11 @@ def test_before_any_restore_served_beyond_stock_the_balance_reads_as_losing():
     assert not balance.losing()
 
 
-# Three KV groups as in Qwen3-Next: pages in group 0, recurrent states in groups 1 and 2.
-RECURRENT = (False, True, True)
-
-
 def hybrid(cached: set[tuple[str, int]], evictions: list[tuple[str, int]]) -> HitBalance:
-    balance = HitBalance(100, recurrent=RECURRENT, is_cached=lambda block_hash, group: (block_hash, group) in cached)
+    """Three KV groups as in Qwen3-Next: pages in group 0, recurrent states in groups 1 and 2; a
+    fourth group (as GLM's indexer ring) that the cache never holds."""
+    balance = HitBalance(100, page_groups=(0,), state_groups=(1, 2),
+                         is_cached=lambda block_hash, group: (block_hash, group) in cached)  # fmt: skip
     for block_hash, group in evictions:
         balance.evicted(block_hash, group)
     return balance
@@ -126,3 +125,17 @@ def test_a_prefix_cache_reset_forgets_the_evictions_and_the_sums():
     assert balance.lost == balance.gained == 0
     balance.observe(["c"], B, stock_hit=0, served=0, max_tokens=B, horizon=1)
     assert balance.lost == 0
+
+
+def test_a_group_the_cache_never_holds_does_not_hide_a_loss():
+    """GLM's indexer ring (group 3 here) is neither pages nor states: left out, the state-only loss
+    shows; counted as pages (control) it would end every walk at once."""
+    pages = {(h, 0) for h in "abc"}
+    balance = hybrid(pages, [("b", 1), ("b", 2)])
+    balance.observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
+    control = HitBalance(100, page_groups=(0, 3), state_groups=(1, 2),
+                         is_cached=lambda block_hash, group: (block_hash, group) in pages)  # fmt: skip
+    control.evicted("b", 1)
+    control.evicted("b", 2)
+    control.observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
+    assert balance.lost == 2 * B and control.lost == 0
