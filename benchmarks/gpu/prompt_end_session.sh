@@ -41,7 +41,9 @@
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
 #   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
 #                                the plugin with prompt_capture $MTP24_CAPTURE (end: the checkpoint at P; stop: auto's)
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|specend|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|turns24|mtp24|fresh24|aa24}
+#   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
+#                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|specend|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -186,6 +188,17 @@ case "$stage" in
     [[ $stage == aa24 ]] && pairing=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
     pair24 "${pairing[@]}" --turn1-only -N "${FRESH_N:-32}" -S "${FRESH_S:-8000}" -U 100 -A 128 --in-flight "${FRESH_LEVELS:-1,8,32}" \
       --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
+    ;;
+  pressure24)
+    # Issue 30 target 4 at real dims: the pressure stage's workload on turns24's pair, each server
+    # with a KV pool of $PRESSURE24_BYTES (2.5 GB: about 190 blocks of 13 MB, each a 1056-token
+    # page or a recurrent state; 8 running requests hold about 80, and the 16 conversations' turn-2
+    # chains need about 110), turn k of every conversation before any turn k + 1. Read "requests
+    # cached below stock" and stock's own cached-token ratio (near 0: every chain thrashed for both,
+    # raise the bytes; no eviction in the logs: lower them).
+    pair24 --server-arg="--kv-cache-memory-bytes ${PRESSURE24_BYTES:-2500000000}" \
+      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --time-budget "${PRESSURE24_BUDGET:-480}" \
+      --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
 esac
 status=$?
