@@ -7,9 +7,9 @@ block-grid hit to the longest prefix of the request's hash blocks whose pages (`
 and, at its end, recurrent states (``state_groups``) are each still cached
 (``is_cached(hash, group)``) or were evicted among the pool's last ``horizon`` evictions, with at
 least one so evicted; other groups (GLM's indexer tail ring, which vLLM's cache never holds) do
-not count. ``horizon`` is the private blocks the bundles hold: without them
-the pool would still hold those blocks (one least-recently-used order). So a state block that
-aged out alone counts as lost too. It learns evictions from :meth:`evicted` (the block pool's
+not count. ``horizon`` is the private blocks the bundles hold: without them the pool would still
+hold those blocks (one least-recently-used order). So a state block that aged out alone counts as
+lost too. It learns evictions from :meth:`evicted` (the block pool's
 hash of each cached block it evicts and its group; at most ``capacity`` remembered;
 :meth:`forget` on a prefix-cache reset). :meth:`losing` is true until restores have served
 tokens beyond stock's estimate, and while ``lost`` is at least ``gained``: the scheduler then
