@@ -143,7 +143,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             max_blocks,
             block_pool.num_gpu_blocks,
             "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen, "
-            "to every cached block until they serve beyond vLLM's hit and while they cost as many cached tokens"
+            "to every cached block before they serve beyond vLLM's hit or while they cost its cache as many "
+            "tokens as they add"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(
