@@ -116,6 +116,9 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     row("prefill tokens computed", "prefill_tokens", lambda v: num(v, 0))
     row("cached-token ratio", "cached_ratio", lambda v: num(v, 3))
     rows.append([LOST_HITS_ROW] + [lost_hits_cell(level, p) for p in labels] + ([""] if floor else []))
+    if any((summ[p].get("stock_tokens_lost") or {}).get("median") is not None for p in labels):
+        row("plugin's estimate: tokens beyond stock", "tokens_beyond_stock", lambda v: num(v, 0))
+        row("plugin's estimate: stock tokens lost", "stock_tokens_lost", lambda v: num(v, 0))
     if not one_turn:
         row("exact hits (turns >= 2)", "exact_hits", lambda v: num(v, 0))
         row("turns >= 2", "later_turns", lambda v: num(v, 0))

@@ -368,3 +368,17 @@ def test_capture_copy_rows_appear_where_metrics_carry_them():
     table = report.summary_table(_result(), level, markdown=True)
     assert _row(table, "capture-copy launches")[1].startswith("20")
     assert _row(table, "capture-copy time ms")[1].startswith("5.63")
+
+
+def test_the_plugins_estimate_against_stock_shows_where_metrics_carry_it():
+    """The rows of the plugin's own estimate (``stock_tokens_lost``, ``tokens_beyond_stock`` from
+    ``/metrics``) beside the measured lost hits; none for servers that report neither."""
+    level = _level(None)
+    assert "plugin's estimate" not in report.summary_table(_result(), level, markdown=True)
+    level["summary"]["policies"]["request_boundaries"].update(
+        tokens_beyond_stock={"median": 640, "p25": 600, "p75": 700, "n": 3},
+        stock_tokens_lost={"median": 0, "p25": 0, "p75": 16, "n": 3},
+    )
+    table = report.summary_table(_result(), level, markdown=True)
+    assert _row(table, "plugin's estimate: tokens beyond stock")[1].startswith("640")
+    assert _row(table, "plugin's estimate: stock tokens lost")[1].startswith("0")

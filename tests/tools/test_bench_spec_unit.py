@@ -59,13 +59,14 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="qwen3-
 def test_parse_counters_sums_engines_and_skips_neighbouring_series():
     counters = slot_metrics.parse_counters(COMMON + SPEC, slot_metrics.SLOT_COUNTERS)
     assert counters == {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350,
-                        "capture_copies": None, "capture_copy_us": None}  # fmt: skip
+                        "capture_copies": None, "capture_copy_us": None, "tokens_beyond_stock": None,
+                        "stock_tokens_lost": None}  # fmt: skip
 
 
 def test_parse_counters_without_speculation_or_endpoint():
     assert slot_metrics.parse_counters(COMMON, slot_metrics.SLOT_COUNTERS) == {
         "preemptions": 5, "spec_drafts": None, "spec_accepted_tokens": None, "capture_copies": None,
-        "capture_copy_us": None}  # fmt: skip
+        "capture_copy_us": None, "tokens_beyond_stock": None, "stock_tokens_lost": None}  # fmt: skip
     assert slot_metrics.parse_counters("", slot_metrics.SLOT_COUNTERS) == dict.fromkeys(slot_metrics.SLOT_COUNTERS)
     # a counter exposed under its bare name (no `_total`) counts too
     bare = 'vllm:spec_decode_num_drafts{engine="0"} 7\n'
@@ -78,6 +79,14 @@ def test_parse_counters_reads_the_capture_copy_histogram_in_microseconds():
             'vllm:boundary_checkpoint_capture_copy_seconds_sum{engine="0"} 0.0031415\n')  # fmt: skip
     counters = slot_metrics.parse_counters(text, slot_metrics.SLOT_COUNTERS)
     assert (counters["capture_copies"], counters["capture_copy_us"]) == (12, 3142)
+
+
+def test_parse_counters_reads_the_plugins_estimate_against_stock():
+    text = ('vllm:boundary_checkpoint_tokens_beyond_stock_total{engine="0"} 640.0\n'
+            'vllm:boundary_checkpoint_stock_tokens_lost_total{engine="0"} 96.0\n'
+            'vllm:boundary_checkpoint_stock_tokens_lost_created{engine="0"} 1.79e+09\n')  # fmt: skip
+    counters = slot_metrics.parse_counters(text, slot_metrics.SLOT_COUNTERS)
+    assert (counters["tokens_beyond_stock"], counters["stock_tokens_lost"]) == (640, 96)
 
 
 def test_counter_deltas_and_slot_counters():
