@@ -61,7 +61,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
         max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
-        retention=args.retention, prompt_admission=args.prompt_admission,
+        retention=args.retention, prompt_admission=args.prompt_admission, ring_kpool=args.ring_kpool,
     )  # fmt: skip
     driver = Driver(scheduler, worker)
     system = tokens(rng, args.system)
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retention", default="borrow", help="the plugin's retention (default borrow)")
     parser.add_argument("--prompt-admission", default="auto", help="the plugin's prompt_admission (default auto)")
     parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
+    parser.add_argument("--ring-kpool", type=int, default=None,
+                        help="GLM-5.3-Flash's layout: an indexer tail ring on this pool grid (tokens)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
     args = parser.parse_args(argv)
     if args.without_grid_blocks:

@@ -289,10 +289,10 @@ class CaptureMixin:
         vLLM's prefix cache (more than yielding every bundle gives back) while bundles yield to
         every cached block (:meth:`_yields_to_every_cached`: before any reuse was seen, while
         bundles wait longer for their next use than the cache keeps its blocks, or while they
-        cost as many cached tokens as they served, or served none beyond vLLM's hit yet). Such a
-        bundle would lose its borrowed pages before its use, or is a bet on a reuse not yet seen,
-        and its private blocks would cost stock those cached blocks. The store remembers a
-        refused key, so reuse is learned all the same."""
+        cost more cached tokens than they served). Such a bundle would lose its borrowed pages
+        before its use, or is a bet on a reuse not yet seen, and its private blocks would cost
+        stock those cached blocks. The store remembers a refused key, so reuse is learned all the
+        same."""
         store = self.checkpoint_store
         if not store.borrow:
             return False

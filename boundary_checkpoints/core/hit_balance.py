@@ -11,11 +11,10 @@ not count. ``horizon`` is the private blocks the bundles hold: without them the 
 hold those blocks (one least-recently-used order). So a state block that aged out alone counts as
 lost too. It learns evictions from :meth:`evicted` (the block pool's
 hash of each cached block it evicts and its group; at most ``capacity`` remembered;
-:meth:`forget` on a prefix-cache reset). :meth:`losing` is true until restores have served
-tokens beyond stock's estimate, and while ``lost`` is at least ``gained``: the scheduler then
-lets bundles yield to every cached block and refuses captures that would evict one. Hash blocks
-only: a group whose blocks span several hash blocks adds no ghosts the request's hashes name, so
-the balance then sees fewer losses.
+:meth:`forget` on a prefix-cache reset). :meth:`losing` is true while ``lost`` exceeds
+``gained``: the scheduler then lets bundles yield to every cached block and refuses captures
+that would evict one. Hash blocks only: a group whose blocks span several hash blocks adds no
+ghosts the request's hashes name, so the balance then sees fewer losses.
 """
 
 from __future__ import annotations
@@ -91,6 +90,5 @@ class HitBalance:
         self.gained = self.lost = 0.0
 
     def losing(self) -> bool:
-        """Whether the bundles recently cost at least as many cached tokens as they served (so too
-        before they served any)."""
-        return self.lost >= self.gained
+        """Whether the bundles recently cost more cached tokens than they served."""
+        return self.lost > self.gained

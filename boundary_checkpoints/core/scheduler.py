@@ -143,8 +143,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             max_blocks,
             block_pool.num_gpu_blocks,
             "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen, "
-            "to every cached block before they serve beyond vLLM's hit or while they cost its cache as many "
-            "tokens as they add"
+            "to every cached block while they cost its cache more tokens than they add"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(
@@ -329,8 +328,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         """Under retention ``borrow``: whether bundles give way to any cached block rather than
         only to those freed after their last use, given the newest block about to go was freed
         at ``freed_at``: before any reuse is seen or while the cache thrashes
-        (``outwaits_cache``), and while bundles cost as many cached tokens as they served or
-        served none beyond vLLM's hit (``core/hit_balance.py``)."""
+        (``outwaits_cache``), and while bundles cost more cached tokens than they served
+        (``core/hit_balance.py``)."""
         return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
 
     # ---- metrics --------------------------------------------------------------------------
