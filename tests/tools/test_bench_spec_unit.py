@@ -73,20 +73,24 @@ def test_parse_counters_without_speculation_or_endpoint():
     assert slot_metrics.parse_counters(bare, {"d": "vllm:spec_decode_num_drafts"}) == {"d": 7}
 
 
-def test_parse_counters_reads_the_capture_copy_histogram_in_microseconds():
-    text = ('vllm:boundary_checkpoint_capture_copy_seconds_bucket{engine="0",le="0.0001"} 3.0\n'
-            'vllm:boundary_checkpoint_capture_copy_seconds_count{engine="0"} 12.0\n'
-            'vllm:boundary_checkpoint_capture_copy_seconds_sum{engine="0"} 0.0031415\n')  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # the capture-copy histogram, its time in microseconds
+        ('vllm:boundary_checkpoint_capture_copy_seconds_bucket{engine="0",le="0.0001"} 3.0\n'
+         'vllm:boundary_checkpoint_capture_copy_seconds_count{engine="0"} 12.0\n'
+         'vllm:boundary_checkpoint_capture_copy_seconds_sum{engine="0"} 0.0031415\n',
+         {"capture_copies": 12, "capture_copy_us": 3142}),
+        # the plugin's own estimate against stock (a `_created` series beside it does not count)
+        ('vllm:boundary_checkpoint_tokens_beyond_stock_total{engine="0"} 640.0\n'
+         'vllm:boundary_checkpoint_stock_tokens_lost_total{engine="0"} 96.0\n'
+         'vllm:boundary_checkpoint_stock_tokens_lost_created{engine="0"} 1.79e+09\n',
+         {"tokens_beyond_stock": 640, "stock_tokens_lost": 96}),
+    ],
+)  # fmt: skip
+def test_parse_counters_reads_the_plugins_series(text, expected):
     counters = slot_metrics.parse_counters(text, slot_metrics.SLOT_COUNTERS)
-    assert (counters["capture_copies"], counters["capture_copy_us"]) == (12, 3142)
-
-
-def test_parse_counters_reads_the_plugins_estimate_against_stock():
-    text = ('vllm:boundary_checkpoint_tokens_beyond_stock_total{engine="0"} 640.0\n'
-            'vllm:boundary_checkpoint_stock_tokens_lost_total{engine="0"} 96.0\n'
-            'vllm:boundary_checkpoint_stock_tokens_lost_created{engine="0"} 1.79e+09\n')  # fmt: skip
-    counters = slot_metrics.parse_counters(text, slot_metrics.SLOT_COUNTERS)
-    assert (counters["tokens_beyond_stock"], counters["stock_tokens_lost"]) == (640, 96)
+    assert {key: counters[key] for key in expected} == expected
 
 
 def test_counter_deltas_and_slot_counters():
