@@ -33,7 +33,7 @@ override their hooks. Names and the behaviour relied on:
   (``get_new_blocks``, ``free_blocks``, ``get_num_free_blocks``, ``null_block``,
   ``num_gpu_blocks``; ``_maybe_evict_cached_block(block)``, overridden under retention ``borrow``
   to learn each cached block it evicts: it returns True when it removed the block's hash), the
-  coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`), ``cached_block_hash_to_block``
+  coordinator's ``find_longest_cache_hit`` (:func:`block_grid_hit`), ``get_cached_block``
   (:func:`caches_hash`) and ``single_type_managers``
   (``req_to_blocks``,
   ``block_size``), ``MambaManager`` and ``FullAttentionManager``; ``CircularBufferManager`` (the
@@ -88,7 +88,6 @@ from vllm.v1.core.kv_cache_utils import (
     KVCacheBlockCopy,
     get_block_hash,
     get_group_id,
-    make_block_hash_with_group_id,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -178,6 +177,5 @@ def block_grid_hit(kv_cache_manager, block_hashes, max_tokens: int) -> tuple[tup
 
 def caches_hash(block_pool, block_hash, group: int) -> bool:
     """Whether the pool's prefix cache holds a block of hash-block hash ``block_hash`` in KV group
-    ``group`` (``cached_block_hash_to_block``, keyed by ``make_block_hash_with_group_id``)."""
-    key = make_block_hash_with_group_id(block_hash, group)
-    return block_pool.cached_block_hash_to_block.get_one_block(key) is not None
+    ``group`` (``BlockPool.get_cached_block``)."""
+    return block_pool.get_cached_block(block_hash, [group]) is not None

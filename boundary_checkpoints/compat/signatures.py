@@ -44,6 +44,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (BlockPool, "free_blocks", ("ordered_blocks",)),
     (BlockPool, "get_num_free_blocks", ()),
     (BlockPool, "_maybe_evict_cached_block", ("block",)),
+    (BlockPool, "get_cached_block", ("block_hash", "kv_cache_group_ids")),
     (FreeKVCacheBlockQueue, "iter_blocks_after", ("cursor",)),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
