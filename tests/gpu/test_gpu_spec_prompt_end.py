@@ -1,17 +1,24 @@
-"""GPU host: ``prompt_capture: end`` under MTP on the tiny planted Qwen3-Next
-(``qwen3_next_mtp_planted``, drafts accepted), with vLLM's GPU defaults (CUDA graphs, async
-scheduling), k = 1 and 3: the scenario and judgement of ``tests/helpers/spec_prompt_end.py``, which
-the CPU engine runs in ``tests/e2e/test_spec_decode_cpu.py``. The prompt checkpoint sits at ``P``
-with no stop; under MTP it serves only prompts whose token ``P`` is the first sampled token. Until
-this passes on a GPU, ``auto`` stops every prompt at ``P - 1`` under speculative decoding
-(``prompt_capture.SPECULATIVE_AUTO_REASON``).
+"""GPU host: ``prompt_capture: end``, the prompt checkpoint at ``P`` with no stop, with vLLM's GPU
+defaults (CUDA graphs, async scheduling): the scenario and judgement of
+``tests/helpers/spec_prompt_end.py``, which the CPU engine runs in ``tests/e2e/test_spec_decode_cpu.py``
+(MTP) and ``tests/e2e/test_prompt_end_engine.py`` (without speculative decoding).
+
+* Under MTP k = 1 and 3 on the tiny planted Qwen3-Next (``qwen3_next_mtp_planted``, drafts
+  accepted): the checkpoint serves only prompts whose token ``P`` is the first sampled token. Until
+  this passes on a GPU, ``auto`` stops every prompt at ``P - 1`` under speculative decoding
+  (``prompt_capture.SPECULATIVE_AUTO_REASON``).
+* Without speculative decoding on Kimi-Linear, Nemotron-H and GLM-5.3-Flash (tiny fixtures), whose
+  ``auto`` takes the checkpoint at ``P`` (copied after the step, as a response checkpoint is); a
+  resend is captured at ``P - 1`` by the stop (their recurrent layers have no in-step split).
 
 The bound is calibrated as the other GPU tests' (``MARGIN``, ``SPEC_ROW_REFERENCE``:
-``tests/gpu/test_gpu_spec_families.py``). The negative control keys each checkpoint at ``P`` as
-``P - 1`` (``corrupt_restore.PromptKeyedOneShort``): every such restore that deviates from its cold
-control more than the largest reference pair by a logit step must fail the bound, and at least
-``MIN_TELLABLE`` of them must. (Copies held back one step were the control before: on this runner
-the verify step leaves the copied block intact, so they restored the exact state.)
+``tests/gpu/test_gpu_spec_families.py``; the resend restored at ``P - 1`` runs its last token alone,
+under MTP as a padded speculative row, a path no reference pair takes). The negative control keys
+each checkpoint at ``P`` as ``P - 1`` (``corrupt_restore.PromptKeyedOneShort``): every such restore
+that deviates from its cold control more than the largest reference pair by a logit step must fail
+the bound, and at least ``MIN_TELLABLE`` of them must. (Copies held back one step were the control
+before: on this runner the verify step leaves the copied block intact, so they restored the exact
+state.)
 """
 
 from __future__ import annotations
@@ -34,24 +41,45 @@ MAX_TOKENS = 6
 GPU_ENGINE = {"gpu_memory_utilization": 0.3, "max_num_seqs": 32, "additional_config": {"gdn_prefill_backend": "triton"}}
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_prompt_checkpoint_at_p_under_mtp_on_the_gpu(k):
+# The same for the other fixtures, whose blocks may be smaller: neither P nor P - 1 a multiple of
+# 16 (a resend's block-grid hit must stay below P - 1).
+FAMILY_LENGTHS = (23, 42, 61, 103, 130, 255, 300, 700)
+# Families whose ``auto`` takes the checkpoint at P without speculative decoding (compatibility.md).
+FAMILIES_AT_P = ("kimi_linear", "nemotron_h", "glm5_next")
+
+
+def run_and_check(family: str, k: int, lengths: tuple[int, ...], name: str) -> None:
+    """Run the scenario on ``family``'s tiny fixture with prompts of ``lengths`` under MTP k = ``k``
+    (0: none), save its record as ``name``, and judge it: exact counts, the calibrated bound, the
+    negative control."""
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
-    model = make_tiny_model(default_model_dir(MTP_FAMILY, 0), family=MTP_FAMILY, seed=0)
-    argv = (str(k), str(MAX_TOKENS), json.dumps(LENGTHS), str(spec_prompt_end.tail_tokens(k)), json.dumps(GPU_ENGINE))
+    model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
+    argv = (str(k), str(MAX_TOKENS), json.dumps(lengths), str(spec_prompt_end.tail_tokens(k)), json.dumps(GPU_ENGINE))
     info, _ = run_engine_script(spec_prompt_end.SCRIPT, str(model), HELPERS_DIR, *argv, timeout=CASE_TIMEOUT_S)
     info, phases, bounds = spec_prompt_end.end_result(info, reference_floor=SPEC_ROW_REFERENCE, margin=MARGIN)
-    save_json(f"gpu-spec-prompt-end-k{k}.json", {"bounds": bounds.as_dict(), **info})
-    print(f"k={k} bounds: {bounds}")
+    save_json(name, {"bounds": bounds.as_dict(), **info})
+    print(f"{family} k={k} bounds: {bounds}")
     assert info["scheduler"] == "BoundaryAsyncScheduler", info["scheduler"]
-    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS)
-    caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, LENGTHS)
-    corrupt = {name: spec_prompt_end.answers(phase) for name, phase in info["corrupt"].items()}
+    spec_prompt_end.check_end_run(info, phases, bounds, lengths, speculative=k > 0)
+    caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, lengths)
+    corrupt = {phase: spec_prompt_end.answers(answers) for phase, answers in info["corrupt"].items()}
     tellable = [
         p
-        for p, run, cold in zip(LENGTHS, corrupt["extended"], corrupt["cold"], strict=True)
+        for p, run, cold in zip(lengths, corrupt["extended"], corrupt["cold"], strict=True)
         if p in corrupted and first_token_deviation(run, cold) > bounds.reference_first_token + LOGIT_STEP
     ]
     assert corrupted and set(tellable) <= set(caught), (tellable, caught, bounds)
     assert len(tellable) >= MIN_TELLABLE * len(corrupted), (tellable, corrupted, bounds)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prompt_checkpoint_at_p_under_mtp_on_the_gpu(k):
+    run_and_check(MTP_FAMILY, k, LENGTHS, f"gpu-spec-prompt-end-k{k}.json")
+
+
+@pytest.mark.parametrize("family", FAMILIES_AT_P)
+def test_prompt_checkpoint_at_p_on_other_families(family, monkeypatch):
+    # vLLM 0.32's Kimi model imports the CuTe DSL for a fusion one GPU does not use (test_gpu_spec_families)
+    monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+    run_and_check(family, 0, FAMILY_LENGTHS, f"gpu-prompt-end-{family}.json")

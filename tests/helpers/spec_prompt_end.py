@@ -1,17 +1,20 @@
-"""``prompt_capture: end`` under MTP, end to end: the prompt checkpoint at ``P`` with no stop, on
-the CPU engine (``tests/e2e/test_spec_decode_cpu.py``) and on a GPU
-(``tests/gpu/test_gpu_spec_prompt_end.py``), one scenario and one judgement for both.
+"""``prompt_capture: end`` end to end: the prompt checkpoint at ``P`` with no stop, under MTP on the
+CPU engine (``tests/e2e/test_spec_decode_cpu.py``) and on a GPU
+(``tests/gpu/test_gpu_spec_prompt_end.py``), and without speculative decoding (``K`` = 0) on the
+families whose ``auto`` takes it (``tests/gpu/test_gpu_prompt_end_families.py``, and the CPU engine
+in ``tests/e2e/test_prompt_end_engine.py``): one scenario and one judgement for all.
 
-:data:`SCRIPT` runs one engine of the plugin on the planted MTP fixture (``qwen3_next_mtp_planted``)
-with ``prompt_capture: end`` and sends every phase as one batch: producers; prompts that extend each
-producer's prompt with its first sampled token and a short tail (no response checkpoint serves them,
-so they restore the prompt's at ``P``), their cold controls twice and once with a chunk that ends
-at ``P`` (an instruction boundary: the restore's split, without a checkpoint); prompts with another token at
-``P`` (the next-token guard refuses ``P``); the exact resend twice (the first stops at ``P - 1``, the
-second restores there); the edited prompts again (now a fallback to ``P - 1``). Then the same engine
-with its scheduler re-classed to ``corrupt_restore``'s ``PromptEndCorruptScheduler`` (each prompt
-checkpoint at ``P`` keyed ``P - 1``: one token of state off) runs the first phases again: the
-negative control.
+:data:`SCRIPT` runs one engine of the plugin with ``prompt_capture: end`` (under MTP k = ``K`` when
+``K`` > 0, on the planted MTP fixture ``qwen3_next_mtp_planted``) and sends every phase as one
+batch: producers; prompts that extend each producer's prompt with its first sampled token and a
+short tail (no response checkpoint serves them, so they restore the prompt's at ``P``), their cold
+controls twice and once with a chunk that ends at ``P`` (an instruction boundary: the restore's
+split, without a checkpoint); prompts with another token at ``P`` (under MTP the next-token guard
+refuses ``P``; without it they restore ``P``); the exact resend twice (the first is captured at
+``P - 1``, the second restores there); the edited prompts again (under MTP now a fallback to
+``P - 1``). Then the same engine with its scheduler re-classed to ``corrupt_restore``'s
+``PromptEndCorruptScheduler`` (each prompt checkpoint at ``P`` keyed ``P - 1``: one token of state
+off) runs the first phases again: the negative control.
 
 :func:`check_end_run` and :func:`check_corrupted_prompts` judge it with bounds calibrated in the same run
 (:func:`end_result`).
@@ -39,9 +42,10 @@ from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 
 plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
 extra = {**ENGINE.pop("additional_config", {}), "boundary_checkpoints": plugin}
+if K:
+    ENGINE["speculative_config"] = {"method": "mtp", "num_speculative_tokens": K}
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
-          enable_prefix_caching=True, seed=0, disable_log_stats=False,
-          speculative_config={"method": "mtp", "num_speculative_tokens": K}, additional_config=extra, **ENGINE)
+          enable_prefix_caching=True, seed=0, disable_log_stats=False, additional_config=extra, **ENGINE)
 scheduler = llm.llm_engine.engine_core.engine_core.scheduler
 block = llm.llm_engine.vllm_config.cache_config.block_size
 params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
@@ -114,7 +118,8 @@ def tail_tokens(k: int) -> int:
 
 
 def answers(phase: dict) -> list[Answer]:
-    return [Answer(a["cached"], a["tokens"], a["logprobs"]) for a in phase["answers"]]
+    """A phase's answers, token ids as ints again (JSON keys are strings)."""
+    return [Answer.from_dict(a) for a in phase["answers"]]
 
 
 def end_result(
@@ -137,13 +142,21 @@ def stat(info: dict, phase: str, name: str, run: str = "plugin") -> int:
     return info[run][phase]["stats"].get(name, 0)
 
 
-def check_end_run(info: dict, phases: dict[str, list[Answer]], bounds: Bounds, lengths: tuple[int, ...]) -> None:
+def check_end_run(
+    info: dict,
+    phases: dict[str, list[Answer]],
+    bounds: Bounds,
+    lengths: tuple[int, ...],
+    speculative: bool = True,
+    resend_mode: str = "stop",
+) -> None:
     """Fresh prompts take no stop; an extension restores exactly ``P``, within the bounds; another
-    token at ``P`` is refused (a ``draft_next_token`` miss before any ``P - 1`` checkpoint exists,
-    a fallback to ``P - 1`` after); the first resend stops at ``P - 1`` and the one after it
-    restores there, its first token within the bound."""
+    token at ``P`` is refused under MTP, ``speculative`` (a ``draft_next_token`` miss before any
+    ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after), and restores ``P`` without it; the first resend is
+    captured at ``P - 1`` (``resend_mode``: by the stop, or in step) and the one after it restores
+    there, its first token within the bound."""
     n = len(lengths)
-    assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", "stop", True), info["mode"]
+    assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", resend_mode, speculative), info["mode"]
     assert stat(info, "producer", "prompt_stops") == 0 and stat(info, "producer", "prompt_captures_in_step") == 0
     assert all(a.cached == 0 for a in phases["producer"])
     failures = []
@@ -155,25 +168,31 @@ def check_end_run(info: dict, phases: dict[str, list[Answer]], bounds: Bounds, l
     assert stat(info, "extended", "draft_next_token_fallbacks") == 0
     assert stat(info, "extended", "hit_prompt") - stat(info, "producer", "hit_prompt") == n
 
-    assert all(a.cached < p - 1 for p, a in zip(lengths, phases["edited"], strict=True))  # vLLM's hit at most
-    assert stat(info, "edited", "miss_draft_next_token") - stat(info, "cold_again", "miss_draft_next_token") == n
+    if speculative:
+        assert all(a.cached < p - 1 for p, a in zip(lengths, phases["edited"], strict=True))  # vLLM's hit at most
+        assert stat(info, "edited", "miss_draft_next_token") - stat(info, "cold_again", "miss_draft_next_token") == n
+    else:
+        assert [a.cached for a in phases["edited"]] == list(lengths)
     assert all(a.cached == 0 for a in phases["split_cold"])
     assert stat(info, "split_cold", "instruction_stops") - stat(info, "cold", "instruction_stops") == n
 
+    captured_by = "prompt_stops" if resend_mode == "stop" else "prompt_captures_in_step"
     assert all(a.cached < p - 1 for p, a in zip(lengths, phases["resend"], strict=True))
-    assert stat(info, "resend", "prompt_stops") == n  # only the prompts seen twice stop at P - 1
-    # The restore at P - 1 is the stop's, whose answers the stop's own tests check; its last token
-    # runs as a padded speculative row, a kernel path its producer did not take: the first token is
-    # held to the bound here.
+    assert stat(info, "resend", captured_by) == n  # only the prompts seen twice are captured at P - 1
+    # The restore at P - 1 runs the last prompt token alone (under MTP as a padded speculative
+    # row), a kernel path its producer did not take: the first token is held to the bound here.
     pairs = zip(phases["resend_again"], phases["producer"], strict=True)
     deviations = [first_token_deviation(run, producer) for run, producer in pairs]
     assert [a.cached for a in phases["resend_again"]] == [p - 1 for p in lengths]
     assert max(deviations) <= bounds.first_token, (deviations, bounds)
-    assert stat(info, "resend_again", "prompt_stops") == n
+    assert stat(info, "resend_again", captured_by) == n
 
-    assert [a.cached for a in phases["edited_again"]] == [p - 1 for p in lengths]
-    fallbacks = stat(info, "edited_again", "draft_next_token_fallbacks")
-    assert fallbacks - stat(info, "resend_again", "draft_next_token_fallbacks") == n
+    if speculative:
+        assert [a.cached for a in phases["edited_again"]] == [p - 1 for p in lengths]
+        fallbacks = stat(info, "edited_again", "draft_next_token_fallbacks")
+        assert fallbacks - stat(info, "resend_again", "draft_next_token_fallbacks") == n
+    else:
+        assert [a.cached for a in phases["edited_again"]] == list(lengths)
     captures, restores = info["copies"]
     assert captures > 0 and restores > 0
 
