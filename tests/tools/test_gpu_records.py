@@ -13,6 +13,10 @@
   and 3) pass the exactness checks of ``test_prompt_checkpoint_at_p_under_mtp_on_the_gpu``; their
   negative control, copies held back one step, restored the exact state there (no restore further
   from its cold control than the reference pairs), which is why that control was replaced.
+* The runs of ``prompt_capture: end`` without speculative decoding on Kimi-Linear, Nemotron-H and
+  GLM-5.3-Flash (``docs/results/gpu-prompt-end-families-h100/``) pass the checks of
+  ``test_prompt_checkpoint_at_p_on_other_families``, the negative control included; under the MTP
+  test's reference floor, Nemotron-H's corrupted restores pass the bound.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ DFLASH_RECORDS = ("gpu-dflash-glm-dflash2.json.gz", "gpu-dflash-glm-dflash2-1de3
 
 
 SPEC_END_RECORDS = ROOT / "docs/results/gpu-spec-prompt-end-h200"
+FAMILY_END_RECORDS = ROOT / "docs/results/gpu-prompt-end-families-h100"
 
 
 def gpu_module(name: str):
@@ -137,3 +142,29 @@ def test_spec_prompt_end_record_passes_the_exactness_checks(k, monkeypatch):
     deviations = [first_token_deviation(run, cold) for run, cold in zip(held["extended"], held["cold"], strict=True)]
     assert [run.cached for run in held["extended"]] == list(lengths)
     assert max(deviations) <= bounds.reference_first_token, (deviations, bounds)
+
+
+def family_end_record(family: str, floor: float):
+    """(the families' GPU test module, the record's info, phases and bounds under ``floor``)."""
+    module = gpu_module("test_gpu_spec_prompt_end")
+    record = json.loads(gzip.open(FAMILY_END_RECORDS / f"gpu-prompt-end-{family}.json.gz").read())
+    record.pop("bounds")  # calibrated again from the record's own pairs
+    return (module, *spec_prompt_end.end_result(record, reference_floor=floor, margin=module.MARGIN))
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "nemotron_h", "glm5_next"])
+def test_family_prompt_end_record_passes_the_gpu_checks(family, monkeypatch):
+    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", gpu_checks())  # what the GPU test imports
+    module, info, phases, bounds = family_end_record(family, 0.0)
+    lengths = module.FAMILY_LENGTHS
+    spec_prompt_end.check_end_run(info, phases, bounds, lengths, speculative=False)
+    caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, lengths)
+    assert corrupted and caught == corrupted, (caught, corrupted, bounds)
+
+
+def test_family_prompt_end_record_under_the_mtp_floor_lets_corrupted_restores_through(monkeypatch):
+    checks = gpu_checks()
+    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)
+    module, info, _, bounds = family_end_record("nemotron_h", checks.SPEC_ROW_REFERENCE)
+    caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, module.FAMILY_LENGTHS)
+    assert set(caught) < set(corrupted), (caught, corrupted, bounds)
