@@ -9,7 +9,8 @@ leave out the rows and targets about later turns. The speculative decoding rows 
 length, its ratio to stock, the decode throughput target) appear only where some server
 speculates (``speculates``); decode throughput is shown always. The summary table's lost-hits row
 (``lost_hits_cell``) shows, per label other than stock, the conversation requests cached below
-stock's same request over all rounds and the tokens lost (blank without a stock label). Chat-mode
+stock's same request over all rounds and the tokens lost (blank without a stock label); the next
+row (``rounds_below_cell``) the rounds whose total cached tokens fell below stock's. Chat-mode
 results add a line with each label's median turn-1 cached tokens (the shared system message's
 reuse; the per-turn table shows turn 1's mean). ``plot_result`` draws a PNG with
 matplotlib and returns False, with a message on stderr, when matplotlib is not installed.
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from bc_tools.bench.stats import AT_LEAST, PLUGIN_POLICY, STOCK_POLICY
+from bc_tools.bench.stats import AT_LEAST, PLUGIN_POLICY, STOCK_POLICY, rounds_below_stock
 
 RATIO_NAMES = {
     "turn1_ttft_vs_stock": "TTFT p50 turn 1 (fresh prompt) / stock",
@@ -85,6 +86,20 @@ def lost_hits_cell(level: dict, label: str) -> str:
     return "" if item is None else f"{item['requests']} ({item['tokens_lost']})"
 
 
+ROUNDS_BELOW_ROW = "rounds cached below stock (worst cached / stock)"
+
+
+def rounds_below_cell(level: dict, label: str) -> str:
+    """``N of R (worst W)``: the rounds in which ``label`` cached fewer tokens than stock; '' for the
+    stock label itself and where the run has no stock label."""
+    if label == STOCK_POLICY:
+        return ""
+    item = rounds_below_stock(level["rounds"], label)
+    if item is None:
+        return ""
+    return f"{item['below']} of {item['rounds']} (worst {num(item['worst'], 3)})"
+
+
 def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     """Per label (and the floor, where it applies): every metric as ``median [p25..p75]``."""
     labels = result["policies"]
@@ -116,6 +131,7 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     row("prefill tokens computed", "prefill_tokens", lambda v: num(v, 0))
     row("cached-token ratio", "cached_ratio", lambda v: num(v, 3))
     rows.append([LOST_HITS_ROW] + [lost_hits_cell(level, p) for p in labels] + ([""] if floor else []))
+    rows.append([ROUNDS_BELOW_ROW] + [rounds_below_cell(level, p) for p in labels] + ([""] if floor else []))
     if any((summ[p].get("stock_tokens_lost") or {}).get("median") is not None for p in labels):
         row("plugin's estimate: tokens beyond stock", "tokens_beyond_stock", lambda v: num(v, 0))
         row("plugin's estimate: stock tokens lost", "stock_tokens_lost", lambda v: num(v, 0))

@@ -12,8 +12,9 @@ Contract (pure functions, no I/O):
   ``acceptance_length`` is speculative decoding's mean tokens per drafting step.
 - ``lost_hits`` counts, per label other than the stock one, the ``conversation`` requests whose
   ``cached_tokens`` is below the stock label's for the same (round, conversation, turn) (at the
-  same in-flight level), and the tokens lost in total; ``turn1_cached_median`` is the median
-  ``cached_tokens`` of a label's turn-1 requests.
+  same in-flight level), and the tokens lost in total; ``rounds_below_stock`` the rounds in which a
+  label cached fewer tokens in total than the stock label, and its least per-round ratio;
+  ``turn1_cached_median`` is the median ``cached_tokens`` of a label's turn-1 requests.
 - ``round_ratios`` compares each label with the stock label (and the floor) within one round;
   ``aggregate`` turns per-round dictionaries of numbers into per-key spreads.
 - ``targets`` judges the plugin against the targets on the medians over rounds (the
@@ -197,6 +198,27 @@ def per_turn(records: Sequence[RequestRecord], phase: str = "conversation") -> d
             "ttft_p50_s": percentile([r.ttft_s for r in rows], 50),
         }
     return out
+
+
+def rounds_below_stock(rounds: Sequence[dict], label: str, stock: str = STOCK_POLICY) -> dict[str, Any] | None:
+    """``below`` (rounds in which ``label``'s requests cached fewer tokens in total than ``stock``'s),
+    ``rounds`` (rounds compared) and ``worst`` (the least per-round ratio of cached tokens, label /
+    stock; None where stock cached none) over the level's ``rounds``; None when either label is
+    missing. Which requests hit moves with timing between servers; the totals of a round do not."""
+    pairs = [
+        (rd["policies"][label].get("cached_tokens"), rd["policies"][stock].get("cached_tokens"))
+        for rd in rounds
+        if label in rd["policies"] and stock in rd["policies"]
+    ]
+    pairs = [(own, theirs) for own, theirs in pairs if own is not None and theirs is not None]
+    if not pairs:
+        return None
+    ratios = [own / theirs for own, theirs in pairs if theirs]
+    return {
+        "below": sum(own < theirs for own, theirs in pairs),
+        "rounds": len(pairs),
+        "worst": min(ratios) if ratios else None,
+    }
 
 
 def lost_hits(records: Sequence[RequestRecord], labels: Sequence[str],

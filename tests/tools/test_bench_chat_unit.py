@@ -377,3 +377,18 @@ def test_plugin_metric_rows_appear_where_metrics_carry_them(rows):
     table = report.summary_table(_result(), level, markdown=True)
     for name, (_, _, shown) in rows.items():
         assert _row(table, name)[1].startswith(shown)
+
+
+def test_rounds_below_stock_compares_each_round_s_totals():
+    def rounds(*pairs):
+        return [{"policies": {"aligned": {"cached_tokens": a}, "request_boundaries": {"cached_tokens": b}}}
+                for a, b in pairs]  # fmt: skip
+
+    level = rounds((104544, 103816), (104544, 106704), (104544, 104544))
+    assert stats.rounds_below_stock(level, "request_boundaries") == {"below": 1, "rounds": 3, "worst": 103816 / 104544}
+    assert stats.rounds_below_stock(rounds((0, 0)), "request_boundaries") == {"below": 0, "rounds": 1, "worst": None}
+    assert stats.rounds_below_stock(level, "hold") is None
+    table = report.summary_table(_result(), {**_level(None), "rounds": [
+        {**rd, "policies": {p: {**v, "errors": 0} for p, v in rd["policies"].items()}} for rd in level
+    ]}, markdown=True)  # fmt: skip
+    assert _row(table, report.ROUNDS_BELOW_ROW) == ["", "1 of 3 (worst 0.993)"]
