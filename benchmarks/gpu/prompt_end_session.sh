@@ -150,10 +150,16 @@ case "$stage" in
   glm)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
     sleep 10
+    # 27.9 GiB of weights each: two servers up at once fit an H200 (0.42 of it each); on a smaller
+    # GPU (an H100) only one is awake at a time (--sleep-others), with 0.8 of it
+    glm_pair=(--start-one-by-one --server-arg='--gpu-memory-utilization 0.42')
+    if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)); then
+      glm_pair=(--sleep-others --server-arg='--gpu-memory-utilization 0.8')
+    fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
-      --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+      --policies aligned,request_boundaries "${glm_pair[@]}" --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
-      --server-arg='--gpu-memory-utilization 0.42' --server-arg='--max-model-len 20000' \
+      --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
       --out-json /tmp/r/glm.json --markdown 2>&1 | tee /tmp/r/glm.log | tail -60
