@@ -1,6 +1,6 @@
 """``prompt_capture: end`` without speculative decoding on the real CPU engine (tiny Qwen3-Next):
 the scenario and judgement that the GPU runs on the families whose ``auto`` takes the checkpoint at
-``P`` (``tests/gpu/test_gpu_prompt_end_families.py``), here where a CPU can run it, so that the
+``P`` (``tests/gpu/test_gpu_spec_prompt_end.py``), here where a CPU can run it, so that the
 shared script (``tests/helpers/spec_prompt_end.py`` at ``K`` = 0) is checked on every commit.
 
 Checked: fresh prompts take no stop; an extension of a prompt restores exactly ``P`` within the

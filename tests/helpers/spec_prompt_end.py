@@ -1,7 +1,7 @@
 """``prompt_capture: end`` end to end: the prompt checkpoint at ``P`` with no stop, under MTP on the
 CPU engine (``tests/e2e/test_spec_decode_cpu.py``) and on a GPU
 (``tests/gpu/test_gpu_spec_prompt_end.py``), and without speculative decoding (``K`` = 0) on the
-families whose ``auto`` takes it (``tests/gpu/test_gpu_prompt_end_families.py``, and the CPU engine
+families whose ``auto`` takes it (the same GPU test module, and the CPU engine
 in ``tests/e2e/test_prompt_end_engine.py``): one scenario and one judgement for all.
 
 :data:`SCRIPT` runs one engine of the plugin with ``prompt_capture: end`` (under MTP k = ``K`` when
@@ -153,9 +153,9 @@ def check_end_run(
 ) -> None:
     """Fresh prompts take no stop; an extension restores exactly ``P``, within the bounds; another
     token at ``P`` is refused under MTP, ``speculative`` (a ``draft_next_token`` miss before any
-    ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after), and restores ``P`` without it; the first resend is
-    captured at ``P - 1`` (``resend_mode``: by the stop, or in step) and the one after it restores
-    there, its first token within the bound."""
+    ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after), and restores ``P`` without it;
+    the first resend is captured at ``P - 1`` (``resend_mode``: by the stop, or in step) and the
+    one after it restores there, its first token within the bound."""
     n = len(lengths)
     assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", resend_mode, speculative), info["mode"]
     assert stat(info, "producer", "prompt_stops") == 0 and stat(info, "producer", "prompt_captures_in_step") == 0
