@@ -44,8 +44,9 @@ plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
 extra = {**ENGINE.pop("additional_config", {}), "boundary_checkpoints": plugin}
 if K:
     ENGINE["speculative_config"] = {"method": "mtp", "num_speculative_tokens": K}
-llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=1024,
-          enable_prefix_caching=True, seed=0, disable_log_stats=False, additional_config=extra, **ENGINE)
+ENGINE.setdefault("max_model_len", 1024)
+llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", enable_prefix_caching=True,
+          seed=0, disable_log_stats=False, additional_config=extra, **ENGINE)
 scheduler = llm.llm_engine.engine_core.engine_core.scheduler
 block = llm.llm_engine.vllm_config.cache_config.block_size
 params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS)
