@@ -82,9 +82,13 @@ def corrupt_scheduler_args() -> tuple[list[str], dict[str, str]]:
 
 def resend_config(policy: str, **settings) -> dict:
     """``--additional-config`` for ``policy`` with every prompt keeping ``P - 1`` (``prompt_capture:
-    in_step``): the servers whose tests check that a first resend restores all but its last token.
-    The default keeps the prompt checkpoint at ``P`` (``tests/e2e/test_server_prompt_end.py``)."""
-    return {"boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step", **settings}}
+    in_step``) and kept (``prompt_admission: all``): the servers whose tests check that a first
+    resend restores all but its last token. The default keeps the prompt checkpoint at ``P``
+    (``tests/e2e/test_server_prompt_end.py``), and by default admission stops keeping fresh
+    prompts' checkpoints after enough prompts with no reuse, a count that depends on how much
+    traffic a test's threads sent before (``tests/core/test_scheduler_admission.py`` tests it)."""
+    section = {"policy": policy, "prompt_capture": "in_step", "prompt_admission": "all"}
+    return {"boundary_checkpoints": {**section, **settings}}
 
 
 # ---- client helpers ------------------------------------------------------------------------------
