@@ -172,7 +172,7 @@ case "$stage" in
       --server-arg='--kv-cache-memory-bytes 32000000' --server-arg='--gpu-memory-utilization 0.2' \
       --server-arg='--max-model-len 8192' --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget ${PRESSURE_BUDGET:-380} --startup-timeout 180 \
+      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget ${PRESSURE_BUDGET:-300} --startup-timeout 180 \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
   turns24|mtp24)
