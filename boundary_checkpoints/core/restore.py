@@ -124,7 +124,7 @@ class RestoreMixin:
                 request.block_hashes, self.hash_block_size, stock_hit, served, request.num_tokens - 1,
                 horizon=self.checkpoint_store.retained_blocks,
             )  # fmt: skip
-            counters = self.checkpoint_store.counters
+            counters = self.checkpoint_store.counters  # a zero added would still bump its version
             if beyond:
                 counters.tokens_beyond_stock += beyond
             if short:
