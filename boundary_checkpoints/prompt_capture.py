@@ -6,11 +6,12 @@ Three ways, chosen once per engine from its configuration by :func:`decide`, a p
 :class:`EngineFacts` (:func:`decide_for` reads them from a ``VllmConfig``; the scheduler and the
 worker both call it on the same configuration, so they agree without talking to each other):
 
-* ``end`` (``prompt_capture`` ``auto``, the default, without speculative decoding, or ``end``):
-  the state after all ``P`` prompt tokens, copied from the request's blocks before the next step's
-  forward, as a response checkpoint is: no split and no extra step, on any kernel and family, with
-  or without speculative decoding. Under speculative decoding ``auto`` stops instead
-  (:data:`SPECULATIVE_AUTO_REASON`) until a GPU validates ``end`` there. A next turn (a prompt
+* ``end`` (``prompt_capture`` ``auto``, the default, or ``end``): the state after all ``P``
+  prompt tokens, copied from the request's blocks before the next step's forward, as a response
+  checkpoint is: no split and no extra step, on any kernel and family, with or without speculative
+  decoding. Under a drafter ``auto`` takes it where a GPU validated it
+  (``support.PROMPT_END_SPECULATIVE``: Qwen3-Next under MTP) and stops elsewhere
+  (:data:`SPECULATIVE_AUTO_REASON`). A next turn (a prompt
   that extends this one) restores it. A resend of the same prompt cannot (its last token must run
   to give logits) and gets vLLM's block-grid hit, but is itself
   captured at ``P - 1`` the way ``in_step`` would (``resend``: in step where the split applies,
@@ -34,8 +35,9 @@ worker both call it on the same configuration, so they agree without talking to 
   ``triton``; vLLM's Hopper default is FlashInfer's). On CUDA it carries a caveat
   (:data:`CUDA_IN_STEP_CAVEAT`, on the startup line): the split adds host work to every step that
   ends prompts.
-* ``stop`` (``prompt_capture: stop``, ``auto`` under speculative decoding, or ``in_step`` where
-  the split does not apply, with the first reason that applies): the prefill stops at ``P - 1``,
+* ``stop`` (``prompt_capture: stop``, ``auto`` under a drafter ``end`` is not validated with, or
+  ``in_step`` where the split does not apply, with the first reason that applies): the prefill
+  stops at ``P - 1``,
   the state is copied after that step and the last prompt token runs in one more engine step (the
   first-turn tax, ``docs/notes/first-turn-tax.md``).
 
@@ -79,6 +81,7 @@ class EngineFacts:
     architectures: tuple[str, ...]
     speculative: bool
     micro_batching: bool
+    speculative_method: str | None = None  # the drafter's method ("mtp", "dflash") when speculative
     full_graphs_for_prefills: bool = False  # CUDA graph mode FULL: prefill steps replay whole graphs
 
 
@@ -124,11 +127,30 @@ class PromptCaptureDecision:
 
 
 POOL_GRID_REASON = "speculative decoding with a pooled indexer keeps every checkpoint on its pool grid"
-# Why ``auto`` stops at ``P - 1`` under speculative decoding, where ``end`` would not.
+# Why ``auto`` stops at ``P - 1`` under a drafter where ``end`` is not validated on a GPU
+# (:data:`boundary_checkpoints.support.PROMPT_END_SPECULATIVE` lists where it is).
 SPECULATIVE_AUTO_REASON = (
-    "speculative decoding (the checkpoint at P, prompt_capture: end, is exact on the CPU engine and not yet "
-    "validated on a GPU)"
+    "speculative decoding with this drafter (the checkpoint at P, prompt_capture: end, is exact on the CPU engine; on "
+    "a GPU it is validated under {validated})"
 )
+
+
+def end_validated_under_drafter(facts: EngineFacts) -> bool:
+    """Whether ``auto`` takes the checkpoint at ``P`` under ``facts``' drafter: every architecture
+    validated on a GPU with that method (:data:`~boundary_checkpoints.support.PROMPT_END_SPECULATIVE`)."""
+    from boundary_checkpoints.support import PROMPT_END_SPECULATIVE
+
+    return bool(facts.architectures) and all(
+        facts.speculative_method in PROMPT_END_SPECULATIVE.get(arch, ()) for arch in facts.architectures
+    )
+
+
+def speculative_auto_reason() -> str:
+    """:data:`SPECULATIVE_AUTO_REASON` naming the validated architecture and method pairs."""
+    from boundary_checkpoints.support import PROMPT_END_SPECULATIVE
+
+    pairs = [f"{method} on {arch}" for arch, methods in PROMPT_END_SPECULATIVE.items() for method in methods]
+    return SPECULATIVE_AUTO_REASON.format(validated=", ".join(pairs) or "no drafter yet")
 
 
 def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) -> PromptCaptureDecision:
@@ -137,11 +159,12 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
         return PromptCaptureDecision(OFF)
     if prompt_capture == STOP:
         return PromptCaptureDecision(STOP, "prompt_capture is 'stop'")
-    if prompt_capture == END or (prompt_capture == AUTO and not facts.speculative):
+    at_end_under_auto = not facts.speculative or end_validated_under_drafter(facts)
+    if prompt_capture == END or (prompt_capture == AUTO and at_end_under_auto):
         resend = decide(True, IN_STEP, facts)
         return PromptCaptureDecision(END, resend.reason, resend.caveat, resend=resend.mode)
     if facts.speculative and prompt_capture == AUTO:
-        return PromptCaptureDecision(STOP, SPECULATIVE_AUTO_REASON)
+        return PromptCaptureDecision(STOP, speculative_auto_reason())
     if facts.speculative:
         return PromptCaptureDecision(STOP, "speculative decoding (the in-step split handles non-speculative rows only)")
     if facts.micro_batching:
@@ -187,11 +210,13 @@ def facts_of(vllm_config: Any) -> EngineFacts:
     platform = platform_name()
     model = getattr(vllm_config, "model_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
+    speculative = getattr(vllm_config, "speculative_config", None)
     return EngineFacts(
         platform=platform,
         gdn_prefill_backend=gdn_prefill_backend(vllm_config) if platform == "cuda" else None,
         architectures=tuple(getattr(model, "architectures", None) or ()),
-        speculative=getattr(vllm_config, "speculative_config", None) is not None,
+        speculative=speculative is not None,
+        speculative_method=getattr(speculative, "method", None),
         micro_batching=bool(getattr(parallel, "use_ubatching", False)),
         full_graphs_for_prefills=platform == "cuda" and mixed_batches_replay_full_graphs(vllm_config),
     )

@@ -148,13 +148,13 @@ class BoundaryConfig:
     at ``P``, copied after the step that computes the prompt (no extra step, no split, any kernel
     and family); a resend of a prompt seen before keeps ``P - 1`` as ``in_step`` takes it, so only
     prompts sent twice pay. Under speculative decoding ``end`` does the same (MTP: guarded by the
-    first sampled token; a resend keeps ``P - 1`` by the stop) and ``auto`` stops at ``P - 1``
-    until a GPU validates ``end`` there; on a pooled indexer's pool grid (contract 13) every prompt
-    stops on the grid. ``in_step``: every prompt keeps ``P - 1``, split off inside the Gated
-    DeltaNet layers where the engine supports it (CPU, or CUDA with the FLA Triton GDN prefill
-    kernel; Qwen3-Next / Qwen3.5; no speculative decoding), else by the stop; ``stop``: the prefill
-    always stops at ``P - 1`` (one more engine step per prompt). The startup log line says which
-    and why."""
+    first sampled token; a resend keeps ``P - 1`` by the stop), and so does ``auto`` where a GPU
+    validated it (Qwen3-Next under MTP), stopping at ``P - 1`` elsewhere; on a pooled indexer's
+    pool grid (contract 13) every prompt stops on the grid. ``in_step``: every prompt keeps
+    ``P - 1``, split off inside the Gated DeltaNet layers where the engine supports it (CPU, or
+    CUDA with the FLA Triton GDN prefill kernel; Qwen3-Next / Qwen3.5; no speculative decoding),
+    else by the stop; ``stop``: the prefill always stops at ``P - 1`` (one more engine step per
+    prompt). The startup log line says which and why."""
     prompt_checkpoint_min_tokens: int = 0
     """With ``prompt_checkpoints``, take the prompt checkpoint (at ``P``, or at ``P - 1`` by the stop
     or in the step) only when the step that reaches it computes at least this many

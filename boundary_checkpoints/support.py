@@ -38,15 +38,16 @@ VALIDATED_ARCHITECTURES = (
 # Of the validated architectures, the ones validated under speculative decoding with drafts
 # accepted, each with the methods it was measured with and the largest k measured on it:
 # Qwen3-Next under MTP and DFlash / DFlash2; Nemotron-H under MTP, k = 1 and 3 with a planted MTP
-# layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 with a planted
-# MTP layer (docs/results/gpu-glm-mtp-h200.md; k = 3 hits a vLLM assert, FAILED_ON_GPU) and under
+# layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 and 2 with a
+# planted MTP layer (docs/results/gpu-glm-mtp-h200.md, gpu-prompt-end-keyed-h200.md; k = 3 hits a
+# vLLM assert, FAILED_ON_GPU) and under
 # a DFlash2 drafter at k = 3 (docs/results/gpu-glm-dflash-h200.md).
 # Nemotron-H under DFlash has not run; vLLM 0.32 has no MTP module for Kimi-Linear (its
 # ``kimi_k3_mtp`` is Kimi-K3's).
 VALIDATED_SPECULATIVE_ARCHITECTURES: dict[str, dict[str, int]] = {
     "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
     "NemotronHForCausalLM": {"mtp": 3},
-    "Glm5NextForCausalLM": {"mtp": 1, "dflash": 3},
+    "Glm5NextForCausalLM": {"mtp": 2, "dflash": 3},
 }
 # Supported speculative methods validated on a GPU with drafts accepted, each with the largest k
 # validated on any architecture (single-module MTP at k 1 and 3; DFlash and DFlash2 drafters at k 3).
@@ -54,15 +55,19 @@ VALIDATED_SPECULATIVE = {
     method: max(methods.get(method, 0) for methods in VALIDATED_SPECULATIVE_ARCHITECTURES.values())
     for method in SUPPORTED_SPECULATIVE_METHODS
 }
+# Where ``prompt_capture: auto`` takes the checkpoint at P under a drafter (no P - 1 stop): the
+# architecture and method pairs whose GPU test (tests/gpu/test_gpu_spec_prompt_end.py) passed.
+# Qwen3-Next under MTP k = 1 and 3 (docs/results/gpu-prompt-end-keyed-h200.md).
+PROMPT_END_SPECULATIVE: dict[str, tuple[str, ...]] = {"Qwen3NextForCausalLM": ("mtp",)}
 # Speculative combinations known to fail on a GPU: (architecture, method, smallest k the note
 # covers) -> what happens, added to the reason ``auto`` falls back with and to the decision line
 # of an explicit ``request_boundaries``.
 FAILED_ON_GPU = {
-    ("Glm5NextForCausalLM", "mtp", 2): (
+    ("Glm5NextForCausalLM", "mtp", 3): (
         "on a GPU k = 3 takes the engine down in the first batch of the exactness test's probes (a "
         "device-side index assert in vLLM's indexer path); stock vLLM 0.32.0 gets through that batch but dies "
         "on the same assert once its own batch holds prefill rows of 2-3 tokens beside verify rows, so k = 3 "
-        "cannot be validated on this vLLM (k = 1 passes; k = 2 has not run)"
+        "cannot be validated on this vLLM (k = 1 and 2 pass)"
     ),
 }
 

@@ -203,6 +203,16 @@ class LengthBounds:
     def as_dict(self) -> dict:
         return {"by_length": {str(n): bounds.as_dict() for n, bounds in sorted(self.by_length.items())}}
 
+    def one_step_above(self, step: float) -> LengthBounds:
+        """These bounds with each length's first-token bound at its largest reference deviation plus
+        ``step`` (first-token deviations come in steps of the logits' bf16 rounding), in place of the
+        margin: a restore then fails exactly when it deviates more than every reference pair of its
+        length by more than one step. (With a margin, a reference of 0.186 put the bound at 0.279,
+        and corrupted restores between 0.217 and 0.279 passed while a reference pair told them apart.)"""
+        return LengthBounds(
+            {n: replace(b, first_token=b.reference_first_token + step) for n, b in self.by_length.items()}
+        )
+
 
 def calibrate(
     pairs: Iterable[tuple[Answer, Answer]],

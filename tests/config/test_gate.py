@@ -478,27 +478,29 @@ def test_dflash_on_an_architecture_validated_under_mtp_only_falls_back_under_aut
         assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
 
 
-def test_glm_under_mtp_k1_turns_on_under_auto():
-    """GLM-5.3-Flash under MTP at k = 1 passed the GPU test with drafts accepted
-    (docs/results/gpu-glm-mtp-h200.md): ``auto`` turns boundary retention on, with no reason."""
-    fake = mtp_fake(1)
+@pytest.mark.parametrize("k", [1, 2])
+def test_glm_under_mtp_up_to_k2_turns_on_under_auto(k):
+    """GLM-5.3-Flash under MTP at k = 1 and 2 passed the GPU test with drafts accepted
+    (docs/results/gpu-glm-mtp-h200.md, gpu-prompt-end-keyed-h200.md): ``auto`` turns boundary
+    retention on, with no reason."""
+    fake = mtp_fake(k)
     fake.model_config.architectures = ["Glm5NextForCausalLM"]
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_glm_under_mtp_above_k1_falls_back_saying_what_failed_on_the_gpu(k):
+def test_glm_under_mtp_k3_falls_back_saying_what_failed_on_the_gpu():
     """At k = 3 GLM-5.3-Flash under MTP takes the engine down on a vLLM assert stock hits too:
-    from k = 2 ``auto`` falls back with the architecture's own measured range and the note, and an
-    explicit ``request_boundaries`` runs with both on its decision line. The note is GLM's alone."""
+    ``auto`` falls back with the architecture's own measured range and the note, and an explicit
+    ``request_boundaries`` runs with both on its decision line. The note is GLM's alone."""
+    k = 3
     fake = mtp_fake(k)
     fake.model_config.architectures = ["Glm5NextForCausalLM"]
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
     assert not auto.boundaries_enabled and len(auto.reasons) == 1, auto.reasons
     reason = auto.reasons[0]
     assert reason.startswith(
-        f"speculative decoding (mtp, k={k}) on Glm5NextForCausalLM is measured up to k=1, not validated on GPU; "
+        f"speculative decoding (mtp, k={k}) on Glm5NextForCausalLM is measured up to k=2, not validated on GPU; "
     ), reason
     assert "takes the engine down" in reason and "stock vLLM 0.32.0 gets through that batch" in reason
     explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)

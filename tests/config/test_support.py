@@ -17,13 +17,13 @@ def test_speculative_validation_is_on_validated_architectures():
 
 def test_speculative_validation_is_what_the_gpu_measured():
     """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
-    (gpu-nemotron-mtp-h200.md), GLM-5.3-Flash under MTP at k = 1 (gpu-glm-mtp-h200.md: k = 3 hits
-    vLLM's own assert, FAILED_ON_GPU) and under DFlash2 at k = 3 (gpu-glm-dflash-h200.md); nothing
-    else. Kimi-Linear has no MTP module in vLLM 0.32."""
+    (gpu-nemotron-mtp-h200.md), GLM-5.3-Flash under MTP at k = 1 and 2 (gpu-glm-mtp-h200.md,
+    gpu-prompt-end-keyed-h200.md: k = 3 hits vLLM's own assert, FAILED_ON_GPU) and under DFlash2
+    at k = 3 (gpu-glm-dflash-h200.md); nothing else. Kimi-Linear has no MTP module in vLLM 0.32."""
     assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
         "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
         "NemotronHForCausalLM": {"mtp": 3},
-        "Glm5NextForCausalLM": {"mtp": 1, "dflash": 3},
+        "Glm5NextForCausalLM": {"mtp": 2, "dflash": 3},
     }
     assert support.VALIDATED_SPECULATIVE == {"mtp": 3, "dflash": 3}
     assert support.speculative_architectures("mtp") == [
@@ -34,13 +34,21 @@ def test_speculative_validation_is_what_the_gpu_measured():
 
 
 def test_largest_speculative_k_is_the_architectures_own():
-    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "mtp") == 1
+    assert support.largest_speculative_k(["Glm5NextForCausalLM"], "mtp") == 2
     assert support.largest_speculative_k(["Other", "NemotronHForCausalLM"], "mtp") == 3
     assert support.largest_speculative_k(["Glm5NextForCausalLM"], "dflash") == 3
     assert support.largest_speculative_k(["NemotronHForCausalLM"], "dflash") == 0
     assert support.largest_speculative_k(["KimiLinearForCausalLM"], "mtp") == 0
     assert support.largest_speculative_k([], "mtp") == 0
     assert support.largest_speculative_k(["Qwen3NextForCausalLM"], None) == 0
+
+
+def test_the_checkpoint_at_p_under_a_drafter_is_what_the_gpu_measured():
+    """Qwen3-Next under MTP k = 1 and 3 (gpu-prompt-end-keyed-h200.md); nothing else, and only
+    pairs validated under speculative decoding at all."""
+    assert support.PROMPT_END_SPECULATIVE == {"Qwen3NextForCausalLM": ("mtp",)}
+    for arch, methods in support.PROMPT_END_SPECULATIVE.items():
+        assert set(methods) <= set(support.VALIDATED_SPECULATIVE_ARCHITECTURES[arch]), arch
 
 
 def test_failures_on_gpu_lookup():

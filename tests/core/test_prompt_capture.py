@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from boundary_checkpoints import support
 from boundary_checkpoints.prompt_capture import (
     AUTO,
     CUDA_IN_STEP_CAVEAT,
@@ -13,15 +14,17 @@ from boundary_checkpoints.prompt_capture import (
     IN_STEP,
     OFF,
     POOL_GRID_REASON,
-    SPECULATIVE_AUTO_REASON,
     STOP,
     EngineFacts,
     PromptCaptureDecision,
     decide,
     decide_for,
+    facts_of,
     on_pool_grid,
+    speculative_auto_reason,
 )
 from boundary_checkpoints.settings import BoundaryConfig
+from boundary_checkpoints.support import PROMPT_END_SPECULATIVE
 
 SUPPORTED = dict(platform="cuda", gdn_prefill_backend="triton", architectures=("Qwen3NextForCausalLM",),
                  speculative=False, micro_batching=False)  # fmt: skip
@@ -80,9 +83,26 @@ def test_auto_keeps_the_prompt_checkpoint_at_p_and_a_resends_at_p_minus_1_as_in_
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
     assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
     assert "gdn_prefill_backend=triton" in decision.reason and "by the P - 1 stop" in decision.describe()
-    speculative = decide(True, AUTO, facts(speculative=True))  # until a GPU validates end there
-    assert (speculative.mode, speculative.reason) == (STOP, SPECULATIVE_AUTO_REASON)
-    assert "not yet validated on a GPU" in speculative.describe()
+    speculative = decide(True, AUTO, facts(speculative=True, speculative_method="dflash"))
+    assert (speculative.mode, speculative.reason) == (STOP, speculative_auto_reason())
+    assert "on a GPU it is validated under" in speculative.describe()
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+@pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "NemotronHForCausalLM", "Glm5NextForCausalLM"])
+def test_auto_under_a_drafter_takes_p_only_where_a_gpu_validated_it(monkeypatch, architecture, method):
+    """Under a drafter ``auto`` takes the checkpoint at P exactly for the pairs of
+    ``PROMPT_END_SPECULATIVE``; elsewhere it stops at P - 1 and the reason names the pairs."""
+    monkeypatch.setattr(support, "PROMPT_END_SPECULATIVE", {"Qwen3NextForCausalLM": ("mtp",)})
+    drafted = facts(speculative=True, speculative_method=method, architectures=(architecture,))
+    decision = decide(True, AUTO, drafted)
+    if (architecture, method) == ("Qwen3NextForCausalLM", "mtp"):
+        assert (decision.mode, decision.resend) == (END, STOP) and "speculative" in decision.reason
+    else:
+        assert (decision.mode, decision.reason) == (STOP, speculative_auto_reason())
+        assert "validated under mtp on Qwen3NextForCausalLM)" in decision.reason
+    mixed = facts(speculative=True, speculative_method="mtp", architectures=("Qwen3NextForCausalLM", architecture))
+    assert decide(True, AUTO, mixed).mode == (END if architecture == "Qwen3NextForCausalLM" else STOP)
 
 
 def test_configured_stop_and_off():
@@ -106,7 +126,9 @@ def test_real_cpu_configs(model_dir):
     assert decide_for(config, real_config(model_dir)).mode == END
     assert decide_for(BoundaryConfig(prompt_capture="in_step"), real_config(model_dir)).mode == IN_STEP
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert (decide_for(config, mtp).mode, decide_for(config, mtp).reason) == (STOP, SPECULATIVE_AUTO_REASON)
+    assert facts_of(mtp).speculative_method == "mtp"
+    expected = END if "mtp" in PROMPT_END_SPECULATIVE.get("Qwen3NextForCausalLM", ()) else STOP
+    assert decide_for(config, mtp).mode == expected
     at_end = decide_for(BoundaryConfig(prompt_capture="end"), mtp)
     assert (at_end.mode, at_end.resend) == (END, STOP) and "speculative" in at_end.reason
     assert decide_for(BoundaryConfig(prompt_capture="stop"), mtp).mode == STOP

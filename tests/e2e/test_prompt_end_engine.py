@@ -27,7 +27,7 @@ CPU_ENGINE = {"enforce_eager": True, "distributed_executor_backend": "uni"}
 
 def _end_result(info: dict, rows: dict):
     save_json("cpu-prompt-end-engine.json", info)
-    return spec_prompt_end.end_result(info, reference_floor=0.0)
+    return spec_prompt_end.end_result(info, LENGTHS, reference_floor=0.0)
 
 
 end_runs = engine_fixture(

@@ -216,7 +216,7 @@ CPU_ENGINE = {"cpu": True, "enforce_eager": True, "distributed_executor_backend"
 
 def _end_result(info: dict, rows: dict):
     save_json("cpu-mtp-end-probes.json", info)
-    return spec_prompt_end.end_result(info, reference_floor=PADDED_ROW_REFERENCE)
+    return spec_prompt_end.end_result(info, LENGTHS, reference_floor=PADDED_ROW_REFERENCE)
 
 
 end_runs = engine_fixture(

@@ -312,7 +312,7 @@ def bounds_for(rows: dict, k: int, grid: int = 0) -> Bounds | LengthBounds:
         return calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]), margin=MARGIN)
     if grid:
         pairs = pairs_by_length(rows["request_boundaries"], rows["aligned"])
-        return calibrate_by_length(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE)
+        return calibrate_by_length(pairs, margin=MARGIN, reference_floor=SPEC_ROW_REFERENCE).one_step_above(LOGIT_STEP)
     return calibrate(
         mtp_reference_pairs(rows["request_boundaries"], rows["aligned"]),
         margin=MARGIN,

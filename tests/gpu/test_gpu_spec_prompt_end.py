@@ -4,16 +4,17 @@ defaults (CUDA graphs, async scheduling): the scenario and judgement of
 (MTP) and ``tests/e2e/test_prompt_end_engine.py`` (without speculative decoding).
 
 * Under MTP k = 1 and 3 on the tiny planted Qwen3-Next (``qwen3_next_mtp_planted``, drafts
-  accepted): the checkpoint serves only prompts whose token ``P`` is the first sampled token. Until
-  this passes on a GPU, ``auto`` stops every prompt at ``P - 1`` under speculative decoding
-  (``prompt_capture.SPECULATIVE_AUTO_REASON``).
+  accepted): the checkpoint serves only prompts whose token ``P`` is the first sampled token. Passed on
+  an H200, so ``auto`` takes it there (``support.PROMPT_END_SPECULATIVE``); under other drafters
+  it stops every prompt at ``P - 1`` (``prompt_capture.SPECULATIVE_AUTO_REASON``).
 * Without speculative decoding on Kimi-Linear, Nemotron-H and GLM-5.3-Flash (tiny fixtures), whose
   ``auto`` takes the checkpoint at ``P`` (copied after the step, as a response checkpoint is); a
   resend is captured at ``P - 1`` by the stop (their recurrent layers have no in-step split).
 
-The bound is calibrated as the other GPU tests' (``MARGIN``, ``SPEC_ROW_REFERENCE``:
-``tests/gpu/test_gpu_spec_families.py``; the resend restored at ``P - 1`` runs its last token alone,
-under MTP as a padded speculative row, a path no reference pair takes). The negative control keys
+The first-token bound is calibrated per prompt length, one ``LOGIT_STEP`` above the largest
+reference pair of that length (``LengthBounds.one_step_above``; ``SPEC_ROW_REFERENCE`` the least
+reference under MTP: ``tests/gpu/test_gpu_spec_families.py``; the resend restored at ``P - 1`` runs
+its last token alone, under MTP as a padded speculative row, a path no reference pair takes). The negative control keys
 each checkpoint at ``P`` as ``P - 1`` (``corrupt_restore.PromptKeyedOneShort``): every such restore
 that deviates from its cold control more than the largest reference pair by a logit step must fail
 the bound, and at least ``MIN_TELLABLE`` of them must. (Copies held back one step were the control
@@ -30,8 +31,6 @@ import spec_prompt_end
 from engine_script import HELPERS_DIR, run_engine_script
 from results_out import save_json
 from test_gpu_spec_families import CASE_TIMEOUT_S, LOGIT_STEP, MARGIN, MIN_TELLABLE, MTP_FAMILY, SPEC_ROW_REFERENCE
-
-from bc_tools.bench.probes import first_token_deviation
 
 pytestmark = pytest.mark.gpu
 
@@ -52,27 +51,29 @@ LONGER = {"glm5_next": ((2103,), {"max_model_len": 4096})}
 
 def run_and_check(family: str, k: int, lengths: tuple[int, ...], name: str, engine: dict | None = None) -> None:
     """Run the scenario on ``family``'s tiny fixture with prompts of ``lengths`` under MTP k = ``k``
-    (0: none) and ``engine`` over ``GPU_ENGINE``, save its record as ``name``, and judge it: exact
-    counts, the calibrated bound, the negative control."""
+    (0: none) and ``engine`` over ``GPU_ENGINE``, save its record as ``name``, and :func:`judge` it."""
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     engine_args = json.dumps({**GPU_ENGINE, **(engine or {})})
     argv = (str(k), str(MAX_TOKENS), json.dumps(lengths), str(spec_prompt_end.tail_tokens(k)), engine_args)
     info, _ = run_engine_script(spec_prompt_end.SCRIPT, str(model), HELPERS_DIR, *argv, timeout=CASE_TIMEOUT_S)
-    floor = SPEC_ROW_REFERENCE if k else 0.0  # under MTP the restored resend's padded row
-    info, phases, bounds = spec_prompt_end.end_result(info, reference_floor=floor, margin=MARGIN)
-    save_json(name, {"bounds": bounds.as_dict(), **info})
-    print(f"{family} k={k} bounds: {bounds}")
+    save_json(name, info)
     assert info["scheduler"] == "BoundaryAsyncScheduler", info["scheduler"]
+    judge(info, k, lengths, label=f"{family} k={k}")
+
+
+def judge(info: dict, k: int, lengths: tuple[int, ...], label: str = "") -> None:
+    """One run's judgement (also replayed on recorded runs, ``tests/tools/test_gpu_records.py``):
+    exact counts, the bounds calibrated per prompt length, and the negative control, which must
+    catch every corrupted restore a reference pair of its length tells apart."""
+    floor = SPEC_ROW_REFERENCE if k else 0.0  # under MTP the restored resend's padded row
+    info, phases, bounds = spec_prompt_end.end_result(info, lengths, reference_floor=floor, margin=MARGIN)
+    bounds = bounds.one_step_above(LOGIT_STEP)
+    print(f"{label} bounds: {bounds}")
     spec_prompt_end.check_end_run(info, phases, bounds, lengths, speculative=k > 0)
     caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, lengths)
-    corrupt = {phase: spec_prompt_end.answers(answers) for phase, answers in info["corrupt"].items()}
-    tellable = [
-        p
-        for p, run, cold in zip(lengths, corrupt["extended"], corrupt["cold"], strict=True)
-        if p in corrupted and first_token_deviation(run, cold) > bounds.reference_first_token + LOGIT_STEP
-    ]
+    tellable = spec_prompt_end.tellable_prompts(info, bounds, lengths, LOGIT_STEP)
     assert corrupted and set(tellable) <= set(caught), (tellable, caught, bounds)
     assert len(tellable) >= MIN_TELLABLE * len(corrupted), (tellable, corrupted, bounds)
 

@@ -22,7 +22,14 @@ off) runs the first phases again: the negative control.
 
 from __future__ import annotations
 
-from bc_tools.bench.probes import MARGIN, Answer, Bounds, calibrate, first_token_deviation, state_failures
+from bc_tools.bench.probes import (
+    MARGIN,
+    Answer,
+    LengthBounds,
+    calibrate_by_length,
+    first_token_deviation,
+    state_failures,
+)
 
 SCRIPT = r"""
 import gc, json, random, sys
@@ -124,20 +131,22 @@ def answers(phase: dict) -> list[Answer]:
 
 
 def end_result(
-    info: dict, reference_floor: float, margin: float = MARGIN
-) -> tuple[dict, dict[str, list[Answer]], Bounds]:
-    """The run's answers per phase, and the bound calibrated on its own reference pairs (rounding
-    only): each extension's two cold controls; each extension's cold control against one whose
-    chunk ends at ``P`` (``split_cold``), the split a restore at ``P`` runs, its rounding without any
-    checkpoint; and each first resend against its producer (vLLM's block-grid hit, then a prefill
-    that stops at ``P - 1`` and runs the last token alone: the rows a restore at ``P - 1`` runs,
-    without a checkpoint). With ``margin`` and ``reference_floor`` (the least reference deviation
-    assumed, for a kernel path no reference pair takes)."""
+    info: dict, lengths: tuple[int, ...], reference_floor: float, margin: float = MARGIN
+) -> tuple[dict, dict[str, list[Answer]], LengthBounds]:
+    """The run's answers per phase, and the bounds calibrated per prompt length on the run's own
+    reference pairs of that length (rounding only, ``calibrate_by_length``: like with like): each
+    extension's two cold controls; each extension's cold control against one whose chunk ends at
+    ``P`` (``split_cold``), the split a restore at ``P`` runs, its rounding without any checkpoint;
+    and each first resend against its producer (vLLM's block-grid hit, then a prefill that stops at
+    ``P - 1`` and runs the last token alone: the rows a restore at ``P - 1`` runs, without a
+    checkpoint). With ``margin`` and ``reference_floor`` (the least reference deviation assumed,
+    for a kernel path no reference pair takes). ``lengths``: the prompts' lengths, in phase order."""
     phases = {name: answers(phase) for name, phase in info["plugin"].items()}
-    pairs = list(zip(phases["cold_again"], phases["cold"], strict=True))
-    pairs += list(zip(phases["split_cold"], phases["cold"], strict=True))
-    pairs += list(zip(phases["resend"], phases["producer"], strict=True))
-    return info, phases, calibrate(pairs, margin=margin, reference_floor=reference_floor)
+    pairs: dict[int, list[tuple[Answer, Answer]]] = {p: [] for p in lengths}
+    for run, reference in (("cold_again", "cold"), ("split_cold", "cold"), ("resend", "producer")):
+        for p, a, b in zip(lengths, phases[run], phases[reference], strict=True):
+            pairs[p].append((a, b))
+    return info, phases, calibrate_by_length(pairs, margin=margin, reference_floor=reference_floor)
 
 
 def stat(info: dict, phase: str, name: str, run: str = "plugin") -> int:
@@ -147,7 +156,7 @@ def stat(info: dict, phase: str, name: str, run: str = "plugin") -> int:
 def check_end_run(
     info: dict,
     phases: dict[str, list[Answer]],
-    bounds: Bounds,
+    bounds: LengthBounds,
     lengths: tuple[int, ...],
     speculative: bool = True,
     resend_mode: str = "stop",
@@ -165,7 +174,7 @@ def check_end_run(
     for p, run, cold in zip(lengths, phases["extended"], phases["cold"], strict=True):
         assert run.cached == p, (p, run.cached)
         assert cold.cached == 0
-        failures += state_failures(f"P={p} extended", run, cold, bounds)
+        failures += state_failures(f"P={p} extended", run, cold, bounds.at(p))
     assert failures == [], bounds
     assert stat(info, "extended", "draft_next_token_fallbacks") == 0
     assert stat(info, "extended", "hit_prompt") - stat(info, "producer", "hit_prompt") == n
@@ -183,10 +192,11 @@ def check_end_run(
     assert stat(info, "resend", captured_by) == n  # only the prompts seen twice are captured at P - 1
     # The restore at P - 1 runs the last prompt token alone (under MTP as a padded speculative
     # row), a kernel path its producer did not take: the first token is held to the bound here.
-    pairs = zip(phases["resend_again"], phases["producer"], strict=True)
-    deviations = [first_token_deviation(run, producer) for run, producer in pairs]
+    pairs = zip(lengths, phases["resend_again"], phases["producer"], strict=True)
+    beyond = [(p, first_token_deviation(run, producer)) for p, run, producer in pairs]
     assert [a.cached for a in phases["resend_again"]] == [p - 1 for p in lengths]
-    assert max(deviations) <= bounds.first_token, (deviations, bounds)
+    beyond = [(p, deviation) for p, deviation in beyond if deviation > bounds.at(p).first_token]
+    assert beyond == [], (beyond, bounds)
     assert stat(info, "resend_again", captured_by) == n
 
     if speculative:
@@ -203,7 +213,7 @@ def check_end_run(
     assert captures > 0 and restores > 0
 
 
-def check_corrupted_prompts(info: dict, bounds: Bounds, lengths: tuple[int, ...]) -> tuple[list[int], list[int]]:
+def check_corrupted_prompts(info: dict, bounds: LengthBounds, lengths: tuple[int, ...]) -> tuple[list[int], list[int]]:
     """Negative control: each prompt checkpoint at ``P`` keyed ``P - 1`` (``corrupted_prompts``)
     restores exactly ``P - 1`` and runs token ``P - 1`` a second time; the others keep ``P``.
     Returns (the lengths the bounds caught, the lengths corrupted)."""
@@ -213,6 +223,20 @@ def check_corrupted_prompts(info: dict, bounds: Bounds, lengths: tuple[int, ...]
     for p, run, cold in zip(lengths, answers(corrupt["extended"]), answers(corrupt["cold"]), strict=True):
         assert run.cached == (p - 1 if p in relabeled else p), (p, run.cached)
         if p in relabeled:
-            caught += [p] if state_failures(f"P={p} corrupted", run, cold, bounds) else []
+            caught += [p] if state_failures(f"P={p} corrupted", run, cold, bounds.at(p)) else []
     print("corrupted restores at P - 1 caught:", caught, "of", relabeled)
     return caught, relabeled
+
+
+def tellable_prompts(info: dict, bounds: LengthBounds, lengths: tuple[int, ...], step: float) -> list[int]:
+    """The corrupted prompts (``corrupted_prompts``) whose restore deviates from its cold control
+    more than the largest reference pair of its length by ``step``: those a reference pair tells
+    apart, which the negative control must catch."""
+    corrupt = {phase: answers(phase_answers) for phase, phase_answers in info["corrupt"].items()}
+    runs = zip(lengths, corrupt["extended"], corrupt["cold"], strict=True)
+    return [
+        p
+        for p, run, cold in runs
+        if p in info["corrupted_prompts"]
+        and first_token_deviation(run, cold) > bounds.at(p).reference_first_token + step
+    ]
