@@ -41,7 +41,7 @@
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
 #   prompt_end_session.sh aa24   the fresh24 workload on two stock servers (an A/A pair, one awake at a time)
 #   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
-#                                the plugin with prompt_capture $MTP24_CAPTURE (end: the checkpoint at P; stop: auto's)
+#                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
 stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|pressure24|turns24|mtp24|fresh24|aa24}
@@ -177,11 +177,12 @@ case "$stage" in
     ;;
   turns24|mtp24)
     # mtp24: the same on the cut with its MTP layer, under MTP k = 3 (dummy weights reject the
-    # drafts); the plugin as $MTP24_CAPTURE takes its prompt checkpoint (end: at P, no stop)
+    # drafts); the plugin as $MTP24_CAPTURE takes its prompt checkpoint (auto, the default: at P, no
+    # stop; stop: the P - 1 stop auto took before)
     variant=()
     if [[ $stage == mtp24 ]]; then
       export ARCH24=qwen3_next_80b_24l_mtp SPEC24='{"method": "mtp", "num_speculative_tokens": 3}'
-      capture=${MTP24_CAPTURE:-end}
+      capture=${MTP24_CAPTURE:-auto}
       variant=(--policies aligned --variant "$capture={\"policy\": \"request_boundaries\", \"prompt_capture\": \"$capture\"}")
     fi
     # Expected wall time about 530 s: 10 s pause, then bc-bench's --time-budget 500 (two servers
