@@ -5,7 +5,8 @@
 #   compile_cache.sh restore   before any server starts: unpack the parts carried in .gpu-cache/
 #                              (moved to $CC_WORK/cc-parts as they arrive, like the bundle's parts); once per host
 #   compile_cache.sh save DIR  pack both caches into DIR/cc-part-0, -1, ... (15 MiB each, at most
-#                              $CC_MAX_PARTS, default 3; a larger cache is not saved, and says so)
+#                              $CC_MAX_PARTS, default 4: with the stage archive under the 64 MiB a call returns;
+#                              a larger cache is not saved, and says so)
 # vLLM and Triton key their entries by versions, GPU and source: an entry that does not match is
 # not used, and that start compiles as on a bare host. Nothing here can fail a stage.
 set -u
@@ -35,7 +36,7 @@ case ${1:-} in
     ((${#paths[@]})) || { echo "compile cache: none on this host"; exit 0; }
     tar czf "$work"/cc.tgz -C / "${paths[@]}" || { echo "compile cache: tar failed, not saved"; exit 0; }
     size=$(stat -c %s "$work"/cc.tgz)
-    max=$((${CC_MAX_PARTS:-3} * 15 * 1024 * 1024))
+    max=$((${CC_MAX_PARTS:-4} * 15 * 1024 * 1024))
     if ((size > max)); then
       echo "compile cache: $((size >> 20)) MiB packed, over $((max >> 20)) MiB: not saved"
       exit 0
