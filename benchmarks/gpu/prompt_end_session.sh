@@ -14,6 +14,7 @@
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
 #   prompt_end_session.sh endfamilies  prompt_capture end (auto's default) on Kimi-Linear, Nemotron-H and GLM (GPU test)
+#   prompt_end_session.sh bounds   specend and GLM + MTP k = 2 in one call (about 360 s of tests)
 #   prompt_end_session.sh copypool one prompt's capture copy on a 60 GiB KV cache vLLM lays out (24 layers of
 #                                Qwen3-Next-80B dims): the copier's line and GB/s (benchmarks/gpu/copy_in_pool.py)
 #   prompt_end_session.sh glmcrash  GLM fixture under MTP k = 3, drafts accepted: 200 conversations, stock and plugin
@@ -44,7 +45,7 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -105,6 +106,11 @@ case "$stage" in
   glmmtp2)  # issue 32 item 1: GLM + MTP at k = 2, never run (auto falls back from k = 2)
     timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2]" \
       2>&1 | tee /tmp/r/glmmtp2.log | tail -40
+    ;;
+  bounds)  # the tests whose first-token bound is one logit step above each length's references, once live
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s \
+      tests/gpu/test_gpu_spec_prompt_end.py::test_prompt_checkpoint_at_p_under_mtp_on_the_gpu \
+      "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2]" 2>&1 | tee /tmp/r/bounds.log | tail -40
     ;;
   specend)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k under_mtp \
