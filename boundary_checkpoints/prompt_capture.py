@@ -49,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from boundary_checkpoints import support
+
 AUTO = "auto"
 IN_STEP = "in_step"
 STOP = "stop"
@@ -138,19 +140,15 @@ SPECULATIVE_AUTO_REASON = (
 def end_validated_under_drafter(facts: EngineFacts) -> bool:
     """Whether ``auto`` takes the checkpoint at ``P`` under ``facts``' drafter: every architecture
     validated on a GPU with that method (:data:`~boundary_checkpoints.support.PROMPT_END_SPECULATIVE`)."""
-    from boundary_checkpoints.support import PROMPT_END_SPECULATIVE
-
     return bool(facts.architectures) and all(
-        facts.speculative_method in PROMPT_END_SPECULATIVE.get(arch, ()) for arch in facts.architectures
+        facts.speculative_method in support.PROMPT_END_SPECULATIVE.get(arch, ()) for arch in facts.architectures
     )
 
 
 def speculative_auto_reason() -> str:
     """:data:`SPECULATIVE_AUTO_REASON` naming the validated architecture and method pairs."""
-    from boundary_checkpoints.support import PROMPT_END_SPECULATIVE
-
-    pairs = [f"{method} on {arch}" for arch, methods in PROMPT_END_SPECULATIVE.items() for method in methods]
-    return SPECULATIVE_AUTO_REASON.format(validated=", ".join(pairs) or "no drafter yet")
+    pairs = [f"{method} on {arch}" for arch, methods in support.PROMPT_END_SPECULATIVE.items() for method in methods]
+    return SPECULATIVE_AUTO_REASON.format(validated=", ".join(pairs))
 
 
 def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) -> PromptCaptureDecision:
