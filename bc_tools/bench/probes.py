@@ -177,6 +177,11 @@ class Bounds:
     def tie_at(self, position: int) -> float:
         return self.tie[min(position, len(self.tie) - 1)]
 
+    def tells_apart(self, run: Answer, reference: Answer, step: float) -> bool:
+        """Whether ``run``'s first token deviates from ``reference``'s more than the largest
+        reference pair by over ``step``: a deviation no rounding seen in the run explains."""
+        return first_token_deviation(run, reference) > self.reference_first_token + step
+
     def at(self, prompt_len: int) -> Bounds:
         """The bounds of a row of ``prompt_len`` tokens: these, whatever the length (as
         :meth:`LengthBounds.at`, so that a check takes either)."""
@@ -206,9 +211,9 @@ class LengthBounds:
     def one_step_above(self, step: float) -> LengthBounds:
         """These bounds with each length's first-token bound at its largest reference deviation plus
         ``step`` (first-token deviations come in steps of the logits' bf16 rounding), in place of the
-        margin: a restore then fails exactly when it deviates more than every reference pair of its
-        length by more than one step. (With a margin, a reference of 0.186 put the bound at 0.279,
-        and corrupted restores between 0.217 and 0.279 passed while a reference pair told them apart.)"""
+        margin: a restore then fails exactly when a reference pair of its length tells it apart
+        (:meth:`Bounds.tells_apart`). (A margin of 1.5 on a reference of 0.186 put the bound at
+        0.279, above corrupted restores that deviated 0.235 and 0.241.)"""
         return LengthBounds(
             {n: replace(b, first_token=b.reference_first_token + step) for n, b in self.by_length.items()}
         )

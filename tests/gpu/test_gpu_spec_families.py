@@ -501,7 +501,7 @@ def check_corrupted_run(
             judged = bounds.at(row.prompt_len)
             caught = bool(state_failures("resend", row.resend, row.producer, judged))
             detected += caught
-            if first_token_deviation(row.resend, row.producer) > judged.reference_first_token + LOGIT_STEP:
+            if judged.tells_apart(row.resend, row.producer, LOGIT_STEP):
                 tellable += 1
                 missed += [] if caught else [row.prompt_len]
         if "continuation" in expected:

@@ -192,10 +192,10 @@ def check_end_run(
     assert stat(info, "resend", captured_by) == n  # only the prompts seen twice are captured at P - 1
     # The restore at P - 1 runs the last prompt token alone (under MTP as a padded speculative
     # row), a kernel path its producer did not take: the first token is held to the bound here.
-    pairs = zip(lengths, phases["resend_again"], phases["producer"], strict=True)
-    beyond = [(p, first_token_deviation(run, producer)) for p, run, producer in pairs]
     assert [a.cached for a in phases["resend_again"]] == [p - 1 for p in lengths]
-    beyond = [(p, deviation) for p, deviation in beyond if deviation > bounds.at(p).first_token]
+    pairs = zip(lengths, phases["resend_again"], phases["producer"], strict=True)
+    deviations = [(p, first_token_deviation(run, producer)) for p, run, producer in pairs]
+    beyond = [(p, deviation) for p, deviation in deviations if deviation > bounds.at(p).first_token]
     assert beyond == [], (beyond, bounds)
     assert stat(info, "resend_again", captured_by) == n
 
@@ -234,9 +234,4 @@ def tellable_prompts(info: dict, bounds: LengthBounds, lengths: tuple[int, ...],
     apart, which the negative control must catch."""
     corrupt = {phase: answers(phase_answers) for phase, phase_answers in info["corrupt"].items()}
     runs = zip(lengths, corrupt["extended"], corrupt["cold"], strict=True)
-    return [
-        p
-        for p, run, cold in runs
-        if p in info["corrupted_prompts"]
-        and first_token_deviation(run, cold) > bounds.at(p).reference_first_token + step
-    ]
+    return [p for p, run, cold in runs if p in info["corrupted_prompts"] and bounds.at(p).tells_apart(run, cold, step)]
