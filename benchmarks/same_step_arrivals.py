@@ -1,0 +1,98 @@
+"""Whose is a cold prompt among prompts that share a prefix and arrive together? Stock and plugin,
+step by step, on the real CPU engine.
+
+Contract
+--------
+Eight prompts share a ``--shared``-token prefix (each adds 20 tokens of its own). They reach the
+engine in a fixed arrival pattern: ``[2, 6]`` adds two before the first engine step and six before
+the second; ``[8]`` adds all before the first. Each pattern runs once per engine, on the tiny
+Qwen3-Next (``--mtp K``: the planted MTP fixture under MTP k = K, through the Triton stand-in the
+CPU engine needs). It prints, for each pattern, every request's cached tokens: stock (``aligned``),
+then the plugin (``request_boundaries``, ``prompt_capture`` ``auto``). Identical rows mean the
+plugin keeps every hit stock gives for that arrival, and no more cold prompts than stock.
+
+    .venv/bin/python benchmarks/same_step_arrivals.py --mtp 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PATTERNS = [[1, 1, 6], [2, 6], [1, 7], [1, 0, 7], [8]]
+
+ENGINE_SCRIPT = r"""
+import json, random, sys
+sys.path.insert(0, sys.argv[5])
+model, policy, k, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+patterns = json.loads(sys.argv[6])
+if k:
+    import fake_triton_cpu
+    fake_triton_cpu.install()
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=2048, enforce_eager=True,
+          distributed_executor_backend="uni", enable_prefix_caching=True, seed=0, max_num_batched_tokens=1024,
+          additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "auto"}}, **spec)
+engine = llm.llm_engine
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+rng = random.Random(0)
+rows = {}
+for p, pattern in enumerate(patterns):
+    prefix = [rng.randrange(4, 1024) for _ in range(shared)]
+    prompts = [prefix + [rng.randrange(4, 1024) for _ in range(20)] for _ in range(sum(pattern))]
+    cached, sent = {}, 0
+    def step():
+        for out in engine.step():
+            cached.setdefault(out.request_id, out.num_cached_tokens)
+    for group in pattern:
+        for _ in range(group):
+            engine.add_request(f"{p}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), params)
+            sent += 1
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    rows[str(pattern)] = [cached[f"{p}-{i}"] for i in range(sent)]
+print("RESULT " + json.dumps(rows))
+"""
+
+
+def run_engine(model: Path, policy: str, k: int, shared: int) -> dict:
+    """One engine's cached tokens per request, per arrival pattern (a fresh process)."""
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
+    argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(PATTERNS)]
+    done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, *argv], env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{policy} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mtp", type=int, default=3, help="MTP draft tokens k (0: no speculative decoding)")
+    parser.add_argument("--shared", type=int, default=700, help="tokens of the shared prefix")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from bc_tools.fixtures.tiny_models import make_tiny_model
+
+    family = "qwen3_next_mtp_planted" if args.mtp else "qwen3_next"
+    model = make_tiny_model(Path(tempfile.gettempdir()) / f"bc_tiny_{family}", family=family)
+    stock = run_engine(model, "aligned", args.mtp, args.shared)
+    plugin = run_engine(model, "request_boundaries", args.mtp, args.shared)
+    print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix; cached tokens per request, in arrival order")
+    for pattern in stock:
+        same = "same" if stock[pattern] == plugin[pattern] else "DIFFERENT"
+        print(f"arrivals {pattern:>12}  stock {stock[pattern]}  plugin {plugin[pattern]}  {same}")
+
+
+if __name__ == "__main__":
+    main()
