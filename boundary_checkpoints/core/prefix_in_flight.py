@@ -5,9 +5,11 @@ Contract: :class:`PrefixInFlight` records where the prefill chunks allocated in 
 ``WINDOW_STEPS`` steps leave a reusable recurrent state (:meth:`computed`: a chunk's end on the
 state block grid, or the position ``state_position(P)`` inside a prompt's last chunk where align
 mode keeps one) and answers, for a new request and the hit its lookup found, whether it waits
-(:meth:`waits`): such a state lies inside the prefix the two requests share (equal chained block
-hashes), ``min_gain`` tokens or more beyond that hit. A request waits at most ``WINDOW_STEPS``
-times, so it is never held back longer; :meth:`step_starts` opens a step.
+(:meth:`waits`): such a state sits where the request's lookup will look in the prefix the two share
+(equal chained block hashes: its last whole block below the request's last token, one block lower
+where the lookup drops a block for the drafter), a state block or more beyond that hit. A request
+waits at most ``WINDOW_STEPS`` times, so it is never held back longer; :meth:`step_starts` opens
+a step.
 
 Why: vLLM defers a new prompt whose recurrent hit ends on a block cached in the same step, but
 under speculative decoding its lookup drops the hit's last block, so a prompt that arrives with
@@ -50,13 +52,13 @@ class PrefixInFlight:
         self,
         hash_block_size: int,
         state_block_size: int,
-        min_gain: int,
+        drops_block: bool,
         state_position: Callable[[int], int],
         on_wait: Callable[[], None],
     ) -> None:
         self.hash_block_size = hash_block_size
         self.state_block_size = state_block_size  # vLLM keeps a state where a chunk ends on this grid
-        self.min_gain = min_gain  # tokens a wait must add to the hit: a state block, two when the lookup drops one
+        self.drops_block = drops_block  # the lookup drops a hit's last block (EAGLE-style drafters)
         self.state_position = state_position  # prompt length -> the state kept inside its last chunk
         self.on_wait = on_wait  # counts each request that waits (once)
         self._steps: deque[list[tuple[Sequence[Any], int]]] = deque([[]], maxlen=WINDOW_STEPS)
@@ -75,17 +77,26 @@ class PrefixInFlight:
 
     def waits(self, request: Any, hit: int) -> bool:
         """Whether ``request`` (new, its lookup found ``hit`` tokens) waits this step: a recent
-        chunk left a state inside a prefix ``request`` shares, ``min_gain`` tokens or more beyond
-        ``hit``; at most ``WINDOW_STEPS`` times per request."""
+        chunk left a state where its lookup will look (:meth:`looks_at`) in a prefix it shares, a
+        state block or more beyond ``hit``; at most ``WINDOW_STEPS`` times per request."""
         waited = self._waits.get(request, 0)
         if waited >= WINDOW_STEPS:
             return False
         hashes = request.block_hashes
         for states in self._steps:
             for theirs, position in states:
-                if position - hit >= self.min_gain and shared_blocks(hashes, theirs) * self.hash_block_size >= position:
+                if position - hit < self.state_block_size:
+                    continue
+                shared = shared_blocks(hashes, theirs) * self.hash_block_size
+                if position == self.looks_at(min(shared, request.num_prompt_tokens - 1)):
                     self._waits[request] = waited + 1
                     if not waited:
                         self.on_wait()
                     return True
         return False
+
+    def looks_at(self, num_tokens: int) -> int:
+        """The state a lookup of a ``num_tokens``-token shared prefix reads: its last whole state
+        block's end, one block lower when the lookup drops a block."""
+        position = num_tokens // self.state_block_size * self.state_block_size
+        return position - self.state_block_size if self.drops_block else position

@@ -134,7 +134,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         if self.num_spec_tokens and self.connector is None:
             counters, block = self.checkpoint_store.counters, self.cache_config.block_size
             self.kv_cache_manager.prefix_in_flight = PrefixInFlight(
-                self.hash_block_size, block, block * (1 + drops_eagle_block(self)),
+                self.hash_block_size, block, drops_eagle_block(self),
                 state_position=lambda p: prefill_state_position(self, p),
                 on_wait=lambda: setattr(counters, "prompts_waited", counters.prompts_waited + 1),
             )  # fmt: skip
