@@ -8,8 +8,9 @@ engine in a fixed arrival pattern: ``[2, 6]`` adds two before the first engine s
 the second; ``[8]`` adds all before the first. Each pattern runs once per engine, on the tiny
 Qwen3-Next (``--mtp K``: the planted MTP fixture under MTP k = K, through the Triton stand-in the
 CPU engine needs). It prints, for each pattern, every request's cached tokens: stock (``aligned``),
-then the plugin (``request_boundaries``, ``prompt_capture`` ``auto``). Identical rows mean the
-plugin keeps every hit stock gives for that arrival, and no more cold prompts than stock.
+then the plugin (``request_boundaries``, ``prompt_capture`` ``auto``), and whether the plugin's are
+the same, more for some request, or below stock's for some request; and the engine steps until
+every request had its first token.
 
     .venv/bin/python benchmarks/same_step_arrivals.py --mtp 3
 """
@@ -48,10 +49,13 @@ rows = {}
 for p, pattern in enumerate(patterns):
     prefix = [rng.randrange(4, 1024) for _ in range(shared)]
     prompts = [prefix + [rng.randrange(4, 1024) for _ in range(20)] for _ in range(sum(pattern))]
-    cached, sent = {}, 0
+    cached, first, sent, steps = {}, {}, 0, [0]
     def step():
+        steps[0] += 1
         for out in engine.step():
             cached.setdefault(out.request_id, out.num_cached_tokens)
+            if out.outputs and out.outputs[0].token_ids:
+                first.setdefault(out.request_id, steps[0])
     for group in pattern:
         for _ in range(group):
             engine.add_request(f"{p}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), params)
@@ -59,7 +63,7 @@ for p, pattern in enumerate(patterns):
         step()
     while engine.has_unfinished_requests():
         step()
-    rows[str(pattern)] = [cached[f"{p}-{i}"] for i in range(sent)]
+    rows[str(pattern)] = ([cached[f"{p}-{i}"] for i in range(sent)], max(first.values()))
 print("RESULT " + json.dumps(rows))
 """
 
@@ -90,8 +94,11 @@ def main() -> None:
     plugin = run_engine(model, "request_boundaries", args.mtp, args.shared)
     print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix; cached tokens per request, in arrival order")
     for pattern in stock:
-        same = "same" if stock[pattern] == plugin[pattern] else "DIFFERENT"
-        print(f"arrivals {pattern:>12}  stock {stock[pattern]}  plugin {plugin[pattern]}  {same}")
+        (ours, our_steps), (theirs, their_steps) = plugin[pattern], stock[pattern]
+        pairs = list(zip(ours, theirs, strict=True))
+        verdict = "BELOW STOCK" if any(p < s for p, s in pairs) else "more" if any(p > s for p, s in pairs) else "same"
+        print(f"arrivals {pattern:>12}  stock {theirs}  plugin {ours}  {verdict}; "
+              f"engine steps to the last first token: stock {their_steps}, plugin {our_steps}")  # fmt: skip
 
 
 if __name__ == "__main__":

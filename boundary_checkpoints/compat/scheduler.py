@@ -68,6 +68,10 @@ override their hooks. Names and the behaviour relied on:
   ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
   the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
   a retained block's release frees it.
+* ``KVCacheManager.new_step_starts`` (called at the start of every ``schedule()``), the scheduler's
+  ``use_eagle_block_drop`` and ``connector``, and ``get_mamba_prefill_checkpoint_position``
+  (v1/kv_cache_interface.py): where align mode keeps a prompt's reusable state in its last chunk
+  (``prefill_state_position``, for ``core/prefix_in_flight.py``).
 * ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
   to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
   result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
@@ -98,6 +102,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     MambaManager,
     SlidingWindowManager,
 )
+from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
@@ -121,9 +126,11 @@ __all__ = [
     "block_grid_hit",
     "caches_hash",
     "copy_kv_cache_blocks_inplace",
+    "drops_eagle_block",
     "free_queue_order",
     "get_block_hash",
     "get_group_id",
+    "prefill_state_position",
     "request_blocks",
     "sampled_token_ids",
     "single_type_managers",
@@ -160,6 +167,19 @@ def free_queue_order(block_pool) -> Iterator:
     """The pool's free blocks in the order ``get_new_blocks`` hands them out (the free queue's head
     first: ``FreeKVCacheBlockQueue.iter_blocks_after(None)``)."""
     return block_pool.free_block_queue.iter_blocks_after(None)
+
+
+def drops_eagle_block(scheduler) -> bool:
+    """Whether the scheduler's prefix lookups drop a hit's last block for an EAGLE-style drafter."""
+    return bool(scheduler.use_eagle_block_drop)
+
+
+def prefill_state_position(scheduler, num_prompt_tokens: int) -> int:
+    """Where vLLM's align mode keeps a reusable recurrent state inside a prompt's last prefill
+    chunk: a block boundary below its end, one block lower where EAGLE-style drafters drop a hit's
+    last block (``get_mamba_prefill_checkpoint_position``); 0 for none."""
+    block_size = scheduler.cache_config.block_size
+    return get_mamba_prefill_checkpoint_position(num_prompt_tokens, block_size, drops_eagle_block(scheduler))
 
 
 def watermark_blocks(kv_cache_manager) -> int:

@@ -37,6 +37,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (Scheduler, "make_stats", ("spec_decoding_stats",)),
     (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
     (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
+    (KVCacheManager, "new_step_starts", ()),
     (KVCacheCoordinator, "find_longest_cache_hit", ("block_hashes", "max_cache_hit_length")),
     # The block pool's own API, which the plugin calls for its bundles' references.
     (BlockPool, "get_new_blocks", ("num_blocks",)),
@@ -48,7 +49,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (FreeKVCacheBlockQueue, "iter_blocks_after", ("cursor",)),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
-    (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs")),
+    (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs", "num_external_computed_tokens")),
     (KVCacheCoordinator, "get_num_blocks_to_allocate", ("request_id", "apply_admission_cap", "prefill_end")),
 )
 _EXPECTED_FIELDS = ("kv_cache_block_copies", "new_block_ids_to_zero", "num_scheduled_tokens",

@@ -201,6 +201,10 @@ class StoreCounters:
     prompts_skipped: int = exported(
         "Prompts that kept no checkpoint at their end: prompt checkpoints were not seen reused (prompt_admission)."
     )
+    prompts_waited: int = exported(
+        "New prompts that waited one step for a shared prefix another request computed in it, rather than "
+        "computing it cold beside it (speculative decoding)."
+    )
     prompt_stops: int = exported(
         "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
     )

@@ -1,11 +1,12 @@
 """The KV cache manager and coordinator subclasses the boundary scheduler installs on vLLM's.
 
 Contract: :class:`PressureRelievingKVCacheManager` evicts retained checkpoints (through the
-scheduler's ``relieve_pressure``) before it refuses an allocation; :class:`YieldingBlockPool`
-lets them yield (the scheduler's ``yield_to_cache``) before it hands out a block of vLLM's prefix
-cache; :func:`counting_coordinator_class`
-is a coordinator that remembers its last block count and counts a chunk the plugin cut short as if
-the prefill ended there. vLLM's instances are re-classed (see ``compat``): the manager for the
+scheduler's ``relieve_pressure``) before it refuses an allocation, and refuses a new prompt's first
+allocation when its ``prefix_in_flight`` (``core/prefix_in_flight.py``) says it waits a step;
+:class:`YieldingBlockPool` lets them yield (the scheduler's ``yield_to_cache``) before it hands out
+a block of vLLM's prefix cache; :func:`counting_coordinator_class` is a coordinator that
+remembers its last block count and counts a chunk the plugin cut short as if the prefill ended
+there. vLLM's instances are re-classed (see ``compat``): the manager for the
 engine's life, the coordinator only while its count matters (:func:`counting_blocks`), so an
 allocation that fits and was not cut runs vLLM's code alone.
 """
@@ -108,8 +109,27 @@ class PressureRelievingKVCacheManager(KVCacheManager):
     """
 
     relieve_pressure: Any = None  # (shortfall) -> bool (True: a bundle was evicted), set by the scheduler
+    prefix_in_flight: Any = None  # core/prefix_in_flight.PrefixInFlight, set by the scheduler (or None)
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
+        in_flight = self.prefix_in_flight
+        start = request.num_computed_tokens
+        if in_flight is not None:
+            start += kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
+            if request.status == RequestStatus.WAITING and not request.num_computed_tokens:
+                if in_flight.waits(request, start):
+                    return None  # vLLM's answer for "not in this step": it tries again next step
+        blocks = self._allocate_relieving_pressure(request, num_new_tokens, *args, **kwargs)
+        if blocks is not None and in_flight is not None:
+            in_flight.computed(request, start, start + num_new_tokens)
+        return blocks
+
+    def new_step_starts(self) -> None:  # type: ignore[override]
+        super().new_step_starts()
+        if self.prefix_in_flight is not None:
+            self.prefix_in_flight.step_starts()
+
+    def _allocate_relieving_pressure(self, request, num_new_tokens, *args, **kwargs):
         blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         if blocks is not None or self.relieve_pressure is None:
             return blocks
