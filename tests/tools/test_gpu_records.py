@@ -11,7 +11,9 @@
   corrupted resends.
 * GLM-5.3-Flash under MTP k = 2 (``gpu-spec-glm5_next_mtp_planted-k2.json.gz``) passes them too,
   and fails the negative control under per-length bounds with ``MARGIN`` in place of one
-  ``LOGIT_STEP`` above the references: two corrupted resends of 32768 tokens pass.
+  ``LOGIT_STEP`` above the references: two corrupted resends of 32768 tokens pass. So does its run
+  under the bounds as they stand (``gpu-prompt-end-keyed-h200/bounds-*``), with the two MTP runs
+  of ``prompt_capture: end`` there.
 * Both earlier runs of ``prompt_capture: end`` under MTP (``docs/results/gpu-spec-prompt-end-h200/``,
   k = 1 and 3) pass the exactness checks of ``test_prompt_checkpoint_at_p_under_mtp_on_the_gpu``;
   their negative control, copies held back one step, restored the exact state there (no restore
@@ -50,6 +52,8 @@ RECORDS = ROOT / "docs/results/gpu-glm-mtp-h200"
 # The run before the row rule, and the run with it (which records each prompt checkpoint).
 RUNS = ("gpu-spec-glm5_next_mtp_planted-k1.json.gz", "row-rule-gpu-spec-glm5_next_mtp_planted-k1.json.gz")
 GLM_MTP_K2 = "gpu-spec-glm5_next_mtp_planted-k2.json.gz"
+# The same test's run with the bounds one logit step above each length's references (``bounds``).
+LIVE_GLM_MTP_K2 = "../gpu-prompt-end-keyed-h200/bounds-gpu-spec-glm5_next_mtp_planted-k2.json.gz"
 # The run that set per-length bounds, and the run that passed the test as it now stands.
 DFLASH_RECORDS = ("gpu-dflash-glm-dflash2.json.gz", "gpu-dflash-glm-dflash2-1de37f0.json.gz")
 
@@ -78,7 +82,7 @@ def load(path: Path) -> tuple[int, dict]:
     return record["k"], {run: record[run] for run in ("request_boundaries", "corrupt", "aligned")}
 
 
-@pytest.fixture(scope="module", params=(*RUNS, GLM_MTP_K2))
+@pytest.fixture(scope="module", params=(*RUNS, GLM_MTP_K2, LIVE_GLM_MTP_K2))
 def recorded(request):
     k, info = load(RECORDS / request.param)
     checks = gpu_checks()
@@ -180,6 +184,8 @@ def end_record(directory: Path, name: str) -> dict:
 END_RUNS = [
     (KEYED_END_RECORDS, "gpu-spec-prompt-end-k1", 1, "LENGTHS", ()),
     (KEYED_END_RECORDS, "gpu-spec-prompt-end-k3", 3, "LENGTHS", ()),
+    (KEYED_END_RECORDS, "bounds-gpu-spec-prompt-end-k1", 1, "LENGTHS", ()),  # the judgement live (stage bounds)
+    (KEYED_END_RECORDS, "bounds-gpu-spec-prompt-end-k3", 3, "LENGTHS", ()),
     (KEYED_END_RECORDS, "gpu-prompt-end-kimi_linear", 0, "FAMILY_LENGTHS", ()),
     (KEYED_END_RECORDS, "gpu-prompt-end-nemotron_h", 0, "FAMILY_LENGTHS", ()),
     (KEYED_END_RECORDS, "gpu-prompt-end-glm5_next", 0, "FAMILY_LENGTHS", (2103,)),
