@@ -14,6 +14,8 @@
   ``LOGIT_STEP`` above the references: two corrupted resends of 32768 tokens pass. So does its run
   under the bounds as they stand (``gpu-prompt-end-keyed-h200/bounds-*``), with the two MTP runs
   of ``prompt_capture: end`` there.
+* Both Nemotron-H MTP runs (``docs/results/gpu-nemotron-mtp-h200/``, k = 1 and 3) pass the checks
+  of ``test_nemotron_h_mtp_boundaries``, one bound for every length included.
 * Both earlier runs of ``prompt_capture: end`` under MTP (``docs/results/gpu-spec-prompt-end-h200/``,
   k = 1 and 3) pass the exactness checks of ``test_prompt_checkpoint_at_p_under_mtp_on_the_gpu``;
   their negative control, copies held back one step, restored the exact state there (no restore
@@ -141,6 +143,18 @@ def test_glm_dflash2_record_with_one_bound_lets_corrupted_resends_through(dflash
     single = calibrate(pairs, margin=checks.MARGIN, reference_floor=checks.SPEC_ROW_REFERENCE)
     with pytest.raises(AssertionError, match="passed the bound"):
         checks.check_corrupted_run(info, rows, single, speculative=True, grid=checks.GLM_KPOOL)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_nemotron_mtp_records_pass_the_gpu_checks(k):
+    """Off the pool grid one bound serves every length (``bounds_for``); every corrupted resend a
+    reference pair tells apart still fails it."""
+    k, info = load(ROOT / f"docs/results/gpu-nemotron-mtp-h200/gpu-spec-nemotron_h_mtp_planted-k{k}.json.gz")
+    checks, rows = gpu_checks(), probe_rows(info)
+    bounds = checks.bounds_for(rows, k)
+    checks.check_plugin_run(info, rows, bounds, k)
+    checks.check_corrupted_run(info, rows, bounds, speculative=True)
+    check_acceptance(info, k)
 
 
 def test_glm_mtp_k2_record_with_a_margin_lets_corrupted_resends_through():
