@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from boundary_checkpoints.compat import drops_eagle_block, prefill_state_position
+
 WINDOW_STEPS = 2  # steps a state is waited for, and the most steps a request waits
 
 
@@ -100,3 +102,17 @@ class PrefixInFlight:
         block's end, one block lower when the lookup drops a block."""
         position = num_tokens // self.state_block_size * self.state_block_size
         return position - self.state_block_size if self.drops_block else position
+
+
+def prefix_in_flight_for(scheduler: Any, counters: Any) -> PrefixInFlight | None:
+    """The rule for a boundary scheduler under speculative decoding without a KV connector (whose
+    external hits it does not see), counting its waits in ``counters.prompts_waited``; else None."""
+    if not scheduler.num_spec_tokens or scheduler.connector is not None:
+        return None
+    return PrefixInFlight(
+        scheduler.hash_block_size,
+        scheduler.cache_config.block_size,
+        drops_eagle_block(scheduler),
+        state_position=lambda prompt: prefill_state_position(scheduler, prompt),
+        on_wait=lambda: setattr(counters, "prompts_waited", counters.prompts_waited + 1),
+    )

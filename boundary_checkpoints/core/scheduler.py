@@ -22,9 +22,7 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
     caches_hash,
-    drops_eagle_block,
     platform_is_cpu,
-    prefill_state_position,
     reclass_instance,
     request_blocks,
     single_type_managers,
@@ -42,7 +40,7 @@ from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.pool_snapshots import PoolGridMixin
-from boundary_checkpoints.core.prefix_in_flight import PrefixInFlight
+from boundary_checkpoints.core.prefix_in_flight import PrefixInFlight, prefix_in_flight_for
 from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
@@ -131,13 +129,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self._coordinator = self.kv_cache_manager.coordinator
         self._coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
-        if self.num_spec_tokens and self.connector is None:
-            counters, block = self.checkpoint_store.counters, self.cache_config.block_size
-            self.kv_cache_manager.prefix_in_flight = PrefixInFlight(
-                self.hash_block_size, block, drops_eagle_block(self),
-                state_position=lambda p: prefill_state_position(self, p),
-                on_wait=lambda: setattr(counters, "prompts_waited", counters.prompts_waited + 1),
-            )  # fmt: skip
+        self.kv_cache_manager.prefix_in_flight = prefix_in_flight_for(self, self.checkpoint_store.counters)
         if borrow:
             block_pool.yield_to_cache = self._yield_to_cache
             block_pool.clock = self.checkpoint_store.now
