@@ -222,4 +222,8 @@ esac
 status=$?
 # Which path copied the KV cache's pages in this stage's engines (docs/notes/next-gpu-session.md).
 grep -rhaoE "boundary_checkpoints: page copies: [^\"]*" /tmp/r 2> /dev/null | sort | uniq -c | head -4
+# New prompts that waited for a shared prefix in flight (speculative decoding), per server log: its last count.
+for log in /tmp/r/logs/server*.log; do
+  [[ -f $log ]] && grep -aoE "prompts_waited=[0-9]+" "$log" | tail -1 | sed "s|^|$(basename "$log"): |"
+done
 exit $status
