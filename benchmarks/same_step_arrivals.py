@@ -68,15 +68,16 @@ print("RESULT " + json.dumps(rows))
 """
 
 
-def run_engine(model: Path, policy: str, k: int, shared: int) -> dict:
-    """One engine's cached tokens per request, per arrival pattern (a fresh process)."""
+def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS) -> dict:
+    """One engine's run (a fresh process): per arrival pattern, each request's cached tokens and
+    the engine steps until every request had its first token."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
-    argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(PATTERNS)]
+    argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(patterns)]
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, *argv], env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
-        raise SystemExit(f"{policy} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        raise RuntimeError(f"{policy} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
