@@ -114,13 +114,15 @@ class PressureRelievingKVCacheManager(KVCacheManager):
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
         in_flight = self.prefix_in_flight
         start = request.num_computed_tokens
+        new = request.status == RequestStatus.WAITING and not start
         if in_flight is not None:
             start += kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
-            if request.status == RequestStatus.WAITING and not request.num_computed_tokens:
-                if in_flight.waits(request, start):
-                    return None  # vLLM's answer for "not in this step": it tries again next step
+            if new and in_flight.waits(request, start):
+                return None  # vLLM's answer for "not in this step": it tries again next step
         blocks = self._allocate_relieving_pressure(request, num_new_tokens, *args, **kwargs)
         if blocks is not None and in_flight is not None:
+            if new:
+                in_flight.admitted(request, start)
             in_flight.computed(request, start, start + num_new_tokens)
         return blocks
 

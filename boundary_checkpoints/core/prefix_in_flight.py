@@ -9,7 +9,9 @@ mode keeps one) and answers, for a new request and the hit its lookup found, whe
 (equal chained block hashes: its last whole block below the request's last token, one block lower
 where the lookup drops a block for the drafter), a state block or more beyond that hit. A request
 waits at most ``WINDOW_STEPS`` times, so it is never held back longer; :meth:`step_starts` opens
-a step.
+a step. :meth:`admitted` checks each wait against the hit the request then got: once
+``MIN_EVIDENCE`` requests have waited, the rule stops for good if more than ``MAX_MISSED`` of them
+got less than the state they waited for (a wait that cannot pay only holds the queue).
 
 Why: vLLM defers a new prompt whose recurrent hit ends on a block cached in the same step, but
 under speculative decoding its lookup drops the hit's last block, so a prompt that arrives with
@@ -24,9 +26,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from vllm.logger import init_logger
+
 from boundary_checkpoints.compat import drops_eagle_block, prefill_state_position
 
 WINDOW_STEPS = 2  # steps a state is waited for, and the most steps a request waits
+MIN_EVIDENCE = 16  # requests that waited before the rule judges itself
+MAX_MISSED = 0.25  # the share of them that may get less than the state they waited for
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
 def shared_blocks(ours: Sequence[Any], theirs: Sequence[Any]) -> int:
@@ -64,7 +72,10 @@ class PrefixInFlight:
         self.state_position = state_position  # prompt length -> the state kept inside its last chunk
         self.on_wait = on_wait  # counts each request that waits (once)
         self._steps: deque[list[tuple[Sequence[Any], int]]] = deque([[]], maxlen=WINDOW_STEPS)
-        self._waits: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # per request: (waits so far, the state it waits for; 0 once judged)
+        self._waits: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.waited = self.missed = 0  # requests that waited; of them, those whose hit fell short
+        self.stopped = False
 
     def step_starts(self) -> None:
         self._steps.append([])
@@ -81,8 +92,8 @@ class PrefixInFlight:
         """Whether ``request`` (new, its lookup found ``hit`` tokens) waits this step: a recent
         chunk left a state where its lookup will look (:meth:`looks_at`) in a prefix it shares, a
         state block or more beyond ``hit``; at most ``WINDOW_STEPS`` times per request."""
-        waited = self._waits.get(request, 0)
-        if waited >= WINDOW_STEPS:
+        waited = self._waits.get(request, (0, 0))[0]
+        if self.stopped or waited >= WINDOW_STEPS:
             return False
         hashes = request.block_hashes
         for states in self._steps:
@@ -91,11 +102,28 @@ class PrefixInFlight:
                     continue
                 shared = shared_blocks(hashes, theirs) * self.hash_block_size
                 if position == self.looks_at(min(shared, request.num_prompt_tokens - 1)):
-                    self._waits[request] = waited + 1
+                    self._waits[request] = (waited + 1, position)
                     if not waited:
+                        self.waited += 1
                         self.on_wait()
                     return True
         return False
+
+    def admitted(self, request: Any, hit: int) -> None:
+        """``request`` (new) is allocated with ``hit`` tokens: if it waited, did it get the state?"""
+        waited, position = self._waits.get(request, (0, 0))
+        if not position:
+            return
+        self._waits[request] = (waited, 0)
+        self.missed += hit < position
+        if not self.stopped and self.waited >= MIN_EVIDENCE and self.missed > MAX_MISSED * self.waited:
+            self.stopped = True
+            logger.warning(
+                "boundary_checkpoints: new prompts no longer wait for a prefix in flight: %d of %d that "
+                "waited got less than the state they waited for",
+                self.missed,
+                self.waited,
+            )
 
     def looks_at(self, num_tokens: int) -> int:
         """The state a lookup of a ``num_tokens``-token shared prefix reads: its last whole state

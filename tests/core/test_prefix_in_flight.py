@@ -16,7 +16,7 @@ from shadow_engine import make_request, tokens
 from spec_expectations import pattern
 from spec_shadow import SpecDriver, SpecShadowWorker
 
-from boundary_checkpoints.core.prefix_in_flight import PrefixInFlight, shared_blocks
+from boundary_checkpoints.core.prefix_in_flight import MAX_MISSED, MIN_EVIDENCE, PrefixInFlight, shared_blocks
 
 
 class FakeRequest:
@@ -83,6 +83,32 @@ def test_states_leave_the_window_after_two_steps_and_decode_rows_leave_none():
     assert prefix.waits(request("abcdefgxyz"), hit=0)
     prefix.step_starts()
     assert not prefix.waits(request("abcdefgxyz"), hit=0)
+
+
+def waits_that_got(prefix: PrefixInFlight, hits: list[int]) -> list[bool]:
+    """One sibling per hit: it waits for the producer's state at 64, then is admitted with that hit;
+    whether each waited."""
+    prefix.computed(request("abcdefghij"), 0, 64)
+    waited = []
+    for n, hit in enumerate(hits):
+        sibling = request(f"abcdefg{n:03d}")  # 7 shared blocks, then its own
+        waited.append(prefix.waits(sibling, hit=0))
+        prefix.admitted(sibling, hit)
+    return waited
+
+
+def test_the_rule_stops_when_waits_do_not_pay():
+    prefix = in_flight()
+    short = int(MAX_MISSED * MIN_EVIDENCE) + 1  # more than MAX_MISSED of the first MIN_EVIDENCE
+    waited = waits_that_got(prefix, [0] * short + [64] * (MIN_EVIDENCE - short) + [64, 64])
+    assert waited == [True] * MIN_EVIDENCE + [False, False]
+    assert prefix.stopped and (prefix.missed, prefix.waited) == (short, MIN_EVIDENCE)
+
+
+def test_the_rule_goes_on_while_waits_pay():
+    prefix = in_flight()
+    waited = waits_that_got(prefix, [0] * int(MAX_MISSED * MIN_EVIDENCE) + [64] * (2 * MIN_EVIDENCE))
+    assert all(waited) and not prefix.stopped
 
 
 def cached_tokens(model_dir, policy: str, async_scheduling: bool):
