@@ -202,8 +202,8 @@ class StoreCounters:
         "Prompts that kept no checkpoint at their end: prompt checkpoints were not seen reused (prompt_admission)."
     )
     prompts_waited: int = exported(
-        "New prompts that waited one step for a shared prefix another request computed in it, rather than "
-        "computing it cold beside it (speculative decoding)."
+        "New prompts that waited (up to two engine steps) for a shared prefix another request was computing, "
+        "rather than computing it cold beside it (speculative decoding)."
     )
     prompt_stops: int = exported(
         "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
