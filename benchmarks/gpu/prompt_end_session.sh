@@ -36,7 +36,9 @@
 #                                started once and only the slot's awake (bc-bench --sleep-others:
 #                                vLLM's sleep mode, 0.6 of the GPU each, which two awake servers
 #                                could not take); the turns stage's workload (8k-token first turns
-#                                sharing a prefix, and next turns, 1 and 8 in flight, up to 6 rounds)
+#                                sharing a prefix, and next turns, $TURNS24_LEVELS in flight (1,8), up to 6 rounds);
+#                                every 24-layer stage waits $STARTUP24_TIMEOUT s (420) for a server: a bare
+#                                H100 without the compile caches took over 300 s
 #   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
@@ -70,7 +72,7 @@ pair24() {
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
-    --repeat 6 --startup-timeout 300 --markdown "$@"
+    --repeat 6 --startup-timeout "${STARTUP24_TIMEOUT:-420}" --markdown "$@"
 }
 case "$stage" in
   turns)
@@ -195,7 +197,7 @@ case "$stage" in
     # started one by one, about 100 s each; rounds while they fit, each slot after a switch adding a
     # sleep, a wake and a warm-up of about 1.5 s, in the JSON's servers.*.sleep_others), then the
     # servers' stop (seconds; at most 25 s each). timeout 560 bounds bc-bench whatever happens.
-    pair24 "${variant[@]}" -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight 1,8 --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/$stage.json \
+    pair24 "${variant[@]}" -N 8 -T 2 -S 8000 -U 100 -A 64 --in-flight "${TURNS24_LEVELS:-1,8}" --time-budget "${TURNS24_BUDGET:-500}" --out-json /tmp/r/$stage.json \
       2>&1 | tee /tmp/r/$stage.log | tail -60
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
     ;;
