@@ -27,6 +27,9 @@
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
 #                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8);
 #                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16'
+#   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise) on two
+#                                stock servers, one with '--prefix-match-unit 16': does stock run with vLLM's own
+#                                in-chunk KDA checkpoint on the pool grid (FlashKDA), and what do its turns cost
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
@@ -47,7 +50,7 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -155,7 +158,7 @@ case "$stage" in
     timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \
       2>&1 | tee /tmp/r/nemotronmtp.log | tail -40
     ;;
-  glm)
+  glm|glmunit)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
     sleep 10
     # 27.9 GiB of weights each: two servers up at once fit an H200 (0.42 of it each); on a smaller
@@ -164,13 +167,20 @@ case "$stage" in
     if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)); then
       glm_pair=(--sleep-others --server-arg='--gpu-memory-utilization 0.8')
     fi
+    policies=(--policies aligned,request_boundaries)
+    if [[ $stage == glmunit ]]; then
+      GLM_ARCH=${GLM_ARCH:-glm5_next_flash_dense_mtp}
+      [[ -n ${GLM_SPEC:-} ]] || GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
+      policies=(--policies aligned --variant 'aligned_unit16={"policy": "aligned"}'
+        --variant-arg 'aligned_unit16=--prefix-match-unit 16')
+    fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
-      --policies aligned,request_boundaries "${glm_pair[@]}" --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+      "${policies[@]}" "${glm_pair[@]}" --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
-      --out-json /tmp/r/glm.json --markdown 2>&1 | tee /tmp/r/glm.log | tail -60
+      --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
   pressure)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
