@@ -77,12 +77,21 @@ class GroupGeometry(ABC):
     page_bytes: int
     window: int = 0  # WINDOW groups: the sliding window in tokens
     pool: int = 0  # RING groups: the indexer's pool (index_kpool); block_size is the ring's slots
+    # RECURRENT groups whose kernels write a state inside a prefill chunk (vLLM's
+    # num_prefill_checkpoint_blocks: Mamba2, KDA on FlashKDA): its alignment in tokens
+    in_chunk_alignment: int = 0
 
     @property
     def label(self) -> str:
-        """``kind/block`` (window groups: ``window/block w<window>``; ring groups ``ring/slots p<pool>``),
-        as the startup log line shows it."""
-        extra = f" w{self.window}" if self.window else f" p{self.pool}" if self.pool else ""
+        """``kind/block`` (window groups: ``window/block w<window>``; ring groups ``ring/slots p<pool>``;
+        recurrent groups with vLLM's in-chunk checkpoint ``recurrent/block c<alignment>``), as the
+        startup log line shows it."""
+        extra = (
+            f" w{self.window}" if self.window
+            else f" p{self.pool}" if self.pool
+            else f" c{self.in_chunk_alignment}" if self.in_chunk_alignment
+            else ""
+        )  # fmt: skip
         return f"{self.kind.value}/{self.block_size}{extra}"
 
     @abstractmethod

@@ -15,6 +15,8 @@ k = 3, and with a ring or a window it cannot restore (negative controls).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from shadow_engine import build_scheduler
@@ -251,6 +253,21 @@ def test_nemotron_layout_is_supported_on_gpu_and_named_on_cpu():
         assert reasons == []
         assert sorted(g.kind.value for g in geometries) == ["attention", "recurrent", "recurrent"]
         assert describe_layout(config, managers, on_cpu=True)[1] == [CPU_MAMBA2_REASON]  # named once
+
+
+def test_the_startup_labels_name_vllm_in_chunk_checkpoints():
+    """Mamba2 (and KDA on FlashKDA) export a state from inside a prefill chunk; the startup line's
+    group labels say so, with the alignment, and groups without one say nothing."""
+    config, managers = grouped(nemotron_specs(), "BLHNC")
+    labels = sorted(g.label for g in describe_layout(config, managers)[0])
+    assert labels == [f"attention/{NEMOTRON_BLOCK}", f"recurrent/{NEMOTRON_BLOCK} c1", f"recurrent/{NEMOTRON_BLOCK} c1"]
+    flash_kda = {name: replace(spec, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=16)
+                 if name.endswith("self_attn") else spec for name, spec in glm_specs().items()}  # fmt: skip
+    for specs, recurrent in ((glm_specs(), f"recurrent/{GLM_BLOCK}"), (flash_kda, f"recurrent/{GLM_BLOCK} c16")):
+        config, managers = grouped(specs, "BLHNC")
+        geometries, reasons = describe_layout(config, managers, kpool=KPOOL)
+        assert reasons == []
+        assert [g.label for g in geometries if g.is_recurrent] == [recurrent] * 3
 
 
 def test_kda_on_cpu_is_not_a_mamba2_reason():
