@@ -90,7 +90,7 @@ class EngineFacts:
 @dataclass(frozen=True)
 class PromptCaptureDecision:
     mode: str  # IN_STEP, STOP, END or OFF (no prompt checkpoints)
-    reason: str = ""  # why STOP when in_step was asked for ("" otherwise)
+    reason: str = ""  # why STOP when in_step was asked for, or why OFF when they were on ("" otherwise)
     caveat: str = ""  # what is not validated about an IN_STEP decision ("" where nothing)
     resend: str = ""  # END: how a resend's P - 1 checkpoint is taken (IN_STEP or STOP, as under auto)
 
@@ -102,7 +102,7 @@ class PromptCaptureDecision:
     def describe(self) -> str:
         """The phrase the scheduler's startup line uses for prompt checkpoints."""
         if self.mode == OFF:
-            return "off"
+            return f"off ({self.reason})" if self.reason else "off"
         if self.mode == END:
             how = "in step" if self.resend == IN_STEP else f"by the P - 1 stop: {self.reason}"
             return (
@@ -129,6 +129,10 @@ class PromptCaptureDecision:
 
 
 POOL_GRID_REASON = "speculative decoding with a pooled indexer keeps every checkpoint on its pool grid"
+VLLM_POOL_GRID_REASON = (
+    "vLLM's own cache keeps each prompt's state on the indexer's pool grid below P: its prefix match unit of "
+    "{unit} tokens, in the prompt's last step where the kernels save a state inside the chunk"
+)
 # Why ``auto`` stops at ``P - 1`` under a drafter where ``end`` is not validated on a GPU
 # (:data:`boundary_checkpoints.support.PROMPT_END_SPECULATIVE` lists where it is).
 SPECULATIVE_AUTO_REASON = (
@@ -192,13 +196,21 @@ def decide(prompt_checkpoints: bool, prompt_capture: str, facts: EngineFacts) ->
     return PromptCaptureDecision(IN_STEP, caveat=CUDA_IN_STEP_CAVEAT)
 
 
-def on_pool_grid(decision: PromptCaptureDecision) -> PromptCaptureDecision:
+def on_pool_grid(decision: PromptCaptureDecision, vllm_unit: int = 0) -> PromptCaptureDecision:
     """``decision`` for a pooled indexer under speculative decoding, where every checkpoint sits on
     the pool grid (``docs/design.md`` contract 13) and ``P`` rarely does: every prompt stops at a
     pool boundary below ``P - 1``. Its checkpoint is also what a next turn restores there, as no
     pool-grid snapshot is kept under speculative decoding and a response keeps a bundle only where
-    it ends on the grid."""
-    return decision if decision.mode == OFF else PromptCaptureDecision(STOP, POOL_GRID_REASON)
+    it ends on the grid. ``vllm_unit``: vLLM's hash block, when vLLM itself keeps each prompt's
+    recurrent state at its last hash-block boundary below the end and that unit is a multiple of
+    the pool (``--prefix-match-unit``); then vLLM's cache holds that state on the grid, in the
+    prompt's own step where the kernels save it inside the chunk, and the plugin takes none (its
+    stop would add a step for a state vLLM keeps)."""
+    if decision.mode == OFF:
+        return decision
+    if vllm_unit:
+        return PromptCaptureDecision(OFF, VLLM_POOL_GRID_REASON.format(unit=vllm_unit))
+    return PromptCaptureDecision(STOP, POOL_GRID_REASON)
 
 
 def facts_of(vllm_config: Any) -> EngineFacts:

@@ -27,9 +27,10 @@
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
 #                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8);
 #                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16'
-#   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise) on two
-#                                stock servers, one with '--prefix-match-unit 16': does stock run with vLLM's own
-#                                in-chunk KDA checkpoint on the pool grid (FlashKDA), and what do its turns cost
+#   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
+#                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
+#                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
+#                                the pool grid (FlashKDA), and what do fresh prompts and later turns cost
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
@@ -171,8 +172,9 @@ case "$stage" in
     if [[ $stage == glmunit ]]; then
       GLM_ARCH=${GLM_ARCH:-glm5_next_flash_dense_mtp}
       [[ -n ${GLM_SPEC:-} ]] || GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
-      policies=(--policies aligned --variant 'aligned_unit16={"policy": "aligned"}'
-        --variant-arg 'aligned_unit16=--prefix-match-unit 16')
+      unit_policy=${GLM_UNIT_POLICY:-aligned}
+      policies=(--policies aligned --variant "${unit_policy}_unit16={\"policy\": \"$unit_policy\"}"
+        --variant-arg "${unit_policy}_unit16=--prefix-match-unit 16")
     fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
       "${policies[@]}" "${glm_pair[@]}" --log-dir /tmp/r/logs --server-arg='--load-format dummy' \

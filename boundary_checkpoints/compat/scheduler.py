@@ -71,7 +71,9 @@ override their hooks. Names and the behaviour relied on:
 * ``KVCacheManager.new_step_starts`` (called at the start of every ``schedule()``), the scheduler's
   ``use_eagle_block_drop`` and ``connector``, and ``get_mamba_prefill_checkpoint_position``
   (v1/kv_cache_interface.py): where align mode keeps a prompt's reusable state in its last chunk
-  (``prefill_state_position``, for ``core/prefix_in_flight.py``).
+  (``prefill_state_position``, for ``core/prefix_in_flight.py``); the scheduler's
+  ``mamba_partial_cache_hit``: whether it also keeps one at the prompt's last hash-block boundary
+  (``keeps_prompt_states_between_blocks``).
 * ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
   to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
   result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
@@ -130,6 +132,7 @@ __all__ = [
     "free_queue_order",
     "get_block_hash",
     "get_group_id",
+    "keeps_prompt_states_between_blocks",
     "prefill_state_position",
     "request_blocks",
     "sampled_token_ids",
@@ -172,6 +175,15 @@ def free_queue_order(block_pool) -> Iterator:
 def drops_eagle_block(scheduler) -> bool:
     """Whether the scheduler's prefix lookups drop a hit's last block for an EAGLE-style drafter."""
     return bool(scheduler.use_eagle_block_drop)
+
+
+def keeps_prompt_states_between_blocks(scheduler) -> bool:
+    """Whether vLLM's align mode keeps each prompt's recurrent state at the last hash-block boundary
+    before its end, not only at block boundaries (``--prefix-match-unit`` finer than the block:
+    ``mamba_partial_cache_hit``): inside the prompt's last chunk where the kernels save a state
+    there (``num_prefill_checkpoint_blocks``), else at a chunk end of its own
+    (``_mamba_block_aligned_split``)."""
+    return bool(scheduler.mamba_partial_cache_hit)
 
 
 def prefill_state_position(scheduler, num_prompt_tokens: int) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from boundary_checkpoints.compat import watermark_blocks
+from boundary_checkpoints.compat import keeps_prompt_states_between_blocks, watermark_blocks
 from boundary_checkpoints.core.boundaries import RESPONSE
 from boundary_checkpoints.core.chunk_stops import is_prefill_step
 from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
@@ -149,14 +149,22 @@ class PoolGridMixin:
         groups = [(g, geometry.block_size) for g, geometry in enumerate(self._geometries) if geometry.is_recurrent]
         return PoolSnapshots(self._block_pool, groups, self._kpool, self._snapshot_room)
 
+    def _vllm_keeps_prompts_on_grid(self) -> bool:
+        """Whether vLLM's own cache keeps each prompt's recurrent state at its last hash-block
+        boundary below the end (``--prefix-match-unit`` finer than the block) on the pool grid."""
+        return (
+            bool(self._kpool) and keeps_prompt_states_between_blocks(self) and self.hash_block_size % self._kpool == 0
+        )
+
     def _pool_grid_line(self) -> str:
         """The startup line's words on response checkpoints of a layout with an indexer pool."""
         if not self._kpool:
             return ""
         if self._grid_only:
+            prompt = "vLLM's own" if self._vllm_keeps_prompts_on_grid() else "at a pool boundary below P - 1"
             return (
                 f", checkpoints only on the indexer's {self._kpool}-token pool grid under speculative decoding (prompt "
-                "at a pool boundary below P - 1, responses only where they end on it): a restore then never needs "
+                f"{prompt}, responses only where they end on it): a restore then never needs "
                 "a one-token step that completes a pool beside verify rows, and no stop or restore leaves a "
                 f"prefill row of {self.num_spec_tokens + 1} tokens or fewer (as long as a verify row)"
             )

@@ -46,7 +46,7 @@ from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIME
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
 from boundary_checkpoints.gate import decide_layout
-from boundary_checkpoints.prompt_capture import END, IN_STEP, STOP, PromptCaptureDecision, decide_for, on_pool_grid
+from boundary_checkpoints.prompt_capture import END, IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for, on_pool_grid
 from boundary_checkpoints.settings import BoundaryConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -87,7 +87,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
         self._grid_only = bool(self._kpool and self.num_spec_tokens)
         if self._grid_only:
-            self._prompt_capture = on_pool_grid(self._prompt_capture)
+            vllm_unit = self.hash_block_size if self._vllm_keeps_prompts_on_grid() else 0
+            self._prompt_capture = on_pool_grid(self._prompt_capture, vllm_unit)
+            self._prompt_captures_on = self._prompt_captures_on and self._prompt_capture.mode != OFF
         self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
         p_minus_1_mode = self._prompt_capture.resend if self._prompt_at_end else self._prompt_capture.mode
         self._prompt_in_step = self._prompt_captures_on and p_minus_1_mode == IN_STEP
@@ -153,7 +155,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             )
             + f"; kept for {self._prompt_admission.describe()}"
             if self._prompt_captures_on
-            else "off",
+            else self._prompt_capture.describe(),
             self._chat_markers.describe(),
             copy_times_reach_metrics(self.vllm_config),
             self._pool_grid_line() + (PrefixInFlight.STARTUP_PHRASE if self.kv_cache_manager.prefix_in_flight else ""),

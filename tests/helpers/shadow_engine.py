@@ -82,6 +82,7 @@ class ShadowWorker:
     # Recurrent kernels that export a block-boundary state from inside a chunk (KDA, Mamba2):
     # (hash block, state block, alignment, cache-hit alignment) for vLLM's own placement rule.
     prefill_checkpoints: tuple[int, int, int, int] | None = None
+    drop_eagle_block: bool = False  # vLLM's use_eagle_block_drop (MTP, DFlash), for that placement rule
     internal_checkpoints: int = 0  # such states written into a real (not the null) block
 
     def execute(self, so):
@@ -174,7 +175,8 @@ class ShadowWorker:
         hash_block, state_block, alignment, hit_alignment = self.prefill_checkpoints
         [offset], [col] = compute_mamba_prefill_checkpoints(
             [end], [end - start], hash_block_size=hash_block, mamba_block_size=state_block,
-            checkpoint_alignment=alignment, drop_eagle_block=False, cache_hit_alignment_tokens=hit_alignment,
+            checkpoint_alignment=alignment, drop_eagle_block=self.drop_eagle_block,
+            cache_hit_alignment_tokens=hit_alignment,
         )  # fmt: skip
         if col < 0:
             return None
@@ -281,6 +283,7 @@ def build_scheduler(
     drafter: Path | None = None,
     prefill_checkpoint_alignment: int | None = None,
     pool_grid_snapshots: bool = True,
+    prefix_match_unit: int | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -311,6 +314,9 @@ def build_scheduler(
     kernels do on the GPU (``MambaSpec.num_prefill_checkpoint_blocks``); the worker writes those
     states where vLLM's would.
 
+    ``prefix_match_unit``: vLLM's ``--prefix-match-unit`` (the hash block; requests then need
+    ``make_request(..., hash_block_size=prefix_match_unit)``).
+
     ``ring_kpool``: add a GLM indexer tail ring group of ``ring_slots`` slots (default: that pool
     size, the ring without speculation), after the other groups, and give the model config that
     ``index_kpool``.
@@ -319,7 +325,7 @@ def build_scheduler(
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import (
@@ -340,6 +346,7 @@ def build_scheduler(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        prefix_match_unit=prefix_match_unit,
         tensor_parallel_size=dcp,
         decode_context_parallel_size=dcp,
         cp_kv_cache_interleave_size=interleave,
@@ -423,7 +430,12 @@ def build_scheduler(
     )
     worker = (worker_cls or ShadowWorker)(kinds, sizes)
     if prefill_checkpoint_alignment is not None:
-        worker.prefill_checkpoints = (hash_block_size, page, prefill_checkpoint_alignment, scheduler_block_size)
+        hit_alignment = resolve_cache_hit_alignment_tokens(
+            kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
+        )
+        worker.prefill_checkpoints = (hash_block_size, page, prefill_checkpoint_alignment, hit_alignment)
+        speculative = vllm_config.speculative_config
+        worker.drop_eagle_block = speculative is not None and speculative.use_eagle_block_drop()
     return scheduler, worker
 
 

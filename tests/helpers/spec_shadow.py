@@ -14,6 +14,9 @@ blocks per recurrent group (docs/notes/spec-decode.md §1.3-1.5), with hashes fo
 * It writes the SSM after input ``t`` into column ``sidx + t`` and rolls the conv buffer of
   column ``sidx``: offset ``k - d + t`` holds the window after input ``t``, lower offsets hold
   junk. A step without drafts writes its final state at column ``sidx``, offset 0.
+* A prefill row (no drafts) of recurrent kernels that save a state inside the chunk (KDA on
+  FlashKDA, Mamba2: ``prefill_checkpoints``) also writes the state and conv window after vLLM's
+  checkpoint position into the block column vLLM's rule names (``_internal_checkpoint``).
 * Verification: draft ``t`` is accepted while it equals the target's greedy token; the step
   samples ``a`` tokens and the request's computed count becomes ``c + q - d - 1 + a``. vLLM's
   post-step copy then moves a block-aligned committed state ``n`` in ``[c + q - d, computed]``
@@ -257,6 +260,11 @@ class SpecShadowWorker(ShadowWorker):
         else:
             self.states[blocks[column]] = states[-1]
             self.conv[blocks[column]] = [states[-1]] + [JUNK] * k
+            internal = self._internal_checkpoint(start, end, blocks)  # a prefill row's in-chunk state
+            if internal is not None:
+                position, block = internal
+                self.states[block] = req.prefix_state(position)
+                self.conv[block] = [req.prefix_state(position)] + [JUNK] * k
         req.state_idx = column
 
     def _verify(self, req, start, num_known, drafts, states) -> list[int]:

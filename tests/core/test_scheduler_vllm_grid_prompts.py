@@ -1,0 +1,130 @@
+"""GLM-5.3-Flash under MTP with ``--prefix-match-unit`` on the indexer's pool grid (CPU, shadow
+runner; ``docs/design.md`` contract 13): vLLM's own cache then keeps each prompt's recurrent state
+at its last hash-block boundary below the end, inside the prompt's last chunk where the kernels
+save a state there (KDA on FlashKDA: ``num_prefill_checkpoint_blocks``), so the plugin takes no
+prompt checkpoint and runs no pool-grid stop: a fresh prompt prefills in one step.
+
+The layout is ``test_scheduler_ring.py``'s under MTP (attention, two recurrent groups, the
+lookahead ring; 16-token blocks, a pool of 4 tokens), with kernels that save an in-chunk state at
+the pool's alignment and a prefix match unit of one pool. The shadow worker writes that state
+where vLLM's rule puts it and checks every state, attention row, MTP draft row and ring a step
+reads against a cold run, so a next turn that resumes from a wrong state raises.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from shadow_engine import make_request, tokens
+from test_scheduler_ring import ACCEPT, KPOOL, spec_ring_engine
+
+from boundary_checkpoints.prompt_capture import OFF, STOP
+
+K = 3
+BLOCK = 16
+
+
+def grid_engine(model_dir, unit: int | None = KPOOL, policy: str = "request_boundaries", accept: str = "cycle"):
+    """The ring layout under MTP k = 3 on the shadow of a Hopper indexer, its recurrent kernels
+    saving a state inside a prefill chunk at the pool's alignment, at prefix match unit ``unit``.
+    The shadow's check that no prefill row is as short as a verify row is off: at a finer unit
+    vLLM runs such rows itself (a hit inside a block runs to the block's end first), and
+    :func:`short_prefill_rows` compares the plugin's with stock's instead."""
+    scheduler, worker, driver = spec_ring_engine(
+        model_dir, K, ACCEPT[accept](K), policy=policy, prefill_checkpoint_alignment=KPOOL, prefix_match_unit=unit
+    )
+    worker.no_short_prefill_rows = False
+    return scheduler, worker, driver
+
+
+def short_prefill_rows(worker) -> set[tuple[int, int, int]]:
+    """``(request number, start, tokens)`` of every prefill row that starts inside a block and is no
+    longer than a verify row (``1 + k`` tokens), requests numbered in the order they ran. (A row
+    from a block boundary is one stock runs after any block-grid hit.)"""
+    return {
+        (number, step.start, step.num_scheduled)
+        for number, steps in enumerate(worker.steps.values())
+        for step in steps
+        if step.start % BLOCK and not step.num_drafts and step.num_scheduled <= 1 + K
+    }
+
+
+def vllm_checkpoint(length: int) -> int:
+    """Where vLLM keeps a prompt's state at a unit of one pool under MTP, whose EAGLE-style
+    lookups drop the hit's last block (``get_mamba_prefill_checkpoint_position``)."""
+    return length // KPOOL * KPOOL - KPOOL
+
+
+def first_step_tokens(worker, request) -> int:
+    return worker.steps[request.request_id][0].num_scheduled
+
+
+def test_the_plugin_leaves_prompt_checkpoints_to_vllm_and_says_so(model_dir):
+    scheduler, _, _ = grid_engine(model_dir)
+    assert scheduler.boundaries_active and scheduler._grid_only
+    assert scheduler.hash_block_size == KPOOL
+    assert scheduler._prompt_capture.mode == OFF and not scheduler._prompt_captures_on
+    described = scheduler._prompt_capture.describe()
+    assert described.startswith("off (vLLM's own cache keeps each prompt's state on the indexer's pool grid")
+    assert "(prompt vLLM's own, responses only where they end on it)" in scheduler._pool_grid_line()
+
+
+def test_without_a_finer_unit_the_pool_grid_stop_stays(model_dir):
+    """The same kernels at vLLM's default unit (the block) keep no state on the pool grid below
+    P: the plugin's stop stays, and a fresh prompt runs in two steps."""
+    scheduler, worker, driver = grid_engine(model_dir, unit=None)
+    assert scheduler.hash_block_size == BLOCK
+    assert scheduler._prompt_capture.mode == STOP and scheduler._prompt_captures_on
+    prompt = tokens(random.Random(1), 42)
+    request = make_request(prompt, salt="s")
+    driver.run([request])
+    assert first_step_tokens(worker, request) < len(prompt)
+
+
+@pytest.mark.parametrize("accept", ["none", "cycle", "all"])
+def test_fresh_prompts_prefill_in_one_step_and_next_turns_resume_from_vllms_state(model_dir, accept):
+    """Prompts longer than a block (vLLM's in-chunk state needs a column below the last) prefill in
+    one step, beside a request that decodes with drafts. Their resends and next turns resume
+    exactly where stock with the same unit does, at vLLM's state; answers equal cold runs'."""
+    runs = {}
+    for policy in ("aligned", "request_boundaries"):
+        scheduler, worker, driver = grid_engine(model_dir, policy=policy, accept=accept)
+        rng = random.Random(7)
+        scheduler.add_request(make_request(tokens(rng, 21), max_tokens=600, salt="neighbour", hash_block_size=KPOOL))
+        cached, steps = [], []
+        for length in (18, 23, 33, 42, 47):
+            prompt = tokens(rng, length)
+            first = make_request(prompt, salt="s", hash_block_size=KPOOL)
+            [answer] = driver.run([first])
+            steps.append(first_step_tokens(worker, first) == length)
+            resend = make_request(prompt, salt="s", hash_block_size=KPOOL)
+            assert driver.run([resend]) == [answer]
+            follow_up = prompt + answer + tokens(rng, 13)
+            nxt = make_request(follow_up, salt="s", hash_block_size=KPOOL)
+            cold = make_request(follow_up, salt=f"cold-{length}", hash_block_size=KPOOL)
+            assert driver.run([nxt]) == driver.run([cold])
+            assert driver.cached_tokens[cold.request_id] == 0
+            cached.append((driver.cached_tokens[resend.request_id], driver.cached_tokens[nxt.request_id]))
+        assert worker.internal_checkpoints > 0
+        runs[policy] = cached, steps, short_prefill_rows(worker)
+    (stock_cached, stock_steps, stock_short), (plugin_cached, plugin_steps, plugin_short) = runs.values()
+    assert plugin_steps == stock_steps == [True] * 5
+    assert plugin_short <= stock_short  # the plugin runs no short prefill row stock does not
+    assert [resend for resend, _ in plugin_cached] == [vllm_checkpoint(n) for n in (18, 23, 33, 42, 47)]
+    for (stock_resend, stock_next), (resend, nxt) in zip(stock_cached, plugin_cached, strict=True):
+        assert resend == stock_resend and nxt >= stock_next
+
+
+def test_with_the_plugins_stop_a_fresh_prompt_takes_a_second_step(model_dir, monkeypatch):
+    """Negative control: where the plugin did not leave the prompt to vLLM it would stop on the
+    pool grid, and the test above would see a two-step prefill."""
+    from boundary_checkpoints.core.pool_snapshots import PoolGridMixin
+
+    monkeypatch.setattr(PoolGridMixin, "_vllm_keeps_prompts_on_grid", lambda self: False)
+    scheduler, worker, driver = grid_engine(model_dir)
+    assert scheduler._prompt_capture.mode == STOP
+    prompt = tokens(random.Random(3), 42)
+    request = make_request(prompt, salt="s", hash_block_size=KPOOL)
+    driver.run([request])
+    assert first_step_tokens(worker, request) < len(prompt)
