@@ -26,7 +26,8 @@
 #                                system prompt, 3 turns, 1 and 8 in flight, 6 rounds; under MTP:
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
 #                                (the policy is request_boundaries explicitly: auto falls back); $GLM_LEVELS: in flight (1,8);
-#                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16'
+#                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16';
+#                                each server waited for $GLM_STARTUP_TIMEOUT s (420: a bare host compiles everything)
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -181,7 +182,7 @@ case "$stage" in
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout 240 \
+      -N 8 -T 3 -S 5000 -U 100 -A 32 --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
       --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
   pressure)
