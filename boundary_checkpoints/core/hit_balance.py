@@ -15,6 +15,11 @@ hash of each cached block it evicts and its group; at most ``capacity`` remember
 ``gained``: the scheduler then lets bundles yield to every cached block and refuses captures
 that would evict one. Hash blocks only: a group whose blocks span several hash blocks adds no
 ghosts the request's hashes name, so the balance then sees fewer losses.
+
+It also remembers, per hash block, the last two first lookups whose vLLM hit covered it:
+:meth:`shared_prefix` is true for a block two of the last ``SHARED_WINDOW`` lookups read (a
+shared system prompt, a chat in progress), and for every block before that many lookups were
+seen. The scheduler's bundles, each serving one request, yield to such a block whatever its age.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 DECAY = 0.98  # per lookup: the balance follows about the last 50 requests
+SHARED_WINDOW = 32  # lookups: a block two of them read is a prefix in use by several requests
 
 
 class HitBalance:
@@ -40,6 +46,8 @@ class HitBalance:
         self._evictions = 0
         self.gained = 0.0
         self.lost = 0.0
+        self._reads: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # hash -> its last two lookups
+        self._lookups = 0
 
     def evicted(self, block_hash: Hashable, group: int = 0) -> None:
         """vLLM's pool evicted the cached block of ``block_hash`` (its hash-block hash) in KV
@@ -59,6 +67,12 @@ class HitBalance:
         ``served`` (at least that), at most ``max_tokens`` were servable, and the bundles hold
         ``horizon`` private blocks now. Returns the tokens served beyond stock's estimate and the
         tokens short of it."""
+        self._lookups += 1
+        for block_hash in block_hashes[: stock_hit // hash_block_size]:
+            self._reads[block_hash] = (self._reads.get(block_hash, (0, 0))[1], self._lookups)
+            self._reads.move_to_end(block_hash)
+        while len(self._reads) > self.capacity:
+            self._reads.popitem(last=False)
         stock = stock_hit
         if horizon > 0:
             any_evicted = False
@@ -83,10 +97,20 @@ class HitBalance:
             return "evicted"
         return "cached" if self.is_cached(block_hash, group) else ""
 
+    def shared_prefix(self, block_hash: Hashable) -> bool:
+        """Whether the cached block of ``block_hash`` (its hash-block hash) may hold a prefix that
+        several requests read: two of the last ``SHARED_WINDOW`` first lookups read it from vLLM's
+        cache, or fewer lookups than that were seen (none can be told apart yet)."""
+        if self._lookups < SHARED_WINDOW:
+            return True
+        previous, _ = self._reads.get(block_hash, (0, 0))
+        return previous > 0 and self._lookups - previous < SHARED_WINDOW
+
     def forget(self) -> None:
         """A prefix-cache reset emptied the pool: stock would hold none of the evicted blocks
         either, and the sums start again."""
         self._ghosts.clear()
+        self._reads.clear()
         self.gained = self.lost = 0.0
 
     def losing(self) -> bool:

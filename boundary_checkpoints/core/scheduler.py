@@ -22,6 +22,7 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
     caches_hash,
+    get_block_hash,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
@@ -313,7 +314,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         cached tokens than they serve (``_yields_to_every_cached``), only a
         bundle last used no later than the newest of those cached blocks was freed goes: bundles
         and cached blocks then leave in one least-recently-used order (a bundle is last used no
-        earlier than the pages it borrows were freed, so it never outlives them)."""
+        earlier than the pages it borrows were freed, so it never outlives them). Among those
+        cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
+        shared prefix) outranks every bundle, whatever its age."""
         while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
             self._release_snapshot()
         store = self.checkpoint_store
@@ -324,7 +327,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             if not cached:
                 return
             newest = max(self._block_pool.freed_at(block) for block in cached)
-            used_by = None if self._yields_to_every_cached(newest) else newest
+            shared = any(self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached)
+            used_by = None if shared or self._yields_to_every_cached(newest) else newest
             if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from boundary_checkpoints.core.hit_balance import DECAY, HitBalance
+from boundary_checkpoints.core.hit_balance import DECAY, SHARED_WINDOW, HitBalance
 
 B = 16
 
@@ -129,3 +129,32 @@ def test_a_group_the_cache_never_holds_does_not_hide_a_loss():
     control.evicted("b", 2)
     control.observe(["a", "b", "c"], B, stock_hit=0, served=0, max_tokens=47, horizon=2)
     assert balance.lost == 2 * B and control.lost == 0
+
+
+def test_a_block_two_recent_lookups_read_is_a_shared_prefix():
+    """After ``SHARED_WINDOW`` lookups: a block two lookups within the window read is shared, one
+    read is not, and two reads fall out of the window as lookups go on; vLLM's hit counts, not
+    what the plugin served beyond it."""
+    balance = HitBalance(100)
+    assert balance.shared_prefix("anything")  # before the window: none can be told apart
+    for _ in range(SHARED_WINDOW):
+        balance.observe([], B, stock_hit=0, served=0, max_tokens=0, horizon=0)
+    assert not balance.shared_prefix("anything")
+    balance.observe(["s", "t", "u"], B, stock_hit=32, served=48, max_tokens=48, horizon=0)
+    assert not balance.shared_prefix("s")
+    balance.observe(["s", "t", "v"], B, stock_hit=16, served=16, max_tokens=48, horizon=0)
+    assert balance.shared_prefix("s") and not balance.shared_prefix("t") and not balance.shared_prefix("u")
+    for _ in range(SHARED_WINDOW - 2):
+        balance.observe([], B, stock_hit=0, served=0, max_tokens=0, horizon=0)
+    assert balance.shared_prefix("s")
+    balance.observe([], B, stock_hit=0, served=0, max_tokens=0, horizon=0)
+    assert not balance.shared_prefix("s")
+
+
+def test_a_prefix_cache_reset_forgets_the_shared_prefixes():
+    balance = HitBalance(100)
+    for _ in range(SHARED_WINDOW):
+        balance.observe(["s"], B, stock_hit=16, served=16, max_tokens=16, horizon=0)
+    assert balance.shared_prefix("s")
+    balance.forget()
+    assert not balance.shared_prefix("s")

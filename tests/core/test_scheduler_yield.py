@@ -13,7 +13,9 @@ newer than the cached blocks about to go keeps its bundle (the same allocation w
 conversations in the other order is its control).
 
 While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle
-yields to every cached block, however recently it was used. The pool tells the balance which
+yields to every cached block, however recently it was used; so it does to a cached block two of
+the last ``SHARED_WINDOW`` first lookups read (a shared prefix), and to every cached block before
+that many lookups were seen. The pool tells the balance which
 cached blocks it evicted, by the hashes requests name them with and their KV group.
 
 A capture whose private blocks would evict cached blocks is not taken while bundles are seen to
@@ -30,7 +32,8 @@ import random
 import pytest
 from shadow_engine import Driver, build_scheduler, make_request, tokens
 
-from boundary_checkpoints.compat import free_queue_order
+from boundary_checkpoints.compat import free_queue_order, get_block_hash
+from boundary_checkpoints.core.hit_balance import SHARED_WINDOW
 
 
 def cached_blocks(pool) -> int:
@@ -73,21 +76,31 @@ def allocation_past_the_uncached_blocks(model_dir, yielding: bool) -> tuple[int,
 
 
 def allocation_by_age(
-    model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool, losing: bool = False
-) -> tuple[bool, int, int]:
+    model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool, losing: bool = False,
+    lookups_seen: int = SHARED_WINDOW, shared_reads: int = 0,
+) -> tuple[bool, int, int]:  # fmt: skip
     """(A's bundle still retained, bundles evicted to spare the cache, cached blocks lost) after an
     allocation of the free queue's blocks freed before A's bundle was last used, or
     (``past_the_bundle``) through the first one freed after it, once the store has seen bundles
-    reused after ``reuse_distance`` publications; ``losing``: after one lookup whose hit a
-    recently evicted block would have extended."""
+    reused after ``reuse_distance`` publications and the balance ``lookups_seen`` first lookups
+    that read nothing; ``losing``: after one lookup whose hit a recently evicted block would have
+    extended; ``shared_reads``: then that many lookups read the first cached block about to go."""
     scheduler, store, pool = two_conversations(model_dir, a_first)
     [bundle] = store.checkpoints()
     used = store.policy.used_at(bundle)
     store.reuse.record_hit(store.reuse.clock - reuse_distance)
+    balance = scheduler._hit_balance
+    for _ in range(lookups_seen):
+        balance.observe([], 16, stock_hit=0, served=0, max_tokens=0, horizon=0)
     if losing:
         lose_a_cached_block(scheduler)
-        assert scheduler._hit_balance.losing()
+        assert balance.losing()
     queue = list(free_queue_order(pool))
+    first_cached = next(block for block in queue if block.block_hash is not None)
+    for _ in range(shared_reads):
+        balance.observe(
+            [get_block_hash(first_cached.block_hash)], 16, stock_hit=16, served=16, max_tokens=16, horizon=0
+        )
     newer = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) > used]
     older = [i for i, block in enumerate(queue) if block.block_hash is not None and pool.freed_at(block) < used]
     if past_the_bundle:
@@ -124,6 +137,27 @@ def test_negative_control_without_yielding_a_cached_block_goes(model_dir):
 def test_a_bundle_used_after_every_cached_block_about_to_go_stays(model_dir):
     kept, yielded, lost = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False)
     assert kept and yielded == 0 and lost > 0
+
+
+def test_a_bundle_yields_to_a_cached_block_two_recent_lookups_read(model_dir):
+    """The allocation of the test above (its control), after two lookups read the first cached
+    block about to go: a shared prefix outranks the bundle, however recently it was used."""
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False,
+                                         shared_reads=2)  # fmt: skip
+    assert not kept and yielded >= 1
+
+
+def test_one_read_does_not_make_a_shared_prefix(model_dir):
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False,
+                                         shared_reads=1)  # fmt: skip
+    assert kept and yielded == 0
+
+
+def test_before_a_window_of_lookups_a_bundle_yields_to_every_cached_block(model_dir):
+    """Before ``SHARED_WINDOW`` first lookups no block can be told shared: the same allocation."""
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False,
+                                         lookups_seen=SHARED_WINDOW - 3)  # fmt: skip
+    assert not kept and yielded >= 1
 
 
 def test_a_bundle_yields_to_every_cached_block_while_bundles_cost_more_hits_than_they_serve(model_dir):
@@ -253,3 +287,45 @@ def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reus
 def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir):
     refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=0)
     assert refused == 0 and published == 2 and ticks == 2  # the prompt bundle too
+
+
+def superset_check():
+    """``benchmarks/superset_check.py``: stock and the plugin on one seeded workload."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "superset_check.py"
+    spec = importlib.util.spec_from_file_location("superset_check_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def shared_prompt_workload(model_dir) -> tuple[list[int], list[int]]:
+    """Cached tokens per request, stock and plugin: 16 conversations of 3 turns after a 200-token
+    system prompt on a 60-block pool (``cpu-hit-balance.md``'s W4, seed 5). Its 20th request found
+    the system prompt's state gone on the plugin's pool: one bundle's private blocks had pushed it
+    out, being used more recently."""
+    check = superset_check()
+    args = check.argparse.Namespace(conversations=16, turns=3, active=0, system=200, retained_fraction=0.25,
+                                    prompt_capture="auto", retention="borrow", prompt_admission="auto",
+                                    ring_kpool=None)  # fmt: skip
+    stock, _ = check.cached_per_request(model_dir, "aligned", 5, 60, args)
+    plugin, _ = check.cached_per_request(model_dir, "request_boundaries", 5, 60, args)
+    return stock, plugin
+
+
+def test_bundles_leave_a_shared_system_prompt_cached(model_dir):
+    stock, plugin = shared_prompt_workload(model_dir)
+    assert all(mine >= theirs for mine, theirs in zip(plugin, stock, strict=True))
+
+
+def test_negative_control_without_the_shared_prefix_rule_a_request_loses_the_system_prompt(model_dir, monkeypatch):
+    from boundary_checkpoints.core.hit_balance import HitBalance
+
+    monkeypatch.setattr(HitBalance, "shared_prefix", lambda self, block_hash: False)
+    stock, plugin = shared_prompt_workload(model_dir)
+    assert [(i, theirs) for i, (mine, theirs) in enumerate(zip(plugin, stock, strict=True)) if mine < theirs] == [
+        (19, 192)
+    ]
