@@ -32,6 +32,7 @@ from spec_shadow import SpecDriver, SpecShadowWorker
 from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.boundaries import restore_tail
 from boundary_checkpoints.core.group_kinds import GroupKind
+from boundary_checkpoints.core.hit_balance import SHARED_WINDOW
 from boundary_checkpoints.core.kinds import MissReason
 from boundary_checkpoints.core.layout import describe_layout
 from boundary_checkpoints.core.step_copies import POST_FORWARD_COPIES_ATTR
@@ -570,10 +571,14 @@ def test_plan_bundle_takes_the_ring_block_whole():
 def pressure_run(model_dir, snapshots: bool, num_blocks: int = 96) -> tuple[int, int, list, dict]:
     """(preemptions, cached tokens, answers, counters) of 8 conversations of 3 turns (40-120
     token prompts, 10-40 more tokens a turn, 10-30 token answers), each turn's requests at once,
-    on a pool of ``num_blocks`` blocks that chunked prefills run dry."""
+    on a pool of ``num_blocks`` blocks that chunked prefills run dry. The hit balance has seen
+    ``SHARED_WINDOW`` lookups already (bundles past the first lookups' yielding to every cached
+    block, as on a server that ran a while): 24 requests would otherwise all fall in it."""
     scheduler, worker = ring_scheduler(
         model_dir, num_blocks=num_blocks, pool_grid_snapshots=snapshots, scheduler_reserve_full_isl=False
     )
+    for _ in range(SHARED_WINDOW):
+        scheduler._hit_balance.observe([], 16, stock_hit=0, served=0, max_tokens=0, horizon=0)
     preempted = []
     preempt = scheduler._preempt_request
 
