@@ -30,6 +30,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from script_modules import load_script
 from shadow_engine import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.compat import free_queue_order, get_block_hash
@@ -291,15 +292,7 @@ def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir)
 
 def superset_check():
     """``benchmarks/superset_check.py``: stock and the plugin on one seeded workload."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "superset_check.py"
-    spec = importlib.util.spec_from_file_location("superset_check_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/superset_check.py", "superset_check_under_test")
 
 
 def shared_prompt_workload(model_dir) -> tuple[list[int], list[int]]:

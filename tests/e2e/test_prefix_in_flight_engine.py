@@ -10,24 +10,17 @@ total, and every request has its first token within as many engine steps as unde
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_modules import load_script
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "same_step_arrivals.py"
 PATTERNS = [[2, 6], [8]]  # two prompts in the first step; all eight in it
 SHARED = 700  # tokens of the shared prefix: the first prompt's state (256) is where the others read
 
 
 def arrivals_module():
-    spec = importlib.util.spec_from_file_location("same_step_arrivals_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/same_step_arrivals.py", "same_step_arrivals_under_test")
 
 
 @pytest.fixture(scope="module")

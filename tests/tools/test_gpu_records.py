@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ import pytest
 import spec_prompt_end
 from engine_script import probe_rows
 from mtp_checks import check_acceptance
+from script_modules import load_script
 
 from bc_tools.bench.probes import (
     LengthBounds,
@@ -67,11 +67,7 @@ KEYED_END_RECORDS = ROOT / "docs/results/gpu-prompt-end-keyed-h200"
 
 def gpu_module(name: str):
     """``tests/gpu/{name}.py`` as a module (its tests are not collected from here)."""
-    spec = importlib.util.spec_from_file_location(f"records_{name}", ROOT / f"tests/gpu/{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"tests/gpu/{name}.py", f"records_{name}")
 
 
 def gpu_checks():

@@ -9,24 +9,18 @@ kept host steps; gzipped or not; the ``--attribute`` command line. No engine.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_profile.py"
 QWEN, CPU = "vllm::qwen_gdn_attention_core", "vllm::cpu_gdn_attention_core"
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("step_profile_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/step_profile.py", "step_profile_under_test")
 
 
 def op(name, ts, dur, cat="cpu_op", tid=1, pid=1, ext=None):
