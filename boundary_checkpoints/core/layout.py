@@ -150,8 +150,7 @@ def describe_layout(
                     f"recurrent group keeps {manager.num_speculative_blocks} speculative state blocks "
                     f"for {num_spec_tokens} draft tokens"
                 )
-            in_chunk = getattr(spec, "prefill_checkpoint_alignment", None) or 1
-            in_chunk = in_chunk if getattr(spec, "num_prefill_checkpoint_blocks", 0) else 0
+            in_chunk = (spec.prefill_checkpoint_alignment or 1) if spec.num_prefill_checkpoint_blocks else 0
             geometries.append(RecurrentGroup(manager.block_size, page_bytes, in_chunk_alignment=in_chunk))
         elif type(manager) is FullAttentionManager:
             geometries.append(AttentionGroup(manager.block_size, page_bytes))

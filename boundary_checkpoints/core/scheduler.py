@@ -327,8 +327,10 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             if not cached:
                 return
             newest = max(self._block_pool.freed_at(block) for block in cached)
-            shared = any(self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached)
-            used_by = None if shared or self._yields_to_every_cached(newest) else newest
+            yields_to_all = self._yields_to_every_cached(newest) or any(
+                self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached
+            )
+            used_by = None if yields_to_all else newest
             if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
 
