@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import make_request, tokens
+from shadow_engine import ShadowMismatch, make_request, tokens
 from test_scheduler_ring import ACCEPT, KPOOL, spec_ring_engine
 
 from boundary_checkpoints.prompt_capture import OFF, STOP
@@ -128,3 +128,22 @@ def test_with_the_plugins_stop_a_fresh_prompt_takes_a_second_step(model_dir, mon
     request = make_request(prompt, salt="s", hash_block_size=KPOOL)
     driver.run([request])
     assert first_step_tokens(worker, request) < len(prompt)
+
+
+def test_negative_control_a_state_written_one_token_late_is_caught(model_dir, monkeypatch):
+    """The shadow's own control for this path: where the kernels' in-chunk state is written one
+    token late, the resend that resumes from it raises instead of answering."""
+    from spec_shadow import SpecShadowWorker
+
+    write = SpecShadowWorker._internal_checkpoint
+
+    def one_token_late(self, start, end, blocks):
+        internal = write(self, start, end, blocks)
+        return None if internal is None else (internal[0] + 1, internal[1])
+
+    monkeypatch.setattr(SpecShadowWorker, "_internal_checkpoint", one_token_late)
+    _, _, driver = grid_engine(model_dir)
+    prompt = tokens(random.Random(5), 42)
+    driver.run([make_request(prompt, salt="s", hash_block_size=KPOOL)])
+    with pytest.raises(ShadowMismatch, match="recurrent state"):
+        driver.run([make_request(prompt, salt="s", hash_block_size=KPOOL)])
