@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from boundary_checkpoints.match_unit import MATCH_UNITS
 from boundary_checkpoints.prompt_capture import PROMPT_CAPTURES
 
 POLICIES = ("auto", "aligned", "request_boundaries")
@@ -121,6 +122,7 @@ _FIELD_CHECKS = {
     "chat_instruction_boundary": _one_of(CHAT_INSTRUCTION_BOUNDARIES),
     "retention": _one_of(RETENTIONS),
     "pool_grid_snapshots": _check_flag,
+    "prefix_match_unit": _one_of(MATCH_UNITS),
 }
 
 
@@ -192,6 +194,12 @@ class BoundaryConfig:
     response checkpoint sits there, up to ``pool - 1`` tokens below the committed length. The next
     turn then prefills from the pool grid in one step instead of two. False: the response
     checkpoint sits at the committed length."""
+    prefix_match_unit: str = "auto"
+    """``auto`` (default): a pooled indexer under speculative decoding whose recurrent kernels save
+    states inside the prefill chunk (GLM-5.3-Flash on FlashKDA) gets vLLM's prefix match unit set to
+    the pool (16 tokens) where ``--prefix-match-unit`` is not given: vLLM then keeps each prompt's
+    state on the pool grid in the prompt's own step, and prompts need no stop (``match_unit.py``;
+    the startup log says so). ``vllm``: vLLM's own unit (its default, the block, or the one given)."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -47,6 +47,14 @@ the behaviour relied on:
   block id first. ``_resolve_gdn_prefill_backend(vllm_config)`` (:func:`gdn_prefill_backend`) is
   the kernel the layers pick; ``vllm.utils.gpu_sync_debug.gpu_sync_allowed`` marks the split's one
   device-to-host read per step (:func:`forward_context_metadata`: every KV group's metadata at once).
+* The prefix match unit (``match_unit.py``): ``Worker.get_kv_cache_spec`` returns each layer's
+  ``KVCacheSpec`` once the block size is resolved (``update_block_size_for_backend`` runs after
+  ``load_model``); ``MambaSpec.mamba_cache_mode`` / ``prefill_checkpoint_alignment`` (None: no
+  in-chunk state), every spec's ``prefix_cacheable``, ``block_size`` and ``tokens_per_state``
+  (:func:`kv_spec_unit_facts`). The engine core then resolves its hash block from
+  ``cache_config.prefix_match_unit`` (``resolve_kv_cache_block_sizes``) on the same ``VllmConfig``
+  object the worker holds only under the ``uni`` executor, which runs the worker in the engine
+  core's process (:func:`engine_core_shares_worker_config`).
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ __all__ = [
     "conv_metadata",
     "cpu_gdn_core",
     "cpu_worker_class",
+    "engine_core_shares_worker_config",
     "fla_chunk_metadata",
     "forward_context_layers",
     "forward_context_metadata",
@@ -65,6 +74,7 @@ __all__ = [
     "gdn_metadata_class",
     "gpu_sync_allowed",
     "gpu_worker_class",
+    "kv_spec_unit_facts",
     "layer_metadata",
     "qwen_gdn_layer_class",
     "recurrent_layer_base",
@@ -182,3 +192,32 @@ def cpu_worker_class() -> type:
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     return CPUWorker
+
+
+def kv_spec_unit_facts(specs: dict) -> tuple[tuple[int | None, ...], tuple[int, ...], tuple[int, ...]]:
+    """From a worker's ``get_kv_cache_spec()``: each recurrent (align-mode ``MambaSpec``) layer's
+    in-chunk checkpoint alignment (None where it saves none, or runs another cache mode), and each
+    prefix-cacheable spec's block size and tokens per state above 1."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    alignments: list[int | None] = []
+    blocks: set[int] = set()
+    per_state: set[int] = set()
+    for spec in specs.values():
+        if isinstance(spec, MambaSpec):
+            in_chunk = spec.mamba_cache_mode == "align" and spec.num_prefill_checkpoint_blocks > 0
+            alignments.append(spec.prefill_checkpoint_alignment if in_chunk else None)
+        if spec.prefix_cacheable:
+            blocks.add(spec.block_size)
+            try:
+                tokens = spec.tokens_per_state
+            except NotImplementedError:
+                continue
+            if isinstance(tokens, int) and tokens > 1:
+                per_state.add(tokens)
+    return tuple(alignments), tuple(sorted(blocks)), tuple(sorted(per_state))
+
+
+def engine_core_shares_worker_config(vllm_config) -> bool:
+    """Whether the engine core reads the worker's own ``VllmConfig`` (the ``uni`` executor)."""
+    return getattr(vllm_config.parallel_config, "distributed_executor_backend", None) == "uni"

@@ -7,10 +7,11 @@ is re-classed for exact seeded sampling across partial-prefill steps (``worker/s
 from boundary_checkpoints.compat import gpu_worker_class
 from boundary_checkpoints.worker.capture import CaptureCopyWorkerMixin
 from boundary_checkpoints.worker.seeded import with_exact_discarded_draws
+from boundary_checkpoints.worker.unit_choice import MatchUnitWorkerMixin
 
 Worker = gpu_worker_class()
 
 
-class BoundaryGPUWorker(CaptureCopyWorkerMixin, Worker):
+class BoundaryGPUWorker(MatchUnitWorkerMixin, CaptureCopyWorkerMixin, Worker):
     def _make_model_runner(self):
         return with_exact_discarded_draws(super()._make_model_runner())

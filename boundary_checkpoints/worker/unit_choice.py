@@ -1,0 +1,47 @@
+"""The worker's side of the prefix match unit (``match_unit.py``): it sees the layers' KV cache specs.
+
+Contract: :class:`MatchUnitWorkerMixin` extends vLLM's worker ``get_kv_cache_spec``. Once the
+specs exist (the block size resolved, the kernels chosen) and before the engine core resolves its
+hash block from the same config, it lets ``match_unit.apply`` set vLLM's prefix match unit and
+logs the choice once. Where the engine core reads another copy of the config (an executor other
+than ``uni``), it sets nothing: the scheduler then runs the pool-grid stop, as it says at startup.
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from boundary_checkpoints import match_unit, support
+from boundary_checkpoints.compat import engine_core_shares_worker_config, kv_spec_unit_facts
+from boundary_checkpoints.settings import BoundaryConfig
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
+
+
+class MatchUnitWorkerMixin:
+    def get_kv_cache_spec(self):
+        specs = super().get_kv_cache_spec()  # type: ignore[misc]
+        config = self.vllm_config  # type: ignore[attr-defined]
+        settings = BoundaryConfig.for_engine(config)
+        alignments, blocks, per_state = kv_spec_unit_facts(specs)
+        facts = match_unit.UnitFacts(
+            pool=int(getattr(config.model_config.hf_text_config, "index_kpool", 0) or 0),
+            speculative=config.speculative_config is not None,
+            prefix_caching=bool(config.cache_config.enable_prefix_caching),
+            recurrent_alignments=alignments,
+            block_sizes=blocks,
+            tokens_per_state=per_state,
+            engine_reads_config=engine_core_shares_worker_config(config),
+            validated=settings.policy == "request_boundaries" or _validated_pair(config),
+        )
+        phrase = match_unit.apply(config.cache_config, settings.prefix_match_unit, facts)
+        if phrase:
+            logger.info("boundary_checkpoints: %s", phrase)
+        return specs
+
+
+def _validated_pair(config) -> bool:
+    """Whether the engine's architecture runs its drafter's method on the validated list."""
+    method = getattr(config.speculative_config, "method", None)
+    architectures = config.model_config.architectures or []
+    return any(method in support.MATCH_UNIT_SPECULATIVE.get(arch, ()) for arch in architectures)
