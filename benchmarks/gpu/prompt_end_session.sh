@@ -10,7 +10,9 @@
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
 #   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
-#   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1 and 3, checkpoints on the pool grid (GPU test)
+#   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1-3, checkpoints on the pool grid (GPU test)
+#   prompt_end_session.sh glmmtpunit  the same with the pool as vLLM's prefix match unit (FlashKDA; the plugin
+#                                sets it, stock is given it): the run that validates the unit under auto
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
 #   prompt_end_session.sh endfamilies  prompt_capture end (auto's default) on Kimi-Linear, Nemotron-H and GLM (GPU test)
@@ -52,7 +54,7 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -107,17 +109,21 @@ case "$stage" in
       2>&1 | tee /tmp/r/glmfix.log | tail -40
     ;;
   glmmtp)
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k glm5_next_mtp \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5_next_mtp and pool_grid_stop" \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
     ;;
+  glmmtpunit)
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5_next_mtp and vllm_unit" \
+      2>&1 | tee /tmp/r/glmmtpunit.log | tail -40
+    ;;
   glmmtp2)  # issue 32 item 1: GLM + MTP at k = 2, never run (auto falls back from k = 2)
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2]" \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" \
       2>&1 | tee /tmp/r/glmmtp2.log | tail -40
     ;;
   bounds)  # the tests whose first-token bound is one logit step above each length's references, once live
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s \
       tests/gpu/test_gpu_spec_prompt_end.py::test_prompt_checkpoint_at_p_under_mtp_on_the_gpu \
-      "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2]" 2>&1 | tee /tmp/r/bounds.log | tail -40
+      "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" 2>&1 | tee /tmp/r/bounds.log | tail -40
     ;;
   specend)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k under_mtp \

@@ -177,10 +177,13 @@ def engine(policy):
                   max_model_len=case["max_model_len"], max_num_seqs=case["conversations"], gpu_memory_utilization=0.3,
                   enable_prefix_caching=True, seed=0, disable_log_stats=False,
                   additional_config={"gdn_prefill_backend": "triton",
-                                     "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step"}})
+                                     "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step",
+                                                              **case.get("plugin", {})}})  # fmt: skip
     if k:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
     kwargs.update(case.get("engine", {}))  # a dry run off the GPU host: a null drops the argument
+    if policy == "aligned":
+        kwargs.update(case.get("stock_engine", {}))  # stock's own overrides (a prefix match unit)
     return LLM(**{key: value for key, value in kwargs.items() if value is not None})
 
 def setup_of(llm):
@@ -194,6 +197,7 @@ def setup_of(llm):
     geometries = getattr(core.scheduler, "_geometries", None) or []
     return {
         "block_size": config.cache_config.block_size,
+        "prefix_match_unit": config.cache_config.prefix_match_unit,
         "async_scheduling": config.scheduler_config.async_scheduling,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "scheduler": type(core.scheduler).__name__,
@@ -248,7 +252,8 @@ if getattr(scheduler, "_grid_only", False):  # contract 13: each length's prompt
     from types import SimpleNamespace
     fresh = lambda n: SimpleNamespace(request_id=f"grid-target-{n}", num_prompt_tokens=n, num_tokens=n,
                                       num_computed_tokens=0, shared_prefix_boundary=0)
-    setup["grid_targets"] = {str(n): scheduler._grid_prompt_target(fresh(n), 0) for n in lengths}
+    own = scheduler._prompt_capture.mode != "off"  # off: vLLM's cache keeps each prompt's state (its unit)
+    setup["grid_targets"] = {str(n): scheduler._grid_prompt_target(fresh(n), 0) if own else 0 for n in lengths}
 out["request_boundaries"] = {"setup": setup, "lengths": lengths, "rows": rows, "acceptance": acceptance}
 if spans is not None:
     out["request_boundaries"]["decode_spans"] = {salt: list(span) for salt, span in spans.items()}
@@ -276,6 +281,8 @@ def make_case(
     engine: dict | None = None,
     planted_seed: int | None = None,
     decode_path: bool = False,
+    plugin: dict | None = None,
+    stock_engine: dict | None = None,
 ) -> dict:
     """The SCRIPT's case: lengths, answer length, model length, conversations, engine overrides,
     and for the planted fixture its seed (a continuation's first new token is then the successor of
@@ -285,6 +292,10 @@ def make_case(
             "max_model_len": MAX_MODEL_LEN, "conversations": CONVERSATIONS}  # fmt: skip
     if engine:
         case["engine"] = engine
+    if plugin:
+        case["plugin"] = plugin  # the plugin's settings over the test's
+    if stock_engine:
+        case["stock_engine"] = stock_engine
     if planted_seed is not None:
         case["planted_seed"] = planted_seed
     if decode_path:
@@ -340,7 +351,7 @@ def continuation_bounds_for(rows: dict, bounds: Bounds | LengthBounds, k: int = 
 
 def run_case(
     name: str, family: str, k: int = 0, extra_lengths: tuple[int | str, ...] = (), decode_path: bool = False,
-    grid: int = 0, known_failure: str = "",
+    grid: int = 0, known_failure: str = "", plugin: dict | None = None, stock_engine: dict | None = None,
 ):  # fmt: skip
     """Runs the three scenarios of the module docstring; returns (info, rows per run, bounds);
     ``grid``: as ``bounds_for``'s. ``known_failure``: the support matrix's note of a device-side
@@ -350,7 +361,8 @@ def run_case(
 
     model = make_tiny_model(default_model_dir(family, 0), family=family, seed=0)
     planted_seed = 0 if family in (MTP_FAMILY, NEMOTRON_MTP_FAMILY) else None  # the Qwen fixture's successor
-    case = make_case(k, extra_lengths, planted_seed=planted_seed, decode_path=decode_path)
+    case = make_case(k, extra_lengths, planted_seed=planted_seed, decode_path=decode_path, plugin=plugin,
+                     stock_engine=stock_engine)  # fmt: skip
     died = known_failure and f"the plugin's engine died on a device-side assert: {known_failure}"
     info, _ = engine_run(model, case, f"gpu-spec-{name}.log", died)
     rows = probe_rows(info)
@@ -493,8 +505,8 @@ def check_corrupted_run(
         expected = set.intersection(*(corrupted_pairs(prompt_at + 1, boundary or row.committed, b) for b in blocks))
         if boundary is None:
             expected.discard("continuation")  # no response bundle was kept: nothing to corrupt
-        if grid and resend_at[row.prompt_len] > prompt_at:
-            expected.discard("resend")  # the plugin kept none there, or stock's hit is longer
+        if grid and (resend_at[row.prompt_len] > prompt_at or not prompt_at):
+            expected.discard("resend")  # the plugin kept none (vLLM's unit keeps it), or stock's hit is longer
         if "resend" in expected:
             resends += 1
             assert row.resend.cached == prompt_at, row.prompt_len
@@ -610,8 +622,18 @@ def test_nemotron_h_mtp_boundaries(k):
     check_acceptance(info, k)
 
 
+# The prefix match unit under MTP: the plugin's pool-grid stop (vLLM's own unit, the block), or the
+# pool as vLLM's unit where FlashKDA saves states in the chunk (match_unit.py: the plugin sets it;
+# stock is given it, so that resends compare with the same vLLM states).
+GLM_UNITS = {
+    "pool_grid_stop": ({"prefix_match_unit": "vllm"}, None),
+    "vllm_unit": ({}, {"prefix_match_unit": 16}),
+}
+
+
+@pytest.mark.parametrize("unit", list(GLM_UNITS))
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_glm5_next_mtp_boundaries(k):
+def test_glm5_next_mtp_boundaries(k, unit):
     """GLM-5.3-Flash under MTP (``glm5_next_mtp_planted``: the tiny GLM plus one planted MTP layer,
     which vLLM builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the
     Qwen MTP test and the GLM test above (prompts of 2103, 8193 and 32768 tokens: above ``index_topk``).
@@ -625,15 +647,28 @@ def test_glm5_next_mtp_boundaries(k):
     planted drafter's drafts are accepted (~0.77 per draft offline), so acceptance is checked as
     the Qwen MTP test's (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens
     per drafting step of both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``. At k = 3 stock runs
-    the first batch alone first (``stock_vllm_gets_through``)."""
-    name = f"{GLM_MTP_FAMILY}-k{k}"
+    the first batch alone first (``stock_vllm_gets_through``).
+
+    ``unit`` (``GLM_UNITS``): ``pool_grid_stop`` keeps vLLM's unit (the block) and the plugin's
+    prompt checkpoint on the pool grid; ``vllm_unit`` lets the plugin set the pool's multiple with
+    FlashKDA's alignment (16) as vLLM's prefix match unit, and gives stock the same unit: the
+    plugin then takes no prompt checkpoint (``grid_targets`` 0), a resend restores vLLM's own state
+    (stock's count), and a continuation a response bundle where the response ended on the grid,
+    else vLLM's state. Its pass puts GLM + MTP on ``support.MATCH_UNIT_SPECULATIVE``."""
+    name = f"{GLM_MTP_FAMILY}-k{k}-{unit}"
+    plugin, stock_engine = GLM_UNITS[unit]
     known_failure = "; ".join(failures_on_gpu(["Glm5NextForCausalLM"], "mtp", k))
     if known_failure:
-        stock_vllm_gets_through(name, GLM_MTP_FAMILY, make_case(k, GLM_EXTRA_LENGTHS))
+        stock_case = make_case(k, GLM_EXTRA_LENGTHS, stock_engine=stock_engine)
+        stock_vllm_gets_through(name, GLM_MTP_FAMILY, stock_case)
     info, rows, bounds = run_case(
-        name, GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS, grid=GLM_KPOOL, known_failure=known_failure
-    )
+        name, GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS, grid=GLM_KPOOL, known_failure=known_failure,
+        plugin=plugin, stock_engine=stock_engine,
+    )  # fmt: skip
     setup = info["request_boundaries"]["setup"]
+    if stock_engine:
+        assert setup["prefix_match_unit"] == stock_engine["prefix_match_unit"], setup  # the plugin chose it
+        assert set(grid_targets(info).values()) == {0}, setup  # no prompt checkpoint of its own
     print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
     assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
     assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
