@@ -168,6 +168,7 @@ def test_glm5_next_dflash2_on_the_pool_grid(tmp_path):
     the three scenarios judged on the pool grid as the GLM MTP test judges them."""
     name = f"glm-{GLM_VARIANT}"
     model, case = dflash_case(GLM_VARIANT, tmp_path / f"{name}-drafter", GLM_FAMILY, GLM_EXTRA_LENGTHS)
+    case["plugin"] = {"prefix_match_unit": "vllm"}  # the pool-grid stop `auto` runs (match_unit.py)
     stock_vllm_gets_through(name, GLM_FAMILY, case, results_prefix="gpu-dflash")
     info, rows, bounds, log = run_dflash_case(name, GLM_VARIANT, model, case, grid=GLM_KPOOL)
     groups = check_setup(GLM_VARIANT, info, log)
