@@ -7,8 +7,11 @@ every checkpoint on its pool grid (``docs/design.md`` contract 13), so the plugi
 prompt at a pool boundary below ``P - 1``: one more engine step per prompt. Where every recurrent
 layer saves a state inside the prefill chunk (``prefill_checkpoint_alignment``: 16 for FlashKDA)
 and vLLM's prefix match unit is a multiple of the pool finer than the block, vLLM's own cache keeps
-each prompt's state at its last unit boundary below the end, in the prompt's own step, and the
-plugin takes no prompt checkpoint (``prompt_capture.on_pool_grid``).
+each prompt's state at its last unit boundary below the end, and the plugin takes no prompt
+checkpoint (``prompt_capture.on_pool_grid``). vLLM saves it inside the prompt's last step where
+that step crosses a block boundary (``is_mamba_prefill_checkpoint_valid``): such prompts run no
+extra step. Elsewhere (a prompt within one block, a next turn that ends in the block it resumes
+in) vLLM splits the step there itself, the step the plugin's stop would add: never more steps.
 
 :func:`choose` is a pure function of :class:`UnitFacts` (``compat.match_unit_facts`` reads them from
 the engine's config and its layers' KV cache specs). :func:`apply` sets the chosen unit on
@@ -31,8 +34,9 @@ VLLM = "vllm"
 MATCH_UNITS = (AUTO, VLLM)
 CHOSEN = (
     "prefix match unit {unit} tokens (the indexer's pool of {pool}, recurrent states saved inside the "
-    "prefill chunk every {alignment}): vLLM keeps each prompt's state on the pool grid in the prompt's own "
-    "step, so prompts need no stop (prefix_match_unit: vllm keeps vLLM's own)"
+    "prefill chunk every {alignment}): vLLM keeps each prompt's state on the pool grid, in the prompt's "
+    "last step where that step crosses a block boundary, else by a split of its own where the plugin "
+    "would stop (prefix_match_unit: vllm keeps vLLM's own)"
 )
 
 

@@ -198,7 +198,8 @@ class BoundaryConfig:
     """``auto`` (default): a pooled indexer under speculative decoding whose recurrent kernels save
     states inside the prefill chunk (GLM-5.3-Flash on FlashKDA) gets vLLM's prefix match unit set to
     the pool (16 tokens) where ``--prefix-match-unit`` is not given: vLLM then keeps each prompt's
-    state on the pool grid in the prompt's own step, and prompts need no stop (``match_unit.py``;
+    state on the pool grid: a prompt whose last step crosses a block boundary runs no extra step,
+    others as many as with the plugin's stop (``match_unit.py``;
     the startup log says so). ``vllm``: vLLM's own unit (its default, the block, or the one given)."""
 
     def __post_init__(self) -> None:

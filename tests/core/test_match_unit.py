@@ -35,7 +35,7 @@ GLM = match_unit.UnitFacts(
 def test_glm_on_flashkda_under_a_drafter_gets_the_pool():
     choice = match_unit.choose(GLM)
     assert choice.unit == 16
-    assert "prefix match unit 16 tokens" in choice.why and "no stop" in choice.why
+    assert "prefix match unit 16 tokens" in choice.why and "crosses a block boundary" in choice.why
 
 
 def test_a_pool_finer_than_the_kernels_alignment_gets_their_common_multiple():

@@ -2,7 +2,8 @@
 runner; ``docs/design.md`` contract 13): vLLM's own cache then keeps each prompt's recurrent state
 at its last hash-block boundary below the end, inside the prompt's last chunk where the kernels
 save a state there (KDA on FlashKDA: ``num_prefill_checkpoint_blocks``), so the plugin takes no
-prompt checkpoint and runs no pool-grid stop: a fresh prompt prefills in one step.
+prompt checkpoint and runs no pool-grid stop: a fresh prompt longer than a block prefills in one
+step, one within a block in vLLM's own two (as many as with the plugin's stop).
 
 The layout is ``test_scheduler_ring.py``'s under MTP (attention, two recurrent groups, the
 lookahead ring; 16-token blocks, a pool of 4 tokens), with kernels that save an in-chunk state at
@@ -147,3 +148,27 @@ def test_negative_control_a_state_written_one_token_late_is_caught(model_dir, mo
     driver.run([make_request(prompt, salt="s", hash_block_size=KPOOL)])
     with pytest.raises(ShadowMismatch, match="recurrent state"):
         driver.run([make_request(prompt, salt="s", hash_block_size=KPOOL)])
+
+
+def prefill_steps(worker, request, length: int) -> int:
+    return sum(step.start < length for step in worker.steps[request.request_id])
+
+
+def test_a_prompt_within_one_block_runs_vllms_split_as_many_steps_as_the_stop(model_dir):
+    """vLLM saves the in-chunk state only where the prompt's last step crosses a block boundary
+    (``is_mamba_prefill_checkpoint_valid``): a prompt within one block gets vLLM's own split at its
+    last unit boundary, stock with the unit too, as many steps as the plugin's pool-grid stop at
+    vLLM's default unit; its resend resumes at vLLM's state."""
+    steps = {}
+    for name, policy, unit in (("stock", "aligned", KPOOL), ("plugin", "request_boundaries", KPOOL),
+                               ("stop", "request_boundaries", None)):  # fmt: skip
+        _, worker, driver = grid_engine(model_dir, policy=policy, unit=unit)
+        prompt = tokens(random.Random(9), 14)
+        first = make_request(prompt, salt="s", hash_block_size=unit or BLOCK)
+        [answer] = driver.run([first])
+        steps[name] = prefill_steps(worker, first, len(prompt))
+        resend = make_request(prompt, salt="s", hash_block_size=unit or BLOCK)
+        assert driver.run([resend]) == [answer]
+        if unit:
+            assert driver.cached_tokens[resend.request_id] == vllm_checkpoint(len(prompt))
+    assert steps == {"stock": 2, "plugin": 2, "stop": 2}
