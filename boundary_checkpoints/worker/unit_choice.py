@@ -23,10 +23,13 @@ class MatchUnitWorkerMixin:
         specs = super().get_kv_cache_spec()  # type: ignore[misc]
         config = self.vllm_config  # type: ignore[attr-defined]
         settings = BoundaryConfig.for_engine(config)
+        pool = int(getattr(config.model_config.hf_text_config, "index_kpool", 0) or 0)
+        if not pool or config.speculative_config is None or settings.prefix_match_unit != match_unit.AUTO:
+            return specs  # no pooled indexer under a drafter, or vLLM's unit asked for: nothing to read
         alignments, blocks, per_state = kv_spec_unit_facts(specs)
         facts = match_unit.UnitFacts(
-            pool=int(getattr(config.model_config.hf_text_config, "index_kpool", 0) or 0),
-            speculative=config.speculative_config is not None,
+            pool=pool,
+            speculative=True,
             prefix_caching=bool(config.cache_config.enable_prefix_caching),
             recurrent_alignments=alignments,
             block_sizes=blocks,
