@@ -52,6 +52,7 @@ class UnitFacts:
     recurrent_alignments: tuple[int | None, ...]
     block_sizes: tuple[int, ...]
     tokens_per_state: tuple[int, ...] = ()
+    shortest_prefill_row: int = 1  # a prefill row of fewer tokens counts as a decode (1 + k + 1: contract 13)
     engine_reads_config: bool = True  # the engine core resolves its hash block from this config
     validated: bool = True  # the policy may choose it (``support.MATCH_UNIT_SPECULATIVE``, or named)
 
@@ -67,8 +68,9 @@ class MatchUnitChoice:
 
 def choose(facts: UnitFacts) -> MatchUnitChoice:
     """The least common multiple of the pool and the recurrent layers' in-chunk alignments, where
-    it is finer than every prefix-cacheable block and divides it (and every spec's tokens per
-    state divides it); else 0 and why not."""
+    it is finer than every prefix-cacheable block and divides it, every spec's tokens per state
+    divides it, and it is longer than a verify row (so no row vLLM runs from a hit or to a state on
+    it is as short as one); else 0 and why not."""
     if not facts.pool:
         return MatchUnitChoice(0, "no pooled indexer")
     if not facts.speculative:
@@ -86,6 +88,8 @@ def choose(facts: UnitFacts) -> MatchUnitChoice:
     unit = math.lcm(facts.pool, alignment)
     if not facts.block_sizes or any(block <= unit or block % unit for block in facts.block_sizes):
         return MatchUnitChoice(0, f"a unit of {unit} tokens does not divide every block ({facts.block_sizes}) finer")
+    if unit < facts.shortest_prefill_row:
+        return MatchUnitChoice(0, f"a unit of {unit} tokens is no longer than a verify row")
     if any(unit % tokens for tokens in facts.tokens_per_state):
         return MatchUnitChoice(0, f"a unit of {unit} tokens is off a compressed state's grid")
     return MatchUnitChoice(unit, CHOSEN.format(unit=unit, pool=facts.pool, alignment=alignment))

@@ -221,6 +221,10 @@ class StoreCounters:
         "Responses that kept no checkpoint under speculative decoding with a pooled indexer: their boundary "
         "was off the pool grid, so the next turn restores the prompt checkpoint."
     )
+    vllm_hits_lowered: int = exported(
+        "Hits of vLLM's own cache lowered under speculative decoding with a pooled indexer: from a hit inside a "
+        "block (a prefix match unit finer than the block) vLLM would run a prefill row as short as a verify row."
+    )
     pool_snapshots_released: int = exported(
         "Pool-grid snapshots given back to make room: that response keeps its checkpoint at the committed length."
     )

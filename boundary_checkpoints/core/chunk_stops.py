@@ -8,6 +8,8 @@ scheduler's state that ``BoundaryCheckpointMixin.__init__`` sets.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from vllm.logger import init_logger
 
 from boundary_checkpoints.compat import (
@@ -191,6 +193,19 @@ class ChunkStopMixin:
         if point < end < after:
             after = end
         return point - below >= tail and after - point >= tail and (after in ends or after == end)
+
+    def _runs_short_rows_from(self, request: Request, start: int) -> bool:
+        """Whether vLLM's own split of the prompt's prefill from ``start`` runs a row shorter than
+        ``_restore_tail`` that starts or ends off the block grid before ``P`` (contract 13; a row
+        from a block boundary to ``P`` is one stock runs after any block-grid hit). A start inside
+        a block, from a hit at a prefix match unit finer than the block, runs to the block's end
+        or to vLLM's stop at its prompt checkpoint first."""
+        block, prompt = self.cache_config.block_size, request.num_prompt_tokens
+        ends = self._vllm_chunk_ends(request, start)
+        return any(
+            end - begin < self._restore_tail and (begin % block or (end < prompt and end % block))
+            for begin, end in pairwise([start, *ends])
+        )
 
     def _vllm_chunk_ends(self, request: Request, start: int, first_only: bool = False) -> list[int]:
         """Where vLLM's own split (``_mamba_block_aligned_split``, no budget) ends the prompt's

@@ -14,6 +14,8 @@ from vllm.logger import init_logger
 from boundary_checkpoints.compat import (
     KVCacheBlocks,
     Request,
+    block_grid_hit,
+    drops_eagle_block,
 )
 from boundary_checkpoints.core.boundaries import (
     INSTRUCTION,
@@ -35,6 +37,8 @@ class RestoreMixin:
         blocks, num_hit, shared_boundary, diverged = super()._get_local_prefix_cache_hit(request)
         if not self.boundaries_active:
             return blocks, num_hit, shared_boundary, diverged
+        if self._hits_inside_blocks and num_hit % self.cache_config.block_size:
+            blocks, num_hit = self._without_short_rows(request, blocks, num_hit)
         if not request_is_eligible(request):
             self._count_lookup(request, None, MissReason.INELIGIBLE)
             return blocks, num_hit, shared_boundary, diverged
@@ -68,11 +72,17 @@ class RestoreMixin:
         hit = answer.hit
         if pending is not None and (hit is None or pending.num_tokens > hit.num_tokens):
             hit = pending
+        # at a finer prefix match unit vLLM also stops at its prompt checkpoint after a restore
+        cut_short = hit is not None and self._hits_inside_blocks and self._runs_short_rows_from(request, hit.num_tokens)
+        if cut_short:
+            hit = None
         refused = self._guard_refusal(request, answer.refused, pending_any) if guarding else None
         if hit is None or hit.num_tokens <= num_hit:
             if counting:
                 if refused is not None and refused.num_tokens > num_hit:
                     reason = MissReason.DRAFT_NEXT_TOKEN
+                elif cut_short:
+                    reason = MissReason.SHORT_ROW
                 elif hit is not None:
                     reason = MissReason.BLOCK_GRID_AS_LONG
                 else:
@@ -112,6 +122,27 @@ class RestoreMixin:
             self._ring_restores[request.request_id] = hit
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
+
+    def _without_short_rows(self, request: Request, blocks: KVCacheBlocks, num_hit: int) -> tuple[KVCacheBlocks, int]:
+        """vLLM's hit ``num_hit`` inside a block, or where vLLM's own split from there would run a
+        prefill row as short as a verify row (contract 13), its longest hit at a block boundary
+        below from which none would (``compat.block_grid_hit``, looked up one hash block past the
+        boundary where lookups drop a hit's last one for the drafter; none: 0). Each retry ends a
+        block lower, so it ends; a request's first lookup that lowers counts ``vllm_hits_lowered``."""
+        block_size = self.cache_config.block_size
+        past = self.hash_block_size if drops_eagle_block(self) else 0
+        lowered = False
+        while num_hit % block_size and self._runs_short_rows_from(request, num_hit):
+            lowered = True
+            boundary = num_hit // block_size * block_size
+            found, num_hit = block_grid_hit(self.kv_cache_manager, request.block_hashes, boundary + past)
+            if not boundary or not num_hit or num_hit > boundary:
+                blocks, num_hit = KVCacheBlocks(tuple([] for _ in self.kv_cache_config.kv_cache_groups)), 0
+                break
+            blocks = KVCacheBlocks(found)
+        if lowered and not self._ledgers[request.request_id].counted:
+            self.checkpoint_store.counters.vllm_hits_lowered += 1
+        return blocks, num_hit
 
     def _observe_first_lookup(
         self, request: Request, parents, stock_hit: int, served: int, hit: Checkpoint | None

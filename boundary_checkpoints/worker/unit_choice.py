@@ -13,6 +13,7 @@ from vllm.logger import init_logger
 
 from boundary_checkpoints import match_unit, support
 from boundary_checkpoints.compat import engine_core_shares_worker_config, kv_spec_unit_facts
+from boundary_checkpoints.core.boundaries import restore_tail
 from boundary_checkpoints.settings import BoundaryConfig
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
@@ -34,6 +35,7 @@ class MatchUnitWorkerMixin:
             recurrent_alignments=alignments,
             block_sizes=blocks,
             tokens_per_state=per_state,
+            shortest_prefill_row=restore_tail(config.speculative_config.num_speculative_tokens or 0),
             engine_reads_config=engine_core_shares_worker_config(config),
             validated=settings.policy == "request_boundaries" or _validated_pair(config),
         )

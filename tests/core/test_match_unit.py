@@ -55,6 +55,7 @@ def test_a_pool_finer_than_the_kernels_alignment_gets_their_common_multiple():
         ({"block_sizes": (4600,)}, "does not divide"),
         ({"block_sizes": (16,)}, "does not divide"),
         ({"tokens_per_state": (32,)}, "off a compressed state's grid"),
+        ({"shortest_prefill_row": 17}, "no longer than a verify row"),
     ],
 )
 def test_no_unit_where_vllm_would_not_keep_the_state_in_the_step(change, why):

@@ -24,6 +24,7 @@ from boundary_checkpoints.prompt_capture import OFF, STOP
 
 K = 3
 BLOCK = 16
+UNIT = 2 * KPOOL  # a unit longer than a verify row (1 + k), as FlashKDA's 16 is at GLM's k <= 3
 
 
 def grid_engine(model_dir, unit: int | None = KPOOL, policy: str = "request_boundaries", accept: str = "cycle"):
@@ -51,10 +52,10 @@ def short_prefill_rows(worker) -> set[tuple[int, int, int]]:
     }
 
 
-def vllm_checkpoint(length: int) -> int:
-    """Where vLLM keeps a prompt's state at a unit of one pool under MTP, whose EAGLE-style
-    lookups drop the hit's last block (``get_mamba_prefill_checkpoint_position``)."""
-    return length // KPOOL * KPOOL - KPOOL
+def vllm_checkpoint(length: int, unit: int = KPOOL) -> int:
+    """Where vLLM keeps a prompt's state at prefix match unit ``unit`` under MTP, whose EAGLE-style
+    lookups drop the hit's last unit (``get_mamba_prefill_checkpoint_position``)."""
+    return length // unit * unit - unit
 
 
 def first_step_tokens(worker, request) -> int:
@@ -87,23 +88,26 @@ def test_without_a_finer_unit_the_pool_grid_stop_stays(model_dir):
 def test_fresh_prompts_prefill_in_one_step_and_next_turns_resume_from_vllms_state(model_dir, accept):
     """Prompts longer than a block (vLLM's in-chunk state needs a column below the last) prefill in
     one step, beside a request that decodes with drafts. Their resends and next turns resume
-    exactly where stock with the same unit does, at vLLM's state; answers equal cold runs'."""
+    exactly where stock with the same unit does, at vLLM's state; answers equal cold runs'. (A
+    unit of two pools, longer than a verify row; the lengths keep vLLM's rows from the resends'
+    hits longer than one, which the next test's do not.)"""
     runs = {}
+    lengths = (23, 29, 39, 47, 55)
     for policy in ("aligned", "request_boundaries"):
-        scheduler, worker, driver = grid_engine(model_dir, policy=policy, accept=accept)
+        scheduler, worker, driver = grid_engine(model_dir, unit=UNIT, policy=policy, accept=accept)
         rng = random.Random(7)
-        scheduler.add_request(make_request(tokens(rng, 21), max_tokens=600, salt="neighbour", hash_block_size=KPOOL))
+        scheduler.add_request(make_request(tokens(rng, 21), max_tokens=600, salt="neighbour", hash_block_size=UNIT))
         cached, steps = [], []
-        for length in (18, 23, 33, 42, 47):
+        for length in lengths:
             prompt = tokens(rng, length)
-            first = make_request(prompt, salt="s", hash_block_size=KPOOL)
+            first = make_request(prompt, salt="s", hash_block_size=UNIT)
             [answer] = driver.run([first])
             steps.append(first_step_tokens(worker, first) == length)
-            resend = make_request(prompt, salt="s", hash_block_size=KPOOL)
+            resend = make_request(prompt, salt="s", hash_block_size=UNIT)
             assert driver.run([resend]) == [answer]
             follow_up = prompt + answer + tokens(rng, 13)
-            nxt = make_request(follow_up, salt="s", hash_block_size=KPOOL)
-            cold = make_request(follow_up, salt=f"cold-{length}", hash_block_size=KPOOL)
+            nxt = make_request(follow_up, salt="s", hash_block_size=UNIT)
+            cold = make_request(follow_up, salt=f"cold-{length}", hash_block_size=UNIT)
             assert driver.run([nxt]) == driver.run([cold])
             assert driver.cached_tokens[cold.request_id] == 0
             cached.append((driver.cached_tokens[resend.request_id], driver.cached_tokens[nxt.request_id]))
@@ -112,7 +116,7 @@ def test_fresh_prompts_prefill_in_one_step_and_next_turns_resume_from_vllms_stat
     (stock_cached, stock_steps, stock_short), (plugin_cached, plugin_steps, plugin_short) = runs.values()
     assert plugin_steps == stock_steps == [True] * 5
     assert plugin_short <= stock_short  # the plugin runs no short prefill row stock does not
-    assert [resend for resend, _ in plugin_cached] == [vllm_checkpoint(n) for n in (18, 23, 33, 42, 47)]
+    assert [resend for resend, _ in plugin_cached] == [vllm_checkpoint(n, UNIT) for n in lengths]
     for (stock_resend, stock_next), (resend, nxt) in zip(stock_cached, plugin_cached, strict=True):
         assert resend == stock_resend and nxt >= stock_next
 
@@ -172,3 +176,52 @@ def test_a_prompt_within_one_block_runs_vllms_split_as_many_steps_as_the_stop(mo
         if unit:
             assert driver.cached_tokens[resend.request_id] == vllm_checkpoint(len(prompt))
     assert steps == {"stock": 2, "plugin": 2, "stop": 2}
+
+
+# Past a block: the resend hits one pool below its end. The last three exceed the step's token
+# budget (64), so their first send's first chunk ends on the block grid, at 64.
+AT_A_BLOCKS_END = (17, 18, 19, 33, 34, 35, 81, 82, 83)
+
+
+def resend_rows(model_dir, policy: str, unit: int | None, strict_rows: bool):
+    """Prompts whose resend vLLM hits one pool below a block boundary at a prefix match unit of
+    one pool (``KPOOL``, no longer than a verify row: a unit a user may give), each sent twice.
+    Returns the resends' cached tokens, the short rows run, and the scheduler."""
+    scheduler, worker, driver = grid_engine(model_dir, unit=unit, policy=policy)
+    worker.no_short_prefill_rows = strict_rows
+    rng, cached = random.Random(11), []
+    for length in AT_A_BLOCKS_END:
+        prompt = tokens(rng, length)
+        [answer] = driver.run([make_request(prompt, salt="s", hash_block_size=unit or BLOCK)])
+        resend = make_request(prompt, salt="s", hash_block_size=unit or BLOCK)
+        assert driver.run([resend]) == [answer]
+        cached.append(driver.cached_tokens[resend.request_id])
+    return cached, short_prefill_rows(worker), scheduler
+
+
+def test_vllms_own_hit_that_would_run_a_short_row_is_lowered(model_dir):
+    """Stock at that unit resumes one pool below the block's end and runs that pool as a prefill
+    row as short as a verify row (on Hopper the indexer's index assert). The plugin lowers such a
+    hit of vLLM's to a state vLLM keeps at a block boundary below, else to none: no short row,
+    each resend exact. At this unit vLLM keeps one state per prompt, the one inside its last chunk
+    (none at 64, where the first chunk ended), so here every such resend computes its prompt
+    again: below stock at vLLM's default unit, which splits a prompt of two blocks or more at the
+    last block boundary to keep a state there. The price of a unit no longer than a verify row;
+    the unit the plugin chooses (``match_unit.py``: 16 at GLM's k <= 3) never meets it."""
+    stock_cached, stock_short, _ = resend_rows(model_dir, "aligned", KPOOL, strict_rows=False)
+    assert {(start, tokens) for _, start, tokens in stock_short} == {(12, 4), (28, 4), (76, 4)}  # the risk
+    assert stock_cached == [vllm_checkpoint(n) for n in AT_A_BLOCKS_END]
+    default_cached, _, _ = resend_rows(model_dir, "aligned", None, strict_rows=False)
+    assert default_cached == [0, 0, 0, 16, 16, 16, 64, 64, 64]
+    cached, short, scheduler = resend_rows(model_dir, "request_boundaries", KPOOL, strict_rows=True)
+    assert not short
+    assert cached == [0] * len(AT_A_BLOCKS_END)
+    assert scheduler.boundary_stats()["vllm_hits_lowered"] == len(AT_A_BLOCKS_END)
+
+
+def test_negative_control_without_lowering_the_plugin_runs_short_rows(model_dir, monkeypatch):
+    from boundary_checkpoints.core.chunk_stops import ChunkStopMixin
+
+    monkeypatch.setattr(ChunkStopMixin, "_runs_short_rows_from", lambda self, request, start: False)
+    with pytest.raises(ShadowMismatch, match="no longer than a verify row"):
+        resend_rows(model_dir, "request_boundaries", KPOOL, strict_rows=True)
