@@ -131,7 +131,8 @@ class PromptCaptureDecision:
 POOL_GRID_REASON = "speculative decoding with a pooled indexer keeps every checkpoint on its pool grid"
 VLLM_POOL_GRID_REASON = (
     "vLLM's own cache keeps each prompt's state on the indexer's pool grid below P: its prefix match unit of "
-    "{unit} tokens, in the prompt's last step where the kernels save a state inside the chunk"
+    "{unit} tokens, in the prompt's last step where the kernels save a state inside the chunk and that step "
+    "crosses a block boundary, else in a step vLLM splits off"
 )
 # Why ``auto`` stops at ``P - 1`` under a drafter where ``end`` is not validated on a GPU
 # (:data:`boundary_checkpoints.support.PROMPT_END_SPECULATIVE` lists where it is).
