@@ -138,7 +138,7 @@ case "$stage" in
       | tee /tmp/r/copypool.log | tail -12
     ;;
   glmdflash)
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_dflash.py -k glm \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_dflash.py -k "glm and ${GLM_DFLASH_UNIT:-pool_grid_stop}" \
       2>&1 | tee /tmp/r/glmdflash.log | tail -40
     ;;
   glmcrash)
