@@ -13,13 +13,13 @@ that step crosses a block boundary (``is_mamba_prefill_checkpoint_valid``): such
 extra step. Elsewhere (a prompt within one block, a next turn that ends in the block it resumes
 in) vLLM splits the step there itself, the step the plugin's stop would add: never more steps.
 
-:func:`choose` is a pure function of :class:`UnitFacts` (``compat.match_unit_facts`` reads them from
-the engine's config and its layers' KV cache specs). :func:`apply` sets the chosen unit on
+:func:`choose` is a pure function of :class:`UnitFacts` (the worker reads them from the engine's
+config and, through ``compat.kv_spec_unit_facts``, its layers' KV cache specs). :func:`apply` sets the chosen unit on
 ``cache_config.prefix_match_unit`` when the plugin's ``prefix_match_unit`` setting is ``auto`` and
 the user gave none, and returns the startup line's phrase. Under ``policy: auto`` it chooses one
 only for the pairs ``support.MATCH_UNIT_SPECULATIVE`` lists; an explicit ``request_boundaries``
-chooses it wherever the kernels allow. The worker calls it once the specs
-exist and before vLLM resolves its hash block (``worker/capture.py``). A unit the user gave
+chooses it wherever the kernels allow. The worker calls it once the specs exist and before vLLM
+resolves its hash block (``worker/unit_choice.py``). A unit the user gave
 (``--prefix-match-unit``), or ``prefix_match_unit: vllm``, is never changed.
 """
 
