@@ -28,6 +28,8 @@ def spy(*args, **kwargs):
     return stats
 core.scheduler.make_stats = spy
 worker = llm.collective_rpc(lambda self: type(self.worker).__module__ + "." + type(self.worker).__qualname__)[0]
+# compat.engine_core_shares_worker_config: under the uni executor the worker holds the engine core's config
+config_shared = llm.collective_rpc(lambda self: id(self.worker.vllm_config))[0] == id(core.vllm_config)
 out = llm.generate([{"prompt_token_ids": list(range(4, 304))}] * 2, use_tqdm=False)
 out += llm.generate([{"prompt_token_ids": list(range(4, 304))}], use_tqdm=False)  # a resend
 copies = llm.collective_rpc("boundary_copy_counts")[0] if sys.argv[2] != "aligned" else None
@@ -36,6 +38,7 @@ print("RESULT " + json.dumps({
     "copy_us": copy_us,
     "scheduler": type(core.scheduler).__module__ + "." + type(core.scheduler).__qualname__,
     "worker": worker,
+    "config_shared": config_shared,
     "cached": [o.num_cached_tokens for o in out],
 }))
 """
@@ -50,6 +53,7 @@ def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):
     info = start_engine(tiny_model_dir, "request_boundaries")
     assert info["scheduler"] == "boundary_checkpoints.core.scheduler.BoundaryScheduler"
     assert info["worker"] == "boundary_checkpoints.worker.cpu.BoundaryCPUWorker"
+    assert info["config_shared"]  # where the worker's prefix match unit reaches the engine core (match_unit.py)
     assert "boundary_checkpoints: policy=request_boundaries -> request_boundaries" in info["log"]
     assert "boundary_checkpoints: request_boundaries active" in info["log"]
     assert "capture-copy times on /metrics (the worker runs in the engine core's process)" in info["log"]
