@@ -145,8 +145,8 @@ SPECULATIVE_AUTO_REASON = (
 def end_validated_under_drafter(facts: EngineFacts) -> bool:
     """Whether ``auto`` takes the checkpoint at ``P`` under ``facts``' drafter: every architecture
     validated on a GPU with that method (:data:`~boundary_checkpoints.support.PROMPT_END_SPECULATIVE`)."""
-    return bool(facts.architectures) and all(
-        facts.speculative_method in support.PROMPT_END_SPECULATIVE.get(arch, ()) for arch in facts.architectures
+    return support.lists_every_architecture(
+        support.PROMPT_END_SPECULATIVE, facts.architectures, facts.speculative_method
     )
 
 

@@ -77,6 +77,15 @@ FAILED_ON_GPU = {
 }
 
 
+def lists_every_architecture(
+    table: dict[str, tuple[str, ...]], architectures: Iterable[str], method: str | None
+) -> bool:
+    """Whether ``table`` (architecture -> speculative methods validated for a path, such as
+    :data:`PROMPT_END_SPECULATIVE`) lists ``method`` for every one of ``architectures`` (none: False)."""
+    architectures = list(architectures)
+    return bool(architectures) and all(method in table.get(arch, ()) for arch in architectures)
+
+
 def speculative_architectures(method: str | None) -> list[str]:
     """The architectures of :data:`VALIDATED_SPECULATIVE_ARCHITECTURES` validated under ``method``,
     in table order."""

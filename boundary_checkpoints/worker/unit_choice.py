@@ -37,16 +37,14 @@ class MatchUnitWorkerMixin:
             tokens_per_state=per_state,
             shortest_prefill_row=restore_tail(config.speculative_config.num_speculative_tokens or 0),
             engine_reads_config=engine_core_shares_worker_config(config),
-            validated=settings.policy == "request_boundaries" or _validated_pair(config),
+            validated=settings.policy == "request_boundaries"
+            or support.lists_every_architecture(
+                support.MATCH_UNIT_SPECULATIVE,
+                config.model_config.architectures or [],
+                config.speculative_config.method,
+            ),
         )
         phrase = match_unit.apply(config.cache_config, settings.prefix_match_unit, facts)
         if phrase:
             logger.info("boundary_checkpoints: %s", phrase)
         return specs
-
-
-def _validated_pair(config) -> bool:
-    """Whether the engine's architecture runs its drafter's method on the validated list."""
-    method = getattr(config.speculative_config, "method", None)
-    architectures = config.model_config.architectures or []
-    return any(method in support.MATCH_UNIT_SPECULATIVE.get(arch, ()) for arch in architectures)
