@@ -135,8 +135,10 @@ class RestoreMixin:
         while num_hit % block_size and self._runs_short_rows_from(request, num_hit):
             lowered = True
             boundary = num_hit // block_size * block_size
-            found, num_hit = block_grid_hit(self.kv_cache_manager, request.block_hashes, boundary + past)
-            if not boundary or not num_hit or num_hit > boundary:
+            found, num_hit = (
+                block_grid_hit(self.kv_cache_manager, request.block_hashes, boundary + past) if boundary else ((), 0)
+            )
+            if not num_hit or num_hit > boundary:
                 blocks, num_hit = KVCacheBlocks(tuple([] for _ in self.kv_cache_config.kv_cache_groups)), 0
                 break
             blocks = KVCacheBlocks(found)

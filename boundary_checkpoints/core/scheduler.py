@@ -23,6 +23,7 @@ from boundary_checkpoints.compat import (
     SchedulerOutput,
     caches_hash,
     get_block_hash,
+    keeps_prompt_states_between_blocks,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
@@ -87,9 +88,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
         self._grid_only = bool(self._kpool and self.num_spec_tokens)
-        # vLLM's own hits land inside blocks at a finer prefix match unit: the restore cuts those that
-        # would run a short row (RestoreMixin._without_short_rows)
-        self._hits_inside_blocks = self._grid_only and self.hash_block_size < self.cache_config.block_size
+        # vLLM's own hits land inside blocks at a finer prefix match unit (its partial hits), and its rows
+        # from there may be short: the restore cuts those (RestoreMixin._without_short_rows)
+        self._hits_inside_blocks = self._grid_only and keeps_prompt_states_between_blocks(self)
         if self._grid_only:
             vllm_unit = self.hash_block_size if self._vllm_keeps_prompts_on_grid() else 0
             self._prompt_capture = on_pool_grid(self._prompt_capture, vllm_unit)
