@@ -13,6 +13,7 @@
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1-3, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmmtpunit  the same with the pool as vLLM's prefix match unit (FlashKDA; the plugin
 #                                sets it, stock is given it): the run that validates the unit under auto
+#                                ($GLM_MTP_KS: the k values, "1 2 3")
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
 #   prompt_end_session.sh endfamilies  prompt_capture end (auto's default) on Kimi-Linear, Nemotron-H and GLM (GPU test)
@@ -112,9 +113,9 @@ case "$stage" in
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5_next_mtp and pool_grid_stop" \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
     ;;
-  glmmtpunit)
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5_next_mtp and vllm_unit" \
-      2>&1 | tee /tmp/r/glmmtpunit.log | tail -40
+  glmmtpunit)  # $GLM_MTP_KS: the k values to run (1 2 3)
+    ids=(); for k in ${GLM_MTP_KS:-1 2 3}; do ids+=("tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[$k-vllm_unit]"); done
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -s "${ids[@]}" 2>&1 | tee /tmp/r/glmmtpunit.log | tail -40
     ;;
   glmmtp2)  # issue 32 item 1: GLM + MTP at k = 2, never run (auto falls back from k = 2)
     timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" \
