@@ -25,6 +25,8 @@
   the three families on an H100 (``docs/results/gpu-prompt-end-families-h100/``). Under one bound
   for every prompt length the k = 1 run's control lets a corrupted restore through (P = 130); under
   the MTP test's reference floor, Nemotron-H's corrupted restores pass the bound.
+* The unit path's allowance (``lowered_hits``): a vLLM hit the plugin lowered to a block boundary
+  passes only as often as the plugin counted one, on the k = 2 record with one resend made so.
 """
 
 from __future__ import annotations
@@ -238,3 +240,24 @@ def test_family_prompt_end_record_under_the_mtp_floor_lets_corrupted_restores_th
     bounds = bounds.one_step_above(checks.LOGIT_STEP)
     caught, corrupted = spec_prompt_end.check_corrupted_prompts(info, bounds, lengths)
     assert set(caught) < set(corrupted), (caught, corrupted, bounds)
+
+
+def test_a_vllm_hit_lowered_to_the_block_grid_is_accepted_only_as_often_as_the_plugin_counted():
+    """``lowered_hits`` (the unit path of ``test_glm5_next_mtp_boundaries``) on the k = 2 record with
+    one resend made a lowered hit: stock restored vLLM's state at 2,096 tokens (inside a 256-token
+    block), the plugin the block boundary at 1,792. Accepted with ``vllm_hits_lowered`` = 1; the
+    negative control, the same rows with the counter at 0, fails; a count below stock's off the
+    block grid is never taken for a lowered hit."""
+    k, info = load(RECORDS / LIVE_GLM_MTP_K2)
+    checks, rows = gpu_checks(), probe_rows(info)
+    index = next(i for i, row in enumerate(rows["aligned"]) if row.prompt_len == 2103)
+    rows["aligned"][index].resend.cached = 2096
+    rows["request_boundaries"][index].resend.cached = 1792
+    stats = info["request_boundaries"]["setup"]["boundary_stats"]
+    stats["vllm_hits_lowered"] = 1
+    assert checks.lowered_hits(info, rows) == {(2103, "resend"): 1792}
+    stats["vllm_hits_lowered"] = 0
+    with pytest.raises(AssertionError):
+        checks.lowered_hits(info, rows)
+    rows["request_boundaries"][index].resend.cached = 2080  # below stock's, off the block grid
+    assert checks.lowered_hits(info, rows) == {}
