@@ -412,15 +412,13 @@ def grid_targets(info: dict) -> dict[int, int]:
 
 
 def grid_resends(info: dict, rows: dict) -> dict[int, int]:
-    """Contract 13: each prompt length's resend count, the plugin's checkpoint or stock's longer hit
-    (or that hit lowered, ``lowered_hits``)."""
+    """Contract 13: each prompt length's resend count, the plugin's checkpoint or stock's longer hit."""
     stock = {row.prompt_len: row.resend.cached for row in rows["aligned"]}
-    lowered = {n: cached for (n, phase), cached in lowered_hits(info, rows).items() if phase == "resend"}
-    return {n: lowered.get(n, max(target, stock[n])) for n, target in grid_targets(info).items()}
+    return {n: max(target, stock[n]) for n, target in grid_targets(info).items()}
 
 
 def lowered_hits(info: dict, rows: dict) -> dict[tuple[int, str], int]:
-    """Contract 13 at a prefix match unit finer than the block: the plugin's rows (prompt length,
+    """Contract 13 at a prefix match unit finer than the block: the plugin's rows (row index,
     ``resend`` or ``continuation``) whose count is below stock's hit and on the block grid -- vLLM's
     own hit inside a block from which vLLM's split would run a row as short as a verify row,
     lowered to a block boundary (``RestoreMixin._without_short_rows``). No more of them than the
@@ -428,11 +426,11 @@ def lowered_hits(info: dict, rows: dict) -> dict[tuple[int, str], int]:
     setup = info["request_boundaries"]["setup"]
     block = setup["block_size"]
     found = {}
-    for mine, stock in zip(rows["request_boundaries"], rows["aligned"], strict=True):
+    for index, (mine, stock) in enumerate(zip(rows["request_boundaries"], rows["aligned"], strict=True)):
         pairs = (("resend", mine.resend, stock.resend), ("continuation", mine.restored, stock.restored))
         for phase, own, theirs in pairs:
             if own.cached < theirs.cached and own.cached % block == 0:
-                found[(mine.prompt_len, phase)] = own.cached
+                found[(index, phase)] = own.cached
     assert len(found) <= setup["boundary_stats"].get("vllm_hits_lowered", 0), (found, setup["boundary_stats"])
     return found
 
@@ -466,21 +464,24 @@ def check_plugin_run(
     assert captures > 0 and restores > 0, setup
     plugin = rows["request_boundaries"]
     resend_at = grid_resends(info, rows) if grid else None
-    failures = probe_failures(plugin, bounds, continuation_bounds, pool, resend_at=resend_at)
+    lowered = lowered_hits(info, rows) if grid else {}
+    failures = []
+    for index, row in enumerate(plugin):  # a lowered resend: its own count (lowered_hits judged it)
+        at = {**resend_at, row.prompt_len: lowered[(index, "resend")]} if (index, "resend") in lowered else resend_at
+        failures += probe_failures([row], bounds, continuation_bounds, pool, resend_at=at)
     producer_accepted = info["request_boundaries"]["acceptance"].get("producer", [0, 0])[1]
     if k and (producer_accepted or grid):
         failures = [f for f in failures if "continuation cached" not in f]
         kinds = {"below": 0, "committed": 0, "in flight": 0, "prompt": 0, "block grid": 0, "lowered": 0}
         targets = grid_targets(info) if grid else {}
-        lowered = lowered_hits(info, rows) if grid else {}
-        for row, stock in zip(plugin, rows["aligned"], strict=True):
+        for index, (row, stock) in enumerate(zip(plugin, rows["aligned"], strict=True)):
             offset = row.restored.cached - row.committed
             prompt_at = targets[row.prompt_len] if grid else row.prompt_len - 1
             if -k <= offset <= 1 and not (grid and row.restored.cached % grid):
                 kinds["below" if offset < 0 else "committed" if offset == 0 else "in flight"] += 1
             elif row.restored.cached == prompt_at:
                 kinds["prompt"] += 1
-            elif (row.prompt_len, "continuation") in lowered:
+            elif (index, "continuation") in lowered:
                 kinds["lowered"] += 1  # bounded by the plugin's own count (lowered_hits)
             else:
                 assert grid and row.restored.cached == stock.restored.cached > prompt_at, (
@@ -493,12 +494,10 @@ def check_plugin_run(
         print(f"k={k}: continuations restored {kinds} (guard fallbacks and misses + in-flight drops: {unserved})")
         assert kinds["prompt"] + kinds["block grid"] <= unserved, (kinds, stats)
     assert failures == [], (failures, bounds, continuation_bounds)
-    lowered = lowered_hits(info, rows) if grid else {}
-    for mine, stock in zip(plugin, rows["aligned"], strict=True):
+    for index, (mine, stock) in enumerate(zip(plugin, rows["aligned"], strict=True)):
         assert stock.prompt_len == mine.prompt_len
-        n = mine.prompt_len
-        assert stock.resend.cached <= mine.resend.cached or (n, "resend") in lowered, n
-        assert stock.restored.cached <= mine.restored.cached or (n, "continuation") in lowered, n
+        assert stock.resend.cached <= mine.resend.cached or (index, "resend") in lowered, mine.prompt_len
+        assert stock.restored.cached <= mine.restored.cached or (index, "continuation") in lowered, mine.prompt_len
 
 
 def check_corrupted_run(

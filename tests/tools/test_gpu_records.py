@@ -247,17 +247,19 @@ def test_a_vllm_hit_lowered_to_the_block_grid_is_accepted_only_as_often_as_the_p
     one resend made a lowered hit: stock restored vLLM's state at 2,096 tokens (inside a 256-token
     block), the plugin the block boundary at 1,792. Accepted with ``vllm_hits_lowered`` = 1; the
     negative control, the same rows with the counter at 0, fails; a count below stock's off the
-    block grid is never taken for a lowered hit."""
+    block grid (another conversation of that length) is never taken for a lowered hit."""
     k, info = load(RECORDS / LIVE_GLM_MTP_K2)
     checks, rows = gpu_checks(), probe_rows(info)
     index = next(i for i, row in enumerate(rows["aligned"]) if row.prompt_len == 2103)
     rows["aligned"][index].resend.cached = 2096
     rows["request_boundaries"][index].resend.cached = 1792
+    # another conversation of the same length below stock's, off the block grid: never a lowered hit
+    other = next(i for i, row in enumerate(rows["aligned"]) if row.prompt_len == 2103 and i != index)
+    rows["aligned"][other].resend.cached = 2096
+    rows["request_boundaries"][other].resend.cached = 2080
     stats = info["request_boundaries"]["setup"]["boundary_stats"]
     stats["vllm_hits_lowered"] = 1
-    assert checks.lowered_hits(info, rows) == {(2103, "resend"): 1792}
+    assert checks.lowered_hits(info, rows) == {(index, "resend"): 1792}  # that row only, not its length
     stats["vllm_hits_lowered"] = 0
     with pytest.raises(AssertionError):
         checks.lowered_hits(info, rows)
-    rows["request_boundaries"][index].resend.cached = 2080  # below stock's, off the block grid
-    assert checks.lowered_hits(info, rows) == {}
