@@ -263,3 +263,42 @@ def test_a_vllm_hit_lowered_to_the_block_grid_is_accepted_only_as_often_as_the_p
     stats["vllm_hits_lowered"] = 0
     with pytest.raises(AssertionError):
         checks.lowered_hits(info, rows)
+
+
+UNIT_RECORDS = ROOT / "docs/results/gpu-glm-mtp-unit-h100"
+
+
+@pytest.fixture(params=(1, 2))
+def unit_record(request):
+    k, info = load(UNIT_RECORDS / f"gpu-spec-glm5_next_mtp_planted-k{request.param}-vllm_unit.json.gz")
+    return gpu_checks(), k, info, probe_rows(info)
+
+
+def test_glm_mtp_unit_records_pass_the_gpu_checks(unit_record):
+    """GLM-5.3-Flash under MTP k = 1 and 2 at the prefix match unit the plugin set (16 tokens), on an
+    H100: no prompt checkpoint and no capture copy of the plugin's (its bundles keep their
+    responses' own blocks), and every check of ``test_glm5_next_mtp_boundaries`` passes."""
+    checks, k, info, rows = unit_record
+    setup = info["request_boundaries"]["setup"]
+    assert setup["prefix_match_unit"] == 16 and setup["copies"][0] == 0 and setup["copies"][1] > 0
+    assert set(checks.grid_targets(info).values()) == {0}
+    grid = checks.GLM_KPOOL
+    bounds = checks.bounds_for(rows, k, grid)
+    checks.check_plugin_run(info, rows, bounds, k, checks.continuation_bounds_for(rows, bounds, k, grid), grid=grid)
+    checks.check_corrupted_run(info, rows, bounds, speculative=True, grid=grid)
+    check_acceptance(info, k)
+
+
+def test_glm_mtp_unit_record_fails_the_checks_with_corrupted_restores_or_no_bundle(unit_record):
+    """Negative controls on the same records: the corrupted run's rows (response bundles keyed one
+    token short) as the plugin's fail the counts, and a run that kept no bundle fails."""
+    checks, k, info, rows = unit_record
+    grid = checks.GLM_KPOOL
+    bounds = checks.bounds_for(rows, k, grid)
+    continuation = checks.continuation_bounds_for(rows, bounds, k, grid)
+    corrupted = {**rows, "request_boundaries": rows["corrupt"]}
+    with pytest.raises(AssertionError):
+        checks.check_plugin_run(info, corrupted, bounds, k, continuation, grid=grid)
+    info["request_boundaries"]["setup"]["boundary_stats"]["published"] = 0
+    with pytest.raises(AssertionError):
+        checks.check_plugin_run(info, rows, bounds, k, continuation, grid=grid)
