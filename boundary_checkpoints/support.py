@@ -60,10 +60,10 @@ VALIDATED_SPECULATIVE = {
 # Qwen3-Next under MTP k = 1 and 3 (docs/results/gpu-prompt-end-keyed-h200.md).
 PROMPT_END_SPECULATIVE: dict[str, tuple[str, ...]] = {"Qwen3NextForCausalLM": ("mtp",)}
 # Where ``policy: auto`` gives vLLM the indexer's pool as its prefix match unit (``match_unit.py``):
-# the architecture and method pairs whose GPU exactness test passed with that unit. None yet: its
-# cost is measured (GLM-5.3-Flash dims under MTP k = 3, docs/results/gpu-glm-unit16-h100.md), its
-# exactness with drafts accepted is not. An explicit ``request_boundaries`` chooses it on any pair.
-MATCH_UNIT_SPECULATIVE: dict[str, tuple[str, ...]] = {}
+# the architecture and method pairs whose GPU exactness run at that unit, drafts accepted, passes
+# every check of its test. GLM-5.3-Flash under MTP at k = 1 and 2 (docs/results/gpu-glm-mtp-unit-h100.md).
+# An explicit ``request_boundaries`` chooses it on any pair.
+MATCH_UNIT_SPECULATIVE: dict[str, tuple[str, ...]] = {"Glm5NextForCausalLM": ("mtp",)}
 # Speculative combinations known to fail on a GPU: (architecture, method, smallest k the note
 # covers) -> what happens, added to the reason ``auto`` falls back with and to the decision line
 # of an explicit ``request_boundaries``.

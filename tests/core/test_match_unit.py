@@ -151,7 +151,7 @@ def test_the_worker_gives_vllm_the_pool_and_vllms_resolver_takes_it(caplog):
 @pytest.mark.parametrize(
     "config",
     [
-        engine_config(policy="auto"),  # GLM under MTP is not on support.MATCH_UNIT_SPECULATIVE
+        engine_config(policy="auto", method="dflash"),  # GLM under DFlash is not on support.MATCH_UNIT_SPECULATIVE
         engine_config(backend="mp"),  # the engine core resolves its hash block from its own copy
         engine_config(setting="vllm"),
     ],
@@ -162,6 +162,14 @@ def test_the_worker_leaves_vllms_unit_alone(config):
     _Worker(specs, config).get_kv_cache_spec()
     assert config.cache_config.prefix_match_unit is None
     assert hash_block(specs, config) == BLOCK
+
+
+def test_auto_gives_vllm_the_pool_on_a_validated_pair():
+    config = engine_config(policy="auto")  # GLM under MTP: on support.MATCH_UNIT_SPECULATIVE
+    specs = glm_specs(FLASHKDA)
+    _Worker(specs, config).get_kv_cache_spec()
+    assert config.cache_config.prefix_match_unit == 16
+    assert hash_block(specs, config) == 16
 
 
 def test_a_kernel_without_in_chunk_states_keeps_the_block_negative_control():
