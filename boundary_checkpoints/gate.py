@@ -20,7 +20,8 @@ Contract
 * ``decide_layout(config, reasons, ...)`` is the same rule for what only the scheduler knows, once
   the KV cache exists (its groups, block alignment, the worker class): ``True`` when nothing stands
   against boundary retention; otherwise ``request_boundaries`` raises and ``auto`` falls back with
-  a warning.
+  a warning. ``match_unit_reasons`` is one such reason: a speculative ``k`` validated only with the
+  indexer's pool as vLLM's prefix match unit, on an engine that does not run that unit.
 * ``log_decision_once(decision, logger)`` logs the one-line summary at INFO once per process per
   distinct summary.
 
@@ -43,6 +44,7 @@ from boundary_checkpoints.support import (
     VALIDATED_SPECULATIVE,
     failures_on_gpu,
     largest_speculative_k,
+    match_unit_only_k,
     speculative_architectures,
 )
 from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES, extends_boundary_scheduler
@@ -193,8 +195,9 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     V2, async scheduling, drafts accepted) at ``k`` 1 and 3; DFlash and DFlash2 drafters (which
     vLLM runs on GPUs only) on a GPU at ``k`` 3 with a planted drafter whose drafts are accepted
     (:data:`VALIDATED_SPECULATIVE`: larger ``k`` is not validated), on Qwen3-Next; single-module
-    MTP also on Nemotron-H at ``k`` 1 and 3 and on GLM-5.3-Flash at ``k`` 1 (planted MTP layers,
-    drafts accepted). Another architecture, another method on these, or a larger ``k`` than the
+    MTP also on Nemotron-H at ``k`` 1 and 3 and on GLM-5.3-Flash at ``k`` 1 and 2, 3 only at the
+    pool's prefix match unit, which the scheduler checks (:func:`match_unit_reasons`; planted MTP
+    layers, drafts accepted). Another architecture, another method on these, or a larger ``k`` than the
     architecture's own is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
@@ -221,12 +224,13 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
         measured = speculative_architectures(method)
         failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k or 1))
         on_architecture = largest_speculative_k(architectures, method)
+        at_unit_only = match_unit_only_k(architectures, method)  # the scheduler checks it (match_unit_reasons)
         if architectures and not on_architecture:
             reasons.append(
                 f"speculative decoding ({method}) on {', '.join(architectures)} is not validated yet "
                 f"(measured with it: {', '.join(measured)})" + failures
             )
-        elif architectures and on_architecture < (k or 1) <= largest:
+        elif architectures and on_architecture < (k or 1) <= largest and (k or 1) > at_unit_only:
             reasons.append(
                 f"speculative decoding ({method}, k={k}) on {', '.join(architectures)} is measured up to "
                 f"k={on_architecture}, not validated on GPU" + failures
@@ -253,6 +257,28 @@ def decide_policy(config: BoundaryConfig, vllm_config: Any, extra_reasons: Seque
             f"(allowed policies: {', '.join(POLICIES)})."
         )
     return GateDecision(requested, False, reasons + unvalidated)
+
+
+def match_unit_reasons(vllm_config: Any, vllm_keeps_prompts_on_grid: bool) -> list[str]:
+    """What only the scheduler knows about a speculative ``k`` validated on the architecture only
+    with the indexer's pool as vLLM's prefix match unit (``support.MATCH_UNIT_ONLY_K``, which
+    :func:`unvalidated_reasons` leaves to this check): none where vLLM keeps each prompt's state
+    on the pool grid (``vllm_keeps_prompts_on_grid``), else one naming the unit and the GPU failure
+    at vLLM's block unit."""
+    architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+    spec = getattr(vllm_config, "speculative_config", None)
+    method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None) or 1
+    if spec is None or vllm_keeps_prompts_on_grid or k <= largest_speculative_k(architectures, method):
+        return []
+    if k > match_unit_only_k(architectures, method):
+        return []
+    failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k))
+    return [
+        f"speculative decoding ({method}, k={k}) on {', '.join(architectures)} is validated only with the "
+        "indexer's pool as vLLM's prefix match unit, which this engine does not run (it needs prefix caching, "
+        "prefix_match_unit auto, the uni executor and recurrent kernels that save states inside the prefill "
+        "chunk, as FlashKDA does)" + failures
+    ]
 
 
 def layout_reasons(describe_reasons: Sequence[str], *, block_aligned: bool, worker_cls: Any) -> list[str]:

@@ -44,7 +44,8 @@ CHOSEN = (
 class UnitFacts:
     """What the choice depends on: the indexer's ``pool`` (0: none), whether a drafter runs and
     prefix caching is on, each recurrent spec's in-chunk alignment (None: it saves no state inside
-    the chunk), and each prefix-cacheable spec's block size and tokens per state."""
+    the chunk), each prefix-cacheable spec's block size and tokens per state, and the blocks of
+    those vLLM finds hits in by whole blocks only (a drafter's sliding window)."""
 
     pool: int
     speculative: bool
@@ -52,6 +53,7 @@ class UnitFacts:
     recurrent_alignments: tuple[int | None, ...]
     block_sizes: tuple[int, ...]
     tokens_per_state: tuple[int, ...] = ()
+    whole_block_lookups: tuple[int, ...] = ()  # blocks of specs vLLM finds hits in by whole blocks only
     shortest_prefill_row: int = 1  # a prefill row of fewer tokens counts as a decode (1 + k + 1: contract 13)
     engine_reads_config: bool = True  # the engine core resolves its hash block from this config
     validated: bool = True  # the policy may choose it (``support.MATCH_UNIT_SPECULATIVE``, or named)
@@ -69,8 +71,8 @@ class MatchUnitChoice:
 def choose(facts: UnitFacts) -> MatchUnitChoice:
     """The least common multiple of the pool and the recurrent layers' in-chunk alignments, where
     it is finer than every prefix-cacheable block and divides it, every spec's tokens per state
-    divides it, and it is longer than a verify row (so no row vLLM runs from a hit or to a state on
-    it is as short as one); else 0 and why not."""
+    divides it, it is longer than a verify row (so no row vLLM runs from a hit or to a state on it
+    is as short as one), and every group finds hits between blocks; else 0 and why not."""
     if not facts.pool:
         return MatchUnitChoice(0, "no pooled indexer")
     if not facts.speculative:
@@ -92,6 +94,11 @@ def choose(facts: UnitFacts) -> MatchUnitChoice:
         return MatchUnitChoice(0, f"a unit of {unit} tokens is no longer than a verify row")
     if any(unit % tokens for tokens in facts.tokens_per_state):
         return MatchUnitChoice(0, f"a unit of {unit} tokens is off a compressed state's grid")
+    if any(block != unit for block in facts.whole_block_lookups):
+        return MatchUnitChoice(
+            0, f"a layer group ({facts.whole_block_lookups}-token blocks, such as a drafter's sliding window) "
+            "finds hits only by whole blocks, so vLLM would keep no state between blocks",
+        )  # fmt: skip
     return MatchUnitChoice(unit, CHOSEN.format(unit=unit, pool=facts.pool, alignment=alignment))
 
 

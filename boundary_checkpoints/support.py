@@ -39,8 +39,8 @@ VALIDATED_ARCHITECTURES = (
 # accepted, each with the methods it was measured with and the largest k measured on it:
 # Qwen3-Next under MTP and DFlash / DFlash2; Nemotron-H under MTP, k = 1 and 3 with a planted MTP
 # layer (docs/results/gpu-nemotron-mtp-h200.md); GLM-5.3-Flash under MTP at k = 1 and 2 with a
-# planted MTP layer (docs/results/gpu-glm-mtp-h200.md, gpu-prompt-end-keyed-h200.md; k = 3 hits a
-# vLLM assert, FAILED_ON_GPU) and under
+# planted MTP layer (docs/results/gpu-glm-mtp-h200.md, gpu-prompt-end-keyed-h200.md; k = 3 only at
+# the pool's prefix match unit, MATCH_UNIT_ONLY_K, else a vLLM assert, FAILED_ON_GPU) and under
 # a DFlash2 drafter at k = 3 (docs/results/gpu-glm-dflash-h200.md).
 # Nemotron-H under DFlash has not run; vLLM 0.32 has no MTP module for Kimi-Linear (its
 # ``kimi_k3_mtp`` is Kimi-K3's).
@@ -61,18 +61,25 @@ VALIDATED_SPECULATIVE = {
 PROMPT_END_SPECULATIVE: dict[str, tuple[str, ...]] = {"Qwen3NextForCausalLM": ("mtp",)}
 # Where ``policy: auto`` gives vLLM the indexer's pool as its prefix match unit (``match_unit.py``):
 # the architecture and method pairs whose GPU exactness run at that unit, drafts accepted, passes
-# every check of its test. GLM-5.3-Flash under MTP at k = 1 and 2 (docs/results/gpu-glm-mtp-unit-h100.md).
+# every check of its test. GLM-5.3-Flash under MTP at k = 1, 2 and 3 (docs/results/gpu-glm-mtp-unit-h100.md).
 # An explicit ``request_boundaries`` chooses it on any pair.
 MATCH_UNIT_SPECULATIVE: dict[str, tuple[str, ...]] = {"Glm5NextForCausalLM": ("mtp",)}
+# Where a larger k than the architecture's own is validated only with the indexer's pool as vLLM's
+# prefix match unit (``match_unit.py``: vLLM keeps each prompt's state on the pool grid, the plugin
+# runs no pool-grid stop): (architecture, method) -> the largest such k. GLM-5.3-Flash under MTP
+# at k = 3 passes every check of its GPU test at that unit (docs/results/gpu-glm-mtp-unit-h100.md)
+# and ran 15 rounds at real dims there without an assert (gpu-glm-unit16-h100.md). The scheduler
+# checks the unit once the KV cache exists (``gate.match_unit_reasons``).
+MATCH_UNIT_ONLY_K: dict[tuple[str, str], int] = {("Glm5NextForCausalLM", "mtp"): 3}
 # Speculative combinations known to fail on a GPU: (architecture, method, smallest k the note
 # covers) -> what happens, added to the reason ``auto`` falls back with and to the decision line
 # of an explicit ``request_boundaries``.
 FAILED_ON_GPU = {
     ("Glm5NextForCausalLM", "mtp", 3): (
-        "on a GPU k = 3 takes the engine down in the first batch of the exactness test's probes (a "
-        "device-side index assert in vLLM's indexer path); stock vLLM 0.32.0 gets through that batch but dies "
-        "on the same assert once its own batch holds prefill rows of 2-3 tokens beside verify rows, so k = 3 "
-        "cannot be validated on this vLLM (k = 1 and 2 pass)"
+        "at vLLM's block unit (the plugin's pool-grid stop) k = 3 takes the engine down in the first batch of "
+        "the exactness test's probes (a device-side index assert in vLLM's indexer path); stock vLLM 0.32.0 gets "
+        "through that batch but dies on the same assert once its own batch holds prefill rows of 2-3 tokens "
+        "beside verify rows (k = 1 and 2 pass; k = 3 passes with the indexer's pool as vLLM's prefix match unit)"
     ),
 }
 
@@ -96,6 +103,13 @@ def largest_speculative_k(architectures: Iterable[str], method: str | None) -> i
     """The largest ``k`` validated under ``method`` on any of ``architectures`` (0 if none)."""
     measured = [VALIDATED_SPECULATIVE_ARCHITECTURES.get(arch, {}).get(method or "", 0) for arch in architectures]
     return max(measured, default=0)
+
+
+def match_unit_only_k(architectures: Iterable[str], method: str | None) -> int:
+    """The largest ``k`` :data:`MATCH_UNIT_ONLY_K` validates under ``method`` for every one of
+    ``architectures`` at the pool's prefix match unit (0 if none)."""
+    found = [MATCH_UNIT_ONLY_K.get((arch, method or ""), 0) for arch in architectures]
+    return min(found, default=0)
 
 
 def failures_on_gpu(architectures: Iterable[str], method: str | None, k: int) -> list[str]:

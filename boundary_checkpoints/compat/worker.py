@@ -194,28 +194,42 @@ def cpu_worker_class() -> type:
     return CPUWorker
 
 
-def kv_spec_unit_facts(specs: dict) -> tuple[tuple[int | None, ...], tuple[int, ...], tuple[int, ...]]:
-    """From a worker's ``get_kv_cache_spec()``: each recurrent (align-mode ``MambaSpec``) layer's
-    in-chunk checkpoint alignment (None where it saves none, or runs another cache mode), and each
-    prefix-cacheable spec's block size and tokens per state above 1."""
+def kv_spec_unit_facts(specs: dict) -> dict[str, tuple]:
+    """From a worker's ``get_kv_cache_spec()``, keyed as ``match_unit.UnitFacts``' fields: each
+    recurrent (align-mode ``MambaSpec``) layer's in-chunk checkpoint alignment (None where it saves
+    none, or runs another cache mode); each prefix-cacheable spec's block size and tokens per state
+    above 1; and the block sizes of those whose vLLM manager finds hits only by whole blocks
+    (``supports_fine_grained_hash_lookup`` false, as a drafter's sliding window), where vLLM turns
+    hits between blocks off unless the unit is that block (``partial_hash_hits_enabled``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     alignments: list[int | None] = []
     blocks: set[int] = set()
     per_state: set[int] = set()
+    whole_blocks: set[int] = set()
     for spec in specs.values():
         if isinstance(spec, MambaSpec):
             in_chunk = spec.mamba_cache_mode == "align" and spec.num_prefill_checkpoint_blocks > 0
             alignments.append(spec.prefill_checkpoint_alignment if in_chunk else None)
-        if spec.prefix_cacheable:
-            blocks.add(spec.block_size)
-            try:
-                tokens = spec.tokens_per_state
-            except NotImplementedError:
-                continue
-            if isinstance(tokens, int) and tokens > 1:
-                per_state.add(tokens)
-    return tuple(alignments), tuple(sorted(blocks)), tuple(sorted(per_state))
+        if not spec.prefix_cacheable:
+            continue
+        blocks.add(spec.block_size)
+        manager = KVCacheSpecRegistry.get_manager_class(spec)
+        if manager is not None and not manager.supports_fine_grained_hash_lookup:
+            whole_blocks.add(spec.block_size)
+        try:
+            tokens = spec.tokens_per_state
+        except NotImplementedError:
+            continue
+        if isinstance(tokens, int) and tokens > 1:
+            per_state.add(tokens)
+    return {
+        "recurrent_alignments": tuple(alignments),
+        "block_sizes": tuple(sorted(blocks)),
+        "tokens_per_state": tuple(sorted(per_state)),
+        "whole_block_lookups": tuple(sorted(whole_blocks)),
+    }
 
 
 def engine_core_shares_worker_config(vllm_config) -> bool:

@@ -47,7 +47,7 @@ from boundary_checkpoints.core.restore import RestoreMixin
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
-from boundary_checkpoints.gate import decide_layout
+from boundary_checkpoints.gate import decide_layout, match_unit_reasons
 from boundary_checkpoints.prompt_capture import END, IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for, on_pool_grid
 from boundary_checkpoints.settings import BoundaryConfig
 
@@ -69,6 +69,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         geometries, reasons = describe_layout(
             self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool, num_spec_tokens=self.num_spec_tokens
         )
+        on_grid = bool(kpool) and keeps_prompt_states_between_blocks(self) and self.hash_block_size % int(kpool) == 0
+        reasons = [*reasons, *match_unit_reasons(self.vllm_config, vllm_keeps_prompts_on_grid=on_grid)]
         self.boundaries_active = decide_layout(
             self.boundary_config, reasons, block_aligned=self.need_mamba_block_aligned_split,
             worker_cls=self.vllm_config.parallel_config.worker_cls, logger=logger,

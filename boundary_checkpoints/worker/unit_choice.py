@@ -27,14 +27,11 @@ class MatchUnitWorkerMixin:
         pool = int(getattr(config.model_config.hf_text_config, "index_kpool", 0) or 0)
         if not pool or config.speculative_config is None or settings.prefix_match_unit != match_unit.AUTO:
             return specs  # no pooled indexer under a drafter, or vLLM's unit asked for: nothing to read
-        alignments, blocks, per_state = kv_spec_unit_facts(specs)
         facts = match_unit.UnitFacts(
             pool=pool,
             speculative=True,
             prefix_caching=bool(config.cache_config.enable_prefix_caching),
-            recurrent_alignments=alignments,
-            block_sizes=blocks,
-            tokens_per_state=per_state,
+            **kv_spec_unit_facts(specs),
             shortest_prefill_row=restore_tail(config.speculative_config.num_speculative_tokens or 0),
             engine_reads_config=engine_core_shares_worker_config(config),
             validated=settings.policy == "request_boundaries"

@@ -489,24 +489,37 @@ def test_glm_under_mtp_up_to_k2_turns_on_under_auto(k):
     assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
 
 
-def test_glm_under_mtp_k3_falls_back_saying_what_failed_on_the_gpu():
-    """At k = 3 GLM-5.3-Flash under MTP takes the engine down on a vLLM assert stock hits too:
-    ``auto`` falls back with the architecture's own measured range and the note, and an explicit
-    ``request_boundaries`` runs with both on its decision line. The note is GLM's alone."""
+def test_glm_under_mtp_k3_is_left_to_the_scheduler_which_needs_the_pool_as_vllms_unit():
+    """At k = 3 GLM-5.3-Flash under MTP passes its GPU test only with the indexer's pool as vLLM's
+    prefix match unit (gpu-glm-mtp-unit-h100.md); at vLLM's block unit it takes the engine down on a
+    vLLM assert. The config gate turns it on; the scheduler's layout reason (``match_unit_reasons``)
+    refuses it where vLLM keeps no prompt state on the pool grid, with the GPU note. Nemotron-H's
+    k = 3, GLM's k = 2 and GLM's k = 4 never get that reason."""
     k = 3
     fake = mtp_fake(k)
     fake.model_config.architectures = ["Glm5NextForCausalLM"]
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
-    assert not auto.boundaries_enabled and len(auto.reasons) == 1, auto.reasons
-    reason = auto.reasons[0]
+    assert auto.boundaries_enabled and auto.reasons == () and auto.unvalidated == (), auto.summary()
+    assert bc_gate.match_unit_reasons(fake, vllm_keeps_prompts_on_grid=True) == []
+    (reason,) = bc_gate.match_unit_reasons(fake, vllm_keeps_prompts_on_grid=False)
     assert reason.startswith(
-        f"speculative decoding (mtp, k={k}) on Glm5NextForCausalLM is measured up to k=2, not validated on GPU; "
+        f"speculative decoding (mtp, k={k}) on Glm5NextForCausalLM is validated only with the indexer's pool "
+        "as vLLM's prefix match unit, which this engine does not run"
     ), reason
     assert "takes the engine down" in reason and "stock vLLM 0.32.0 gets through that batch" in reason
-    explicit = decide_policy(BoundaryConfig(policy="request_boundaries"), fake)
-    assert explicit.boundaries_enabled and "takes the engine down" in explicit.summary()
-    fake.model_config.architectures = ["NemotronHForCausalLM"]
-    assert decide_policy(BoundaryConfig(policy="auto"), fake).boundaries_enabled
+    logger = RecordingLogger()
+    assert not bc_gate.decide_layout(
+        BoundaryConfig(policy="auto"), [reason], block_aligned=True, worker_cls=PLUGIN_WORKER, logger=logger
+    )
+    with pytest.raises(BoundaryConfigError, match="takes the engine down"):
+        bc_gate.decide_layout(
+            BoundaryConfig(policy="request_boundaries"), [reason], block_aligned=True, worker_cls=PLUGIN_WORKER,
+            logger=logger,
+        )  # fmt: skip
+    for architecture, other_k in (("NemotronHForCausalLM", 3), ("Glm5NextForCausalLM", 2), ("Glm5NextForCausalLM", 4)):
+        other = mtp_fake(other_k)
+        other.model_config.architectures = [architecture]
+        assert bc_gate.match_unit_reasons(other, vllm_keeps_prompts_on_grid=False) == [], (architecture, other_k)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -597,16 +610,14 @@ def test_speculative_configs_that_cannot_work_are_refused(fake, text):
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_decoding_with_a_pooled_indexer_is_not_refused(k):
     """GLM-5.3-Flash (``index_kpool`` > 1) under MTP: the scheduler keeps its checkpoints on the
-    pool grid (``docs/design.md`` contract 13), so nothing refuses the layout: ``auto`` turns on at
-    the validated k = 1 and falls back above it only because that is not validated, and an explicit
-    ``request_boundaries`` runs."""
+    pool grid (``docs/design.md`` contract 13), so nothing refuses the layout: ``auto`` turns on
+    (k = 3 left to the scheduler's unit check), and an explicit ``request_boundaries`` runs."""
     fake = mtp_fake(k)
     fake.model_config.architectures = ["Glm5NextForCausalLM"]
     fake.model_config.hf_text_config = SimpleNamespace(index_kpool=4)
     assert unsupported_reasons(fake) == []
     auto = decide_policy(BoundaryConfig(policy="auto"), fake)
-    assert auto.boundaries_enabled == (k == 1), auto.summary()
-    assert not any("pooled indexer" in r for r in auto.reasons), auto.reasons
+    assert auto.boundaries_enabled and auto.reasons == (), auto.summary()
     assert decide_policy(BoundaryConfig(policy="request_boundaries"), fake).boundaries_enabled
 
 

@@ -18,7 +18,7 @@ def test_speculative_validation_is_on_validated_architectures():
 def test_speculative_validation_is_what_the_gpu_measured():
     """Qwen3-Next under MTP and DFlash (gpu-session8-h200.md), Nemotron-H under MTP
     (gpu-nemotron-mtp-h200.md), GLM-5.3-Flash under MTP at k = 1 and 2 (gpu-glm-mtp-h200.md,
-    gpu-prompt-end-keyed-h200.md: k = 3 hits vLLM's own assert, FAILED_ON_GPU) and under DFlash2
+    gpu-prompt-end-keyed-h200.md; k = 3 only at the pool's unit, MATCH_UNIT_ONLY_K) and under DFlash2
     at k = 3 (gpu-glm-dflash-h200.md); nothing else. Kimi-Linear has no MTP module in vLLM 0.32."""
     assert support.VALIDATED_SPECULATIVE_ARCHITECTURES == {
         "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
@@ -59,3 +59,16 @@ def test_failures_on_gpu_lookup():
     assert support.failures_on_gpu([glm], method, smallest - 1) == []
     assert support.failures_on_gpu([glm], "dflash", smallest) == []
     assert support.failures_on_gpu(["Other"], method, smallest) == []
+
+
+def test_k3_at_the_pools_unit_is_glm_under_mtp_alone():
+    """GLM-5.3-Flash under MTP at k = 3 passed its GPU test at the pool's prefix match unit
+    (gpu-glm-mtp-unit-h100.md), a k above its own validated 2 and within the GPU-wide 3."""
+    assert support.MATCH_UNIT_ONLY_K == {("Glm5NextForCausalLM", "mtp"): 3}
+    assert support.match_unit_only_k(["Glm5NextForCausalLM"], "mtp") == 3
+    assert support.match_unit_only_k(["Glm5NextForCausalLM", "Other"], "mtp") == 0
+    assert support.match_unit_only_k(["Glm5NextForCausalLM"], "dflash") == 0
+    assert support.match_unit_only_k([], "mtp") == 0
+    for (arch, method), k in support.MATCH_UNIT_ONLY_K.items():
+        assert support.largest_speculative_k([arch], method) < k <= support.VALIDATED_SPECULATIVE[method]
+        assert method in support.MATCH_UNIT_SPECULATIVE[arch]

@@ -13,14 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled, resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowSpec,
 )
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from boundary_checkpoints import match_unit
 from boundary_checkpoints.settings import BoundaryConfig, BoundaryConfigError
@@ -56,6 +58,7 @@ def test_a_pool_finer_than_the_kernels_alignment_gets_their_common_multiple():
         ({"block_sizes": (16,)}, "does not divide"),
         ({"tokens_per_state": (32,)}, "off a compressed state's grid"),
         ({"shortest_prefill_row": 17}, "no longer than a verify row"),
+        ({"whole_block_lookups": (BLOCK,)}, "finds hits only by whole blocks"),
     ],
 )
 def test_no_unit_where_vllm_would_not_keep_the_state_in_the_step(change, why):
@@ -126,12 +129,17 @@ def engine_config(policy="request_boundaries", backend="uni", setting="auto", un
     )  # fmt: skip
 
 
-def hash_block(specs: dict, config) -> int:
-    """vLLM's own resolver on a KV cache of ``specs`` grouped by kind, under ``config``."""
-    groups = [
+def groups_of(specs: dict) -> list[KVCacheGroupSpec]:
+    """``specs`` grouped by kind, one KV cache group each."""
+    return [
         KVCacheGroupSpec([name for name, spec in specs.items() if type(spec) is kind], spec)
         for kind, spec in {type(s): s for s in specs.values()}.items()
     ]
+
+
+def hash_block(specs: dict, config) -> int:
+    """vLLM's own resolver on a KV cache of ``specs`` grouped by kind, under ``config``."""
+    groups = groups_of(specs)
     kv_cache = KVCacheConfig(
         num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups, prefix_cache_retention_interval=0
     )
@@ -175,6 +183,28 @@ def test_auto_gives_vllm_the_pool_on_a_validated_pair():
 def test_a_kernel_without_in_chunk_states_keeps_the_block_negative_control():
     config = engine_config()
     specs = glm_specs(None)  # the Triton KDA kernel: no state inside the chunk
+    _Worker(specs, config).get_kv_cache_spec()
+    assert config.cache_config.prefix_match_unit is None
+    assert hash_block(specs, config) == BLOCK
+
+
+def vllm_finds_hits_between_blocks(specs: dict, unit: int) -> bool:
+    """vLLM's own rule (``partial_hash_hits_enabled``) on ``specs`` at prefix match unit ``unit``."""
+    groups = groups_of(specs)
+    managers = [KVCacheSpecRegistry.get_manager_class(group.kv_cache_spec) for group in groups]
+    return partial_hash_hits_enabled(groups, unit, 1, managers)
+
+
+def test_a_drafters_sliding_window_keeps_the_block():
+    """GLM under DFlash: the drafter's sliding-window layer finds hits by whole blocks only, so at
+    the pool vLLM itself would turn its hits between blocks off (its rule, on the same specs) and
+    keep no prompt state there: the worker sets no unit, even under ``request_boundaries``. Without
+    the window layer the same rule keeps them (the control)."""
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=2048)
+    specs = {**glm_specs(FLASHKDA), "draft.0": window}
+    assert not vllm_finds_hits_between_blocks(specs, POOL)
+    assert vllm_finds_hits_between_blocks(glm_specs(FLASHKDA), POOL)
+    config = engine_config()
     _Worker(specs, config).get_kv_cache_spec()
     assert config.cache_config.prefix_match_unit is None
     assert hash_block(specs, config) == BLOCK

@@ -20,7 +20,9 @@ import pytest
 from shadow_engine import ShadowMismatch, make_request, tokens
 from test_scheduler_ring import ACCEPT, KPOOL, spec_ring_engine
 
+from boundary_checkpoints import support
 from boundary_checkpoints.prompt_capture import OFF, STOP
+from boundary_checkpoints.settings import BoundaryConfigError
 
 K = 3
 BLOCK = 16
@@ -70,6 +72,29 @@ def test_the_plugin_leaves_prompt_checkpoints_to_vllm_and_says_so(model_dir):
     described = scheduler._prompt_capture.describe()
     assert described.startswith("off (vLLM's own cache keeps each prompt's state on the indexer's pool grid")
     assert "(prompt vLLM's own, responses only where they end on it)" in scheduler._pool_grid_line()
+
+
+@pytest.fixture
+def k_validated_only_at_the_unit(monkeypatch):
+    """The shadow's architecture validated under MTP at k = 1 everywhere and at this file's k only
+    with the pool as vLLM's unit, as GLM-5.3-Flash is at k = 3 (``support.MATCH_UNIT_ONLY_K``)."""
+    architecture = "Qwen3NextForCausalLM"
+    monkeypatch.setitem(support.VALIDATED_SPECULATIVE_ARCHITECTURES, architecture, {"mtp": 1})
+    monkeypatch.setitem(support.MATCH_UNIT_ONLY_K, (architecture, "mtp"), K)
+
+
+def test_a_k_validated_only_at_the_unit_runs_under_auto_at_the_unit(model_dir, k_validated_only_at_the_unit):
+    scheduler, _, _ = grid_engine(model_dir, policy="auto")
+    assert scheduler.boundaries_active and scheduler._prompt_capture.mode == OFF
+
+
+def test_a_k_validated_only_at_the_unit_falls_back_without_it(model_dir, k_validated_only_at_the_unit):
+    """Negative control of the test above: at vLLM's block unit the same engine under ``auto``
+    runs stock's retention, and an explicit ``request_boundaries`` is refused, naming the unit."""
+    scheduler, _, _ = grid_engine(model_dir, unit=None, policy="auto")
+    assert not scheduler.boundaries_active
+    with pytest.raises(BoundaryConfigError, match="validated only with the indexer's pool as vLLM's prefix match unit"):
+        grid_engine(model_dir, unit=None)
 
 
 def test_without_a_finer_unit_the_pool_grid_stop_stays(model_dir):
