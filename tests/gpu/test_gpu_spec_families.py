@@ -173,12 +173,14 @@ if case.get("torch_vocab_topk"):  # why: test_gpu_dflash.TORCH_VOCAB_TOPK
     logits_processor._flashinfer_topk = lambda: None  # None: LogitsProcessor's own torch.topk branch
 
 def engine(policy):
+    settings = {"policy": policy, "prompt_capture": "in_step", **case.get("plugin", {})}
+    if policy == "aligned":
+        settings["policy"] = "aligned"  # stock, whatever the plugin's case sets
     kwargs = dict(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32",
                   max_model_len=case["max_model_len"], max_num_seqs=case["conversations"], gpu_memory_utilization=0.3,
                   enable_prefix_caching=True, seed=0, disable_log_stats=False,
                   additional_config={"gdn_prefill_backend": "triton",
-                                     "boundary_checkpoints": {"policy": policy, "prompt_capture": "in_step",
-                                                              **case.get("plugin", {})}})  # fmt: skip
+                                     "boundary_checkpoints": settings})  # fmt: skip
     if k:
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
     kwargs.update(case.get("engine", {}))  # a dry run off the GPU host: a null drops the argument
@@ -659,10 +661,12 @@ def test_nemotron_h_mtp_boundaries(k):
 
 # The prefix match unit under MTP: the plugin's pool-grid stop (vLLM's own unit, the block), or the
 # pool as vLLM's unit where FlashKDA saves states in the chunk (match_unit.py: the plugin sets it;
-# stock is given it, so that resends compare with the same vLLM states).
+# stock is given it, so that resends compare with the same vLLM states). The unit's case runs the
+# plugin at its defaults (``policy: auto``), as a user gets it: GLM + MTP at every k <= 3 is on
+# ``support.MATCH_UNIT_SPECULATIVE`` (k = 3 there only: ``support.MATCH_UNIT_ONLY_K``).
 GLM_UNITS = {
     "pool_grid_stop": ({"prefix_match_unit": "vllm"}, None),
-    "vllm_unit": ({}, {"prefix_match_unit": 16}),
+    "vllm_unit": ({"policy": "auto", "prompt_capture": "auto"}, {"prefix_match_unit": 16}),
 }
 
 
@@ -689,8 +693,9 @@ def test_glm5_next_mtp_boundaries(k, unit):
     the first batch alone first (``stock_vllm_gets_through``).
 
     ``unit`` (``GLM_UNITS``): ``pool_grid_stop`` keeps vLLM's unit (the block) and the plugin's
-    prompt checkpoint on the pool grid; ``vllm_unit`` lets the plugin set the pool's multiple with
-    FlashKDA's alignment (16) as vLLM's prefix match unit, and gives stock the same unit: the
+    prompt checkpoint on the pool grid; ``vllm_unit`` runs the plugin at its defaults (``auto``),
+    which set the pool's multiple with FlashKDA's alignment (16) as vLLM's prefix match unit, and
+    gives stock the same unit: the
     plugin then takes no prompt checkpoint (``grid_targets`` 0), a resend restores vLLM's own state
     (stock's count), and a continuation a response bundle where the response ended on the grid,
     else vLLM's state. Its pass (k = 1, 2, 3) put GLM + MTP on ``support.MATCH_UNIT_SPECULATIVE``
