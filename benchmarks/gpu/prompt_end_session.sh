@@ -144,9 +144,9 @@ case "$stage" in
     ;;
   glmcrash)
     # Issue 32 item 2: GLM + MTP k = 3 with accepted drafts (the planted fixture), stock and the
-    # plugin one by one, 50 conversations of 2 turns a round, 2 rounds: 200 conversations each.
+    # plugin at its defaults (auto: the pool as vLLM's prefix match unit) one by one, 50 conversations of 2 turns a round, 2 rounds: 200 conversations each.
     python3 -c "from bc_tools.fixtures.tiny_models import make_tiny_model as m; m('/tmp/glmmtp', family='glm5_next_mtp_planted')" || exit 1
-    timeout 540 bc-bench --launch /tmp/glmmtp --policies aligned,request_boundaries --start-one-by-one --log-dir /tmp/r/logs \
+    timeout 540 bc-bench --launch /tmp/glmmtp --policies aligned,auto --start-one-by-one --log-dir /tmp/r/logs \
       --server-arg="--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'" \
       --server-arg='--gpu-memory-utilization 0.3' --server-arg='--max-model-len 8192' --server-arg=--no-enforce-eager \
       -N 50 -T 2 -S 1000 -U 200 -A 64 --in-flight 8,32 --repeat 2 --time-budget 470 --startup-timeout 200 \
@@ -176,7 +176,7 @@ case "$stage" in
     if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)); then
       glm_pair=(--sleep-others --server-arg='--gpu-memory-utilization 0.8')
     fi
-    policies=(--policies aligned,request_boundaries)
+    policies=(--policies "${GLM_POLICIES:-aligned,request_boundaries}")  # aligned,auto: the plugin's defaults
     if [[ $stage == glmunit ]]; then
       GLM_ARCH=${GLM_ARCH:-glm5_next_flash_dense_mtp}
       [[ -n ${GLM_SPEC:-} ]] || GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
