@@ -1,6 +1,7 @@
 """``benchmarks/gpu/compile_cache.sh`` on the CPU: ``save`` packs vLLM's and Triton's caches into
-parts, ``restore`` unpacks parts carried in ``.gpu-cache/`` to the same paths once per host, and a
-cache over the part limit is not saved (each stage must go on whatever happens)."""
+parts (xz or gzip), ``restore`` unpacks parts carried in ``.gpu-cache/`` to the same paths once per
+host, whichever packed them, and a cache over the part limit is not saved (each stage must go on
+whatever happens)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "compile_cache.sh"
 
@@ -30,12 +33,14 @@ def run(cwd: Path, env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def test_save_then_restore_puts_both_caches_back_once(tmp_path):
+@pytest.mark.parametrize("compressor", ["xz", "gzip"])
+def test_save_then_restore_puts_both_caches_back_once(tmp_path, compressor):
     env, graph, cubin = caches(tmp_path)
+    env["CC_COMPRESSOR"] = compressor
     saved = graph.read_bytes()
     out, repo = tmp_path / "out", tmp_path / "repo"
     out.mkdir()
-    assert "saved" in run(tmp_path, env, "save", str(out))
+    assert f"({compressor})" in run(tmp_path, env, "save", str(out))
     parts = sorted(out.glob("cc-part-*"))
     assert parts
     shutil.rmtree(tmp_path / "home")
