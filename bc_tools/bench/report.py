@@ -193,7 +193,8 @@ def targets_text(result: dict, level: dict) -> str:
     judged = level["summary"].get("targets")
     if not judged or result["workload"]["turns"] < 2:
         return ""
-    lines = [f"targets ({PLUGIN_POLICY} vs {STOCK_POLICY}, medians over rounds):"]
+    plugin = level["summary"].get("targets_policy") or PLUGIN_POLICY
+    lines = [f"targets ({plugin} vs {STOCK_POLICY}, medians over rounds):"]
     for key, item in judged.items():
         op = ">=" if key in AT_LEAST else "<="
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[item["passed"]]

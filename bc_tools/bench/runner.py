@@ -38,7 +38,7 @@ from bc_tools.bench.run_settings import BudgetEndedDuringStart, RoundBudget, Set
 from bc_tools.bench.server_sets import LaunchedServers, ServerSet
 from bc_tools.bench.slot import Slot
 from bc_tools.bench.slot_metrics import counter_deltas, flush_plugin_stats, scrape_counters, slot_counters
-from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY, RequestRecord
+from bc_tools.bench.stats import STOCK_POLICY, RequestRecord
 from bc_tools.bench.traffic import Clock, Progress
 from bc_tools.bench.workload import ConversationPlan, Workload, make_chat_plans, make_plans, round_order
 
@@ -140,7 +140,8 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
             "policies": {p: stats.aggregate([rd["policies"][p] for rd in rounds]) for p in s.labels},
             "floor": stats.aggregate(floor_rounds) if any(floor_rounds) else None,
             "ratios": ratios,
-            "targets": stats.targets(ratios[PLUGIN_POLICY]) if PLUGIN_POLICY in ratios else None,
+            "targets": stats.targets(ratios[judged]) if (judged := stats.plugin_label(ratios)) else None,
+            "targets_policy": judged,
             "same_answers": same_answers(records, s.labels),
             "answer_variety": answer_variety(records, s.labels[0]),
             "per_turn": {p: stats.per_turn([r for r in records if r.policy == p]) for p in s.labels},

@@ -29,6 +29,14 @@ from typing import Any, Iterable, Sequence
 
 STOCK_POLICY = "aligned"
 PLUGIN_POLICY = "request_boundaries"
+PLUGIN_POLICIES = (PLUGIN_POLICY, "auto")  # labels judged against the targets, the first present
+
+
+def plugin_label(labels: Iterable[str]) -> str | None:
+    """The label the targets judge: the first of :data:`PLUGIN_POLICIES` among ``labels``."""
+    present = set(labels)
+    return next((label for label in PLUGIN_POLICIES if label in present), None)
+
 TARGETS = {
     "continuation_ttft_vs_floor": 1.1,  # plugin TTFT p50 (turns >= 2) / floor TTFT p50, at most
     "prefill_vs_stock": 0.3,  # plugin prefill tokens / stock prefill tokens, at most

@@ -370,27 +370,35 @@ def test_cli_argument_checks(capsys):
     assert "--vocab-size" in capsys.readouterr().err
 
 
-def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
+def test_the_targets_judge_the_plugin_under_either_policy_name():
+    assert stats.plugin_label(["aligned", "request_boundaries"]) == "request_boundaries"
+    assert stats.plugin_label(["aligned", "auto"]) == "auto"
+    assert stats.plugin_label(["auto", "request_boundaries"]) == "request_boundaries"
+    assert stats.plugin_label(["aligned", "unit16"]) is None
+
+
+@pytest.mark.parametrize("plugin", ["request_boundaries", "auto"])
+def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys, plugin):
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "result.json"
     with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
-        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
+        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", plugin, "--model", "m",
                 "--vocab-size", "1024", "-N", "2", "-T", "3", "-S", "40", "-U", "8", "-A", "4", "-C", "1,2",
                 "--repeat", "3", "--floor", "--block-size", "16", "--out-json", str(out_json),
                 "--plot", str(tmp_path / "plot.png")]  # fmt: skip
         assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "## in flight 1" in printed and "## in flight 2" in printed
-    assert "TTFT p50 turn 1 (fresh prompt) / stock" in printed and "targets (" in printed
+    assert "TTFT p50 turn 1 (fresh prompt) / stock" in printed and f"targets ({plugin} vs aligned" in printed
     result = json.loads(out_json.read_text())
     assert result["repeat"] == 3 and result["in_flight"] == [1, 2] and result["block_size"] == 16
     assert result["meta"]["argv"][0] == "bc-bench" and result["meta"]["machine"]["nproc"] >= 1
     records = result["records"]
     for level in result["levels"]:
         assert [rd["order"] for rd in level["rounds"]] == [
-            ["aligned", "request_boundaries"],
-            ["request_boundaries", "aligned"],
-            ["aligned", "request_boundaries"],
+            ["aligned", plugin],
+            [plugin, "aligned"],
+            ["aligned", plugin],
         ]
         for rd in level["rounds"]:  # the order is the order the slots really ran in
             rows = [r for r in records if r["in_flight"] == level["in_flight"] and r["round"] == rd["round"]
@@ -400,13 +408,13 @@ def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys):
                 r["start_s"] for r in rows if r["policy"] == second
             )
         summary = level["summary"]
-        ttft = summary["policies"]["request_boundaries"]["ttft_turn1_p50_s"]
+        ttft = summary["policies"][plugin]["ttft_turn1_p50_s"]
         assert ttft["n"] == 3 and ttft["p25"] <= ttft["median"] <= ttft["p75"]
         assert summary["policies"]["aligned"]["requests"]["median"] == 6
         assert summary["floor"]["requests"]["median"] == 4
-        assert summary["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]["n"] == 3
+        assert summary["ratios"][plugin]["turn1_ttft_vs_stock"]["n"] == 3
         assert set(summary["targets"]) == set(stats.TARGETS)
-        assert summary["same_answers"] == {"request_boundaries": "18/18"}
+        assert summary["same_answers"] == {plugin: "18/18"}
     # every (level, round, label) slot has its own salt, so no round reuses another's cache
     salts = {body["cache_salt"] for body in CompletionsStub.requests if "warmup" not in body["cache_salt"]}
     conv_salts = {s for s in salts if not s.endswith("-floor")}
