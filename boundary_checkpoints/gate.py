@@ -275,9 +275,9 @@ def match_unit_reasons(vllm_config: Any, vllm_keeps_prompts_on_grid: bool) -> li
     failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k))
     return [
         f"speculative decoding ({method}, k={k}) on {', '.join(architectures)} is validated only with the "
-        "indexer's pool as vLLM's prefix match unit, which this engine does not run (it needs prefix caching, "
-        "prefix_match_unit auto, the uni executor and recurrent kernels that save states inside the prefill "
-        "chunk, as FlashKDA does)" + failures
+        "indexer's pool as vLLM's prefix match unit, which this engine does not run (the plugin sets it under "
+        "prefix_match_unit auto with prefix caching, the uni executor and recurrent kernels that save states "
+        "inside the prefill chunk, as FlashKDA does; or give --prefix-match-unit a multiple of the pool)" + failures
     ]
 
 
