@@ -37,6 +37,7 @@ def plugin_label(labels: Iterable[str]) -> str | None:
     present = set(labels)
     return next((label for label in PLUGIN_POLICIES if label in present), None)
 
+
 TARGETS = {
     "continuation_ttft_vs_floor": 1.1,  # plugin TTFT p50 (turns >= 2) / floor TTFT p50, at most
     "prefill_vs_stock": 0.3,  # plugin prefill tokens / stock prefill tokens, at most
