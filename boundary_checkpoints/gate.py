@@ -201,7 +201,7 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
     architecture's own is not validated (:data:`VALIDATED_SPECULATIVE_ARCHITECTURES`)."""
     parallel = getattr(vllm_config, "parallel_config", None)
     reasons = []
-    architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+    architectures = _architectures(vllm_config)
     if architectures and not set(architectures) & set(VALIDATED_ARCHITECTURES):
         reasons.append(
             f"model architecture {', '.join(architectures)} is not validated yet "
@@ -222,7 +222,7 @@ def unvalidated_reasons(vllm_config: Any) -> list[str]:
                 f"speculative decoding ({method}, k={k}) is measured up to k={largest}, not validated on GPU"
             )
         measured = speculative_architectures(method)
-        failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k or 1))
+        failures = _failure_notes(architectures, method, k or 1)
         on_architecture = largest_speculative_k(architectures, method)
         at_unit_only = match_unit_only_k(architectures, method)  # the scheduler checks it (match_unit_reasons)
         if architectures and not on_architecture:
@@ -259,20 +259,30 @@ def decide_policy(config: BoundaryConfig, vllm_config: Any, extra_reasons: Seque
     return GateDecision(requested, False, reasons + unvalidated)
 
 
+def _architectures(vllm_config: Any) -> list[str]:
+    """The model's architectures (none where the config has no model config)."""
+    return list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+
+
+def _failure_notes(architectures: list[str], method: str | None, k: int) -> str:
+    """``support.FAILED_ON_GPU``'s notes for this method and ``k``, each after "; " (a reason's tail)."""
+    return "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k))
+
+
 def match_unit_reasons(vllm_config: Any, vllm_keeps_prompts_on_grid: bool) -> list[str]:
     """What only the scheduler knows about a speculative ``k`` validated on the architecture only
     with the indexer's pool as vLLM's prefix match unit (``support.MATCH_UNIT_ONLY_K``, which
     :func:`unvalidated_reasons` leaves to this check): none where vLLM keeps each prompt's state
     on the pool grid (``vllm_keeps_prompts_on_grid``), else one naming the unit and the GPU failure
     at vLLM's block unit."""
-    architectures = list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
+    architectures = _architectures(vllm_config)
     spec = getattr(vllm_config, "speculative_config", None)
     method, k = getattr(spec, "method", None), getattr(spec, "num_speculative_tokens", None) or 1
     if spec is None or vllm_keeps_prompts_on_grid or k <= largest_speculative_k(architectures, method):
         return []
     if k > match_unit_only_k(architectures, method):
         return []
-    failures = "".join(f"; {what}" for what in failures_on_gpu(architectures, method, k))
+    failures = _failure_notes(architectures, method, k)
     return [
         f"speculative decoding ({method}, k={k}) on {', '.join(architectures)} is validated only with the "
         "indexer's pool as vLLM's prefix match unit, which this engine does not run (the plugin sets it under "

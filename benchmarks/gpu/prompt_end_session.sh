@@ -144,7 +144,8 @@ case "$stage" in
     ;;
   glmcrash)
     # Issue 32 item 2: GLM + MTP k = 3 with accepted drafts (the planted fixture), stock and the
-    # plugin at its defaults (auto: the pool as vLLM's prefix match unit) one by one, 50 conversations of 2 turns a round, 2 rounds: 200 conversations each.
+    # plugin at its defaults (auto: the pool as vLLM's prefix match unit) one by one, 50 conversations
+    # of 2 turns a round, 2 rounds: 200 conversations each.
     python3 -c "from bc_tools.fixtures.tiny_models import make_tiny_model as m; m('/tmp/glmmtp', family='glm5_next_mtp_planted')" || exit 1
     timeout 540 bc-bench --launch /tmp/glmmtp --policies aligned,auto --start-one-by-one --log-dir /tmp/r/logs \
       --server-arg="--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'" \

@@ -69,8 +69,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         geometries, reasons = describe_layout(
             self.kv_cache_config, managers, on_cpu=platform_is_cpu(), kpool=kpool, num_spec_tokens=self.num_spec_tokens
         )
-        on_grid = bool(kpool) and keeps_prompt_states_between_blocks(self) and self.hash_block_size % int(kpool) == 0
-        reasons = [*reasons, *match_unit_reasons(self.vllm_config, vllm_keeps_prompts_on_grid=on_grid)]
+        self._kpool = next((g.pool for g in geometries if g.is_ring), None)  # the indexer's pool, not the ring's slots
+        vllm_keeps_prompts = self._vllm_keeps_prompts_on_grid()
+        reasons = [*reasons, *match_unit_reasons(self.vllm_config, vllm_keeps_prompts_on_grid=vllm_keeps_prompts)]
         self.boundaries_active = decide_layout(
             self.boundary_config, reasons, block_aligned=self.need_mamba_block_aligned_split,
             worker_cls=self.vllm_config.parallel_config.worker_cls, logger=logger,
@@ -87,14 +88,13 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
                 STOP if self._prompt_capture.mode == IN_STEP else self._prompt_capture.mode, ring,
                 resend=STOP if self._prompt_capture.resend else "",
             )  # fmt: skip
-        self._kpool = geometries[self._ring_groups[0]].pool if self._ring_groups else None  # not the ring's slots
         # Under speculative decoding every checkpoint of a pooled indexer sits on its pool grid (contract 13).
         self._grid_only = bool(self._kpool and self.num_spec_tokens)
         # vLLM's own hits land inside blocks at a finer prefix match unit (its partial hits), and its rows
         # from there may be short: the restore cuts those (RestoreMixin._without_short_rows)
         self._hits_inside_blocks = self._grid_only and keeps_prompt_states_between_blocks(self)
         if self._grid_only:
-            vllm_unit = self.hash_block_size if self._vllm_keeps_prompts_on_grid() else 0
+            vllm_unit = self.hash_block_size if vllm_keeps_prompts else 0
             self._prompt_capture = on_pool_grid(self._prompt_capture, vllm_unit)
             self._prompt_captures_on = self._prompt_captures_on and self._prompt_capture.mode != OFF
         self._prompt_at_end = self._prompt_captures_on and self._prompt_capture.mode == END
