@@ -27,9 +27,10 @@
   the MTP test's reference floor, Nemotron-H's corrupted restores pass the bound.
 * The unit path's allowance (``lowered_hits``): a vLLM hit the plugin lowered to a block boundary
   passes only as often as the plugin counted one, on the k = 2 record with one resend made so.
-* GLM-5.3-Flash under MTP k = 1, 2 and 3 at the unit the plugin sets (``docs/results/gpu-glm-mtp-unit-h100/``)
-  pass the checks of ``test_glm5_next_mtp_boundaries``; the corrupted run's rows as the plugin's,
-  and a run that kept no bundle, fail them.
+* GLM-5.3-Flash under MTP k = 1, 2 and 3 at the unit the plugin sets (``docs/results/gpu-glm-mtp-unit-h100/``,
+  and k = 3 under ``auto``, ``docs/results/gpu-glm-auto-h100/``) pass the checks of
+  ``test_glm5_next_mtp_boundaries``; the corrupted run's rows as the plugin's, and a run that kept
+  no bundle, fail them.
 """
 
 from __future__ import annotations
@@ -268,19 +269,23 @@ def test_a_vllm_hit_lowered_to_the_block_grid_is_accepted_only_as_often_as_the_p
         checks.lowered_hits(info, rows)
 
 
-UNIT_RECORDS = ROOT / "docs/results/gpu-glm-mtp-unit-h100"
+UNIT_RECORDS = [
+    *(f"gpu-glm-mtp-unit-h100/gpu-spec-glm5_next_mtp_planted-k{k}-vllm_unit.json.gz" for k in (1, 2, 3)),
+    "gpu-glm-auto-h100/gpu-spec-glm5_next_mtp_planted-k3-auto.json.gz",  # the plugin under ``auto``
+]
 
 
-@pytest.fixture(params=(1, 2, 3))
+@pytest.fixture(params=UNIT_RECORDS)
 def unit_record(request):
-    k, info = load(UNIT_RECORDS / f"gpu-spec-glm5_next_mtp_planted-k{request.param}-vllm_unit.json.gz")
+    k, info = load(ROOT / "docs/results" / request.param)
     return gpu_checks(), k, info, probe_rows(info)
 
 
 def test_glm_mtp_unit_records_pass_the_gpu_checks(unit_record):
     """GLM-5.3-Flash under MTP k = 1, 2 and 3 at the prefix match unit the plugin set (16 tokens), on
-    an H100: no prompt checkpoint and no capture copy of the plugin's (its bundles keep their
-    responses' own blocks), and every check of ``test_glm5_next_mtp_boundaries`` passes."""
+    an H100 (k = 3 also with the plugin at its defaults): no prompt checkpoint and no capture copy
+    of the plugin's (its bundles keep their responses' own blocks), and every check of
+    ``test_glm5_next_mtp_boundaries`` passes."""
     checks, k, info, rows = unit_record
     setup = info["request_boundaries"]["setup"]
     assert setup["prefix_match_unit"] == 16 and setup["copies"][0] == 0 and setup["copies"][1] > 0
