@@ -30,7 +30,8 @@
 #                                GLM_ARCH=glm5_next_flash_dense_mtp GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'
 #                                ($GLM_POLICIES: aligned,request_boundaries; aligned,auto for the defaults); $GLM_LEVELS: in
 #                                flight (1,8); $GLM_ANSWER: answer tokens (32; under MTP a next turn recomputes an answer
-#                                that ends off the pool grid);
+#                                that ends off the pool grid); $GLM_SHARED: shared prompt tokens (5000; below the 4,608-token
+#                                block vLLM splits each prompt at the unit the plugin sets under MTP);
 #                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16';
 #                                each server waited for $GLM_STARTUP_TIMEOUT s (420: a bare host compiles everything)
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
@@ -192,7 +193,7 @@ case "$stage" in
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      -N 8 -T 3 -S 5000 -U 100 -A ${GLM_ANSWER:-32} --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
+      -N 8 -T 3 -S ${GLM_SHARED:-5000} -U 100 -A ${GLM_ANSWER:-32} --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
       --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
   pressure)
