@@ -120,7 +120,7 @@ case "$stage" in
     ids=(); for k in ${GLM_MTP_KS:-1 2 3}; do ids+=("tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[$k-vllm_unit]"); done
     timeout 560 python3 -m pytest -q -p no:cacheprovider -s "${ids[@]}" 2>&1 | tee /tmp/r/glmmtpunit.log | tail -40
     ;;
-  glmmtp2)  # issue 32 item 1: GLM + MTP at k = 2, never run (auto falls back from k = 2)
+  glmmtp2)  # GLM + MTP at k = 2 alone, with the pool-grid stop (one case of glmmtp)
     timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" \
       2>&1 | tee /tmp/r/glmmtp2.log | tail -40
     ;;
