@@ -41,7 +41,8 @@
 #   prompt_end_session.sh pressure  the servers stop; the tiny Qwen3-Next on a 32 MB KV pool that
 #                                16 conversations of 2,000-6,700 tokens overflow, turn k of every
 #                                conversation before any turn k + 1: stock, the plugin (retention
-#                                borrow, the default) and retention hold, all up at once
+#                                borrow, the default) and retention hold, all up at once; each waited for
+#                                $PRESSURE_STARTUP_TIMEOUT s (420: a bare host's first Triton compile took 121 s of engine init)
 #   prompt_end_session.sh turns24  the servers stop; Qwen3-Next-80B dims at 24 layers (64 experts,
 #                                12.6 GB of dummy weights), stock against the default, each server
 #                                started once and only the slot's awake (bc-bench --sleep-others:
@@ -204,7 +205,7 @@ case "$stage" in
       --server-arg='--kv-cache-memory-bytes 32000000' --server-arg='--gpu-memory-utilization 0.2' \
       --server-arg='--max-model-len 8192' --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
       --additional-config '{"gdn_prefill_backend":"triton"}' \
-      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget ${PRESSURE_BUDGET:-300} --startup-timeout 180 \
+      -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --repeat 6 --time-budget ${PRESSURE_BUDGET:-300} --startup-timeout ${PRESSURE_STARTUP_TIMEOUT:-420} \
       --out-json /tmp/r/pressure.json --markdown 2>&1 | tee /tmp/r/pressure.log | tail -60
     ;;
   turns24|mtp24)
