@@ -94,7 +94,7 @@ def _servers(args: argparse.Namespace, settings: Settings) -> ServerSet:
             host=args.host, port=args.port, server_args=split_server_args(args.server_arg), label_args=args.label_args,
             additional_config=json.loads(args.additional_config) if args.additional_config else {},
             env=env, startup_timeout=args.startup_timeout, relaunch=args.relaunch,
-            one_by_one=args.start_one_by_one,
+            one_by_one=args.start_one_by_one, keep_file=Path(args.keep_servers) if args.keep_servers else None,
             **({"log_dir": log_dir} if log_dir else {}),
         )  # fmt: skip
         spec.log_dir.mkdir(parents=True, exist_ok=True)

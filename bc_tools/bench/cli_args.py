@@ -152,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds to wake, sleep and warm up per slot go to --out-json's servers. Not with --relaunch",
     )
     tgt.add_argument(
+        "--keep-servers",
+        default=None,
+        metavar="FILE",
+        help="--launch --sleep-others: leave the servers running after the run, recorded in FILE; a "
+        "later run with the same launch and FILE adopts the live ones instead of starting them, one "
+        "with another launch stops them first (python -m bc_tools.bench.kept_servers --stop FILE "
+        "stops them). Give --log-dir a folder that outlives the runs",
+    )
+    tgt.add_argument(
         "--start-one-by-one",
         action="store_true",
         help="--launch: start each server once the previous one is healthy (all stay up): "
@@ -301,6 +310,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.sleep_others and args.relaunch:
         p.error("--sleep-others and --relaunch are mutually exclusive: --sleep-others starts every server "
                 "once and keeps all but the slot's asleep, --relaunch starts one server per slot")  # fmt: skip
+    if args.keep_servers and not (args.launch and args.sleep_others):
+        p.error("--keep-servers needs --launch and --sleep-others: a kept server is put to sleep when a run "
+                "adopts it, so that its first slot wakes it with an empty cache")  # fmt: skip
     if args.write_dflash_drafter and not (args.write_model or args.launch):
         p.error("--write-dflash-drafter needs the target model: --write-model or --launch")
     if args.url and not args.model:

@@ -12,7 +12,9 @@ Contract:
 - ``wait_until_healthy`` polls ``GET /health`` until it answers 200, the process exits, or the
   timeout passes; the last two raise ``ServerStartError`` carrying the tail of the log.
 - ``stop_server`` sends SIGTERM to the whole group, waits, then SIGKILLs what is left. It is
-  idempotent, and every server still running when the interpreter exits is stopped too.
+  idempotent, and every server still running when the interpreter exits is stopped too, unless
+  ``detach`` let it go. A ``DetachedProcess`` stands for the process of a server another process
+  started (``kept_servers``).
 """
 
 from __future__ import annotations
@@ -61,11 +63,30 @@ class ServerStartError(RuntimeError):
         self.log_tail = log_tail
 
 
+class DetachedProcess:
+    """A server's process group that another process started (a server an earlier run kept): the
+    parts of ``subprocess.Popen`` this module uses. Its exit code is unknown (-1 once gone)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return None if _group_running(self.pid) else -1
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (1e9 if timeout is None else timeout)
+        while _group_running(self.pid):
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"process group {self.pid}", timeout or 0.0)
+            time.sleep(0.05)
+        return -1
+
+
 @dataclass
 class ServerProcess:
     """A launched server: its process, address and log file."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | DetachedProcess
     host: str
     port: int
     log_path: Path
@@ -243,6 +264,21 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs; zombies (exited, not yet reaped) do not count."""
+    if not _group_alive(pgid):
+        return False
+    try:
+        stats = [p.read_text() for p in Path("/proc").glob("[0-9]*/stat") if p.exists()]
+    except OSError:
+        return True
+    for stat in stats:
+        fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return not stats
+
+
 def _wait_group_gone(pgid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while _group_alive(pgid):
@@ -279,6 +315,11 @@ def stop_server(server: ServerProcess, grace: float | None = None) -> int | None
     _wait_group_gone(pid, timeout=5.0)  # killed orphans are reaped by init shortly after
     _LIVE.pop(pid, None)
     return code
+
+
+def detach(server: ServerProcess) -> None:
+    """Leave ``server`` running when this process exits (``stop_all`` no longer stops it)."""
+    _LIVE.pop(server.pid, None)
 
 
 def stop_all(grace: float | None = None) -> None:

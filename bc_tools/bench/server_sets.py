@@ -19,7 +19,10 @@ before the next starts (the last stays awake). ``info[label]["sleep_others"]`` h
 slot of that label: the seconds to wake it (None: it was awake), to put each other server to
 sleep (with the GPU memory the sleep freed, from the server log when known) and to warm it up;
 ``info[label]["startup_sleep"]`` the sleep after its start. A server without the endpoints (404)
-or one that does not switch raises ``sleep_mode.SleepModeError``.
+or one that does not switch raises ``sleep_mode.SleepModeError``. With ``spec.keep_file`` as well,
+launched servers outlive the run (``kept_servers``' contract): the next run of the same launch
+adopts the live ones (``info[label]["kept"]``) instead of starting them and puts each to sleep, so
+that its first slot wakes it with an empty cache.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bc_tools.bench import logs, sleep_mode
+from bc_tools.bench import kept_servers, logs, sleep_mode
 from bc_tools.bench.run_settings import BudgetEndedDuringStart, RoundBudget, Settings
 from bc_tools.bench.slot import warm_up
 from bc_tools.bench.traffic import Progress, Target
@@ -163,6 +166,7 @@ class LaunchSpec:
     # memory profile counts what other processes take on the GPU while it profiles, so servers
     # that start together on one GPU can each find no room left for their KV cache.
     one_by_one: bool = False
+    keep_file: Path | None = None  # with sleep_others: servers kept for the next run (kept_servers)
 
 
 class LaunchedServers(ServerSet):
@@ -192,6 +196,8 @@ class LaunchedServers(ServerSet):
         section = {**(spec.additional_config.get("boundary_checkpoints") or {}), **spec.sections[label],
                    "stats_log_interval_s": self.settings.stats_log_interval}  # fmt: skip
         log_path = spec.log_dir / f"server_{label}.log"
+        if spec.keep_file is not None:  # a kept server's log outlives the run: a new server starts a new one
+            log_path.unlink(missing_ok=True)
         progress.write(f"[{label}] starting vLLM on {spec.host}:{port} (log {log_path})")
         extra_args, env = self.launch_options(label)
         server = start_server(spec.model_dir, log_path, host=spec.host, port=port, served_model_name=spec.model_name,
@@ -230,18 +236,55 @@ class LaunchedServers(ServerSet):
             return
         labels = self.settings.labels
         if self.spec.one_by_one or self.settings.sleep_others:
+            kept = self._kept(progress)
             for label in labels:
-                self._start(label, progress)
+                if label in kept:
+                    self._adopt(label, kept[label], progress)
+                else:
+                    self._start(label, progress)
                 self._wait(label, progress)
-                if self.settings.sleep_others and label != labels[-1]:
+                if self.settings.sleep_others and label in kept:  # asleep, so its first slot empties its cache
+                    self._asleep[label] = sleep_mode.is_sleeping(kept[label].base_url)
+                    if not self._asleep[label]:
+                        self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
+                elif self.settings.sleep_others and label != labels[-1]:
                     self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
                 elif self.settings.sleep_others:
                     self._asleep[label] = False
+                self._save_kept()
             return
         for label in self.settings.labels:
             self._start(label, progress)
         for label in self.settings.labels:
             self._wait(label, progress)
+
+    def _launch_key(self) -> str:
+        spec = self.spec
+        return kept_servers.launch_key({
+            "model_dir": spec.model_dir, "model_name": spec.model_name, "host": spec.host, "port": spec.port,
+            "labels": list(self.settings.labels), "stats_log_interval_s": self.settings.stats_log_interval,
+            "sections": spec.sections, "additional_config": spec.additional_config, "env": spec.env,
+            "launch": {label: self.launch_options(label)[0] for label in self.settings.labels},
+        })  # fmt: skip
+
+    def _kept(self, progress: Progress) -> dict[str, Any]:
+        """The live servers an earlier run of this launch kept (none without ``keep_file``)."""
+        if self.spec.keep_file is None:
+            return {}
+        kept = kept_servers.adopt(self.spec.keep_file, self._launch_key())
+        if kept:
+            progress.write(f"kept servers adopted: {', '.join(kept)} ({self.spec.keep_file})")
+        return kept
+
+    def _adopt(self, label: str, server: Any, progress: Progress) -> None:
+        self.running[label] = server
+        self.info.setdefault(label, {"command": server.command, "log_path": str(server.log_path), "ready_s": [],
+                                     "kept": True})  # fmt: skip
+        progress.write(f"[{label}] kept from an earlier run on {server.base_url} (log {server.log_path})")
+
+    def _save_kept(self) -> None:
+        if self.spec.keep_file is not None:
+            kept_servers.save(self.spec.keep_file, self._launch_key(), self.running)
 
     def _target(self, label: str, progress: Progress) -> Target:
         if label not in self.running:
@@ -266,6 +309,11 @@ class LaunchedServers(ServerSet):
             self._stop(label)
 
     def close(self) -> None:
+        if self.spec.keep_file is not None:  # left running for the next run (kept_servers)
+            self._save_kept()
+            for label, server in self.running.items():
+                self.info[label]["boundary_stats"] = logs.parse_boundary_stats(logs.read_text(server.log_path))
+            return
         for label in list(self.running):
             self._stop(label)
 

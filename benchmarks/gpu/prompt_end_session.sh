@@ -67,6 +67,15 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/
 bash benchmarks/gpu/compile_cache.sh restore
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn BC_RESULTS_DIR=/tmp/r
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gpu-host.txt; date -u >> /tmp/r/gpu-host.txt
+# The 24-layer stages and glm on an H100 keep their servers for the next stage of the same launch
+# (bc-bench --keep-servers: a server starts once per session, not once per call); every other stage
+# stops them first. Their logs live in /tmp/bc-logs/STAGE and are copied to /tmp/r/logs at the end.
+KEPT=/tmp/bc-kept.json
+case "$stage" in
+  turns24|mtp24|fresh24|aa24|pressure24|glm|glmunit) ;;
+  *) python3 -m bc_tools.bench.kept_servers --stop $KEPT ;;
+esac
+KEEP=(--keep-servers $KEPT --log-dir /tmp/bc-logs/$stage)
 # Labels follow serve_pair.sh's $PAIR; the second of an A/A pair is "aligned_b".
 IFS=, read -r first second <<< "${PAIR:-aligned,end}"
 [[ $second == "$first" ]] && second=${second}_b
@@ -80,7 +89,7 @@ pair24() {
   sleep 10
   local arch=${ARCH24:-qwen3_next_80b_24l}
   timeout 560 bc-bench --write-model /tmp/$arch --arch $arch --launch /tmp/$arch \
-    --policies aligned,request_boundaries --sleep-others --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+    --policies aligned,request_boundaries --sleep-others "${KEEP[@]}" --server-arg='--load-format dummy' \
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
@@ -179,7 +188,7 @@ case "$stage" in
     # GPU (an H100) only one is awake at a time (--sleep-others), with 0.8 of it
     glm_pair=(--start-one-by-one --server-arg='--gpu-memory-utilization 0.42')
     if (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)); then
-      glm_pair=(--sleep-others --server-arg='--gpu-memory-utilization 0.8')
+      glm_pair=(--sleep-others "${KEEP[@]}" --server-arg='--gpu-memory-utilization 0.8')
     fi
     policies=(--policies "${GLM_POLICIES:-aligned,request_boundaries}")  # aligned,auto: the plugin's defaults
     if [[ $stage == glmunit ]]; then
@@ -190,7 +199,7 @@ case "$stage" in
         --variant-arg "${unit_policy}_unit16=--prefix-match-unit 16")
     fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
-      "${policies[@]}" "${glm_pair[@]}" --log-dir /tmp/r/logs --server-arg='--load-format dummy' \
+      --log-dir /tmp/r/logs "${policies[@]}" "${glm_pair[@]}" --server-arg='--load-format dummy' \
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
@@ -247,6 +256,7 @@ case "$stage" in
     ;;
 esac
 status=$?
+cp /tmp/bc-logs/"$stage"/*.log /tmp/r/logs/ 2> /dev/null
 # Which path copied the KV cache's pages in this stage's engines (docs/notes/next-gpu-session.md).
 grep -rhaoE "boundary_checkpoints: page copies: [^\"]*" /tmp/r 2> /dev/null | sort | uniq -c | head -4
 # New prompts that waited for a shared prefix in flight (speculative decoding), per server log: its last count.

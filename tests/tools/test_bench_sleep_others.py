@@ -133,33 +133,40 @@ def test_launch_options_add_the_sleep_flag_and_dev_mode(tmp_path):
     assert sleepy.spec.env == {"A": "1"}  # the spec is not changed
 
 
-def test_launched_servers_start_one_by_one_each_asleep_before_the_next(tmp_path, monkeypatch):
+def _fake_launches(stack, monkeypatch, tmp_path, events, asleep):
+    """Stand-in servers behind ``server.start_server`` (sleep-mode stubs, one per label); the keyword
+    arguments of each start, by label."""
     from bc_tools.bench import server as server_mod
 
-    events: list[tuple] = []
-    asleep: dict[str, bool] = {}
     logs = {label: tmp_path / f"server_{label}.log" for label in LABELS}
     launched = {}
+    urls = {label: stack.enter_context(serve(sleepy_stub(label, events, asleep, log_path=logs[label])))
+            for label in LABELS}  # fmt: skip
+
+    class Fake:
+        def __init__(self, model, log_path, **kw):
+            self.label = kw["additional_config"]["boundary_checkpoints"]["policy"]
+            self.base_url, self.log_path, self.command = urls[self.label], Path(log_path), ["fake"]
+            self.log_path.write_text("")
+            launched[self.label] = kw
+            events.append((self.label, "start"))
+
+    def healthy(server, timeout):
+        events.append((server.label, "healthy"))
+        return 0.5
+
+    monkeypatch.setattr(server_mod, "start_server", lambda model, log_path, **kw: Fake(model, log_path, **kw))
+    monkeypatch.setattr(server_mod, "wait_until_healthy", healthy)
+    monkeypatch.setattr(server_mod, "stop_server", lambda server: events.append((server.label, "stop")) or 0)
+    monkeypatch.setattr(server_mod, "find_free_port", lambda host: 1)
+    return launched
+
+
+def test_launched_servers_start_one_by_one_each_asleep_before_the_next(tmp_path, monkeypatch):
+    events: list[tuple] = []
+    asleep: dict[str, bool] = {}
     with ExitStack() as stack:
-        urls = {label: stack.enter_context(serve(sleepy_stub(label, events, asleep, log_path=logs[label])))
-                for label in LABELS}  # fmt: skip
-
-        class Fake:
-            def __init__(self, model, log_path, **kw):
-                self.label = kw["additional_config"]["boundary_checkpoints"]["policy"]
-                self.base_url, self.log_path, self.command = urls[self.label], Path(log_path), ["fake"]
-                self.log_path.write_text("")
-                launched[self.label] = kw
-                events.append((self.label, "start"))
-
-        def healthy(server, timeout):
-            events.append((server.label, "healthy"))
-            return 0.5
-
-        monkeypatch.setattr(server_mod, "start_server", lambda model, log_path, **kw: Fake(model, log_path, **kw))
-        monkeypatch.setattr(server_mod, "wait_until_healthy", healthy)
-        monkeypatch.setattr(server_mod, "stop_server", lambda server: events.append((server.label, "stop")) or 0)
-        monkeypatch.setattr(server_mod, "find_free_port", lambda host: 1)
+        launched = _fake_launches(stack, monkeypatch, tmp_path, events, asleep)
         settings, servers = _launched(tmp_path, True)
         result = runner.run_benchmark(settings, servers)
     for kw in launched.values():
@@ -185,3 +192,68 @@ def test_sleep_memory_reads_the_workers_line():
 
     assert sleep_mode.sleep_memory("x\n" + SLEEP_LOG_LINE + "\n") == {"freed_gib": 12.5, "gpu_in_use_gib": 3.25}
     assert sleep_mode.sleep_memory("no such line") is None
+
+
+def test_kept_servers_are_adopted_asleep_by_the_next_run_of_the_same_launch(tmp_path, monkeypatch):
+    """--keep-servers: the first run stops nothing and records its servers; the next run of the same
+    launch starts none, puts the one left awake to sleep, and runs the same switches as a run whose
+    servers were all asleep; a run of another launch gets none of them."""
+    from bc_tools.bench import kept_servers
+
+    store: dict = {}
+    monkeypatch.setattr(kept_servers, "save", lambda path, key, running: store.update(key=key, servers=dict(running)))
+    monkeypatch.setattr(kept_servers, "adopt",
+                        lambda path, key: dict(store["servers"]) if store.get("key") == key else {})  # fmt: skip
+    runs = []
+    with ExitStack() as stack:
+        events: list[tuple] = []
+        asleep: dict[str, bool] = {}
+        _fake_launches(stack, monkeypatch, tmp_path, events, asleep)
+        for _ in range(2):
+            settings, servers = _launched(tmp_path, True, keep_file=tmp_path / "kept.json")
+            start = len(events)
+            runs.append((runner.run_benchmark(settings, servers), events[start:]))
+        other_key = _launched(tmp_path, True, keep_file=tmp_path / "kept.json", server_args=["--x"])[1]._launch_key()
+    (first, first_events), (second, second_events) = runs
+    assert [name for name, kind, *_ in first_events if kind == "start"] == LABELS
+    assert [e for e in first_events + second_events if e[1] == "stop"] == []  # left running
+    assert [name for name, kind, *_ in second_events if kind == "start"] == []
+    assert _switches(second_events) == SWITCHES  # the awake one put to sleep, then as ever
+    _check_one_awake_and_warm_after_wake(second_events)
+    assert all(second["servers"][label]["kept"] for label in LABELS)
+    assert not any(first["servers"][label].get("kept") for label in LABELS)
+    assert store["key"] != other_key  # another launch adopts nothing
+
+
+def test_kept_servers_file_adopts_live_groups_and_stops_them_for_another_launch(tmp_path):
+    import subprocess
+    import sys
+    import threading
+
+    from bc_tools.bench import kept_servers
+    from bc_tools.bench import server as server_mod
+
+    def detached():
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        threading.Thread(target=process.wait, daemon=True).start()  # reaped at exit, as init reaps a kept one
+        return server_mod.ServerProcess(process=process, host="127.0.0.1", port=1, log_path=tmp_path / "l",
+                                        command=["x"])  # fmt: skip
+
+    path = tmp_path / "kept.json"
+    live, dead = detached(), detached()
+    dead.process.kill()
+    dead.process.wait(timeout=30)
+    kept_servers.save(path, "k1", {"a": live, "b": dead})
+    adopted = kept_servers.adopt(path, "k1")
+    assert list(adopted) == ["a"] and adopted["a"].pid == live.pid and adopted["a"].running()
+    assert kept_servers.adopt(path, "k2") == {}  # another launch: stopped, file gone
+    assert not path.exists() and live.process.wait(timeout=30) is not None and not live.running()
+    assert kept_servers.launch_key({"env": {"VLLM_LOGGING_CONFIG_PATH": "/t/1"}}) == kept_servers.launch_key(
+        {"env": {"VLLM_LOGGING_CONFIG_PATH": "/t/2"}})  # fmt: skip
+
+
+def test_keep_servers_needs_launch_and_sleep_others(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_args.parse_args(["--launch", "d", "--keep-servers", "f"])
+    assert exc.value.code == 2 and "--keep-servers needs --launch and --sleep-others" in capsys.readouterr().err
+    assert cli_args.parse_args(["--launch", "d", "--sleep-others", "--keep-servers", "f"]).keep_servers == "f"
