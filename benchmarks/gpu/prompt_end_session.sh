@@ -16,6 +16,8 @@
 #                                ($GLM_MTP_KS: the k values, "1 2 3")
 #   prompt_end_session.sh glmdflash  the GLM-5.3-Flash fixture under DFlash2 k = 3 (stock alone first; GPU test)
 #   prompt_end_session.sh specend  prompt_capture end under MTP k = 1 and 3 on the planted Qwen3-Next (GPU test)
+#   prompt_end_session.sh specend2 the same on Nemotron-H under MTP k = 1 and 3 and on Qwen3-Next under DFlash and
+#                                DFlash2 k = 3 (GPU test): where they pass, auto can drop the P - 1 stop there
 #   prompt_end_session.sh endfamilies  prompt_capture end (auto's default) on Kimi-Linear, Nemotron-H and GLM (GPU test)
 #   prompt_end_session.sh bounds   specend and GLM + MTP k = 2 in one call (about 360 s of tests)
 #   prompt_end_session.sh copypool one prompt's capture copy on a 60 GiB KV cache vLLM lays out (24 layers of
@@ -59,7 +61,7 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -140,8 +142,12 @@ case "$stage" in
       "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" 2>&1 | tee /tmp/r/bounds.log | tail -40
     ;;
   specend)
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k under_mtp \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k under_mtp_on_the_gpu \
       2>&1 | tee /tmp/r/specend.log | tail -40
+    ;;
+  specend2)  # the checkpoint at P on Nemotron-H under MTP and under DFlash / DFlash2 ($SPECEND2_FILTER: fewer cases)
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py \
+      -k "${SPECEND2_FILTER:-nemotron_h_under_mtp or under_dflash}" 2>&1 | tee /tmp/r/specend2.log | tail -40
     ;;
   endfamilies)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k other_families \

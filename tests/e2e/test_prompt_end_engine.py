@@ -40,7 +40,7 @@ def test_the_checkpoint_at_p_restores_exactly_without_speculative_decoding(end_r
     info, phases, bounds = end_runs
     assert info["scheduler"] == "BoundaryScheduler"
     print("bounds:", bounds)
-    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS, speculative=False, resend_mode="in_step")
+    spec_prompt_end.check_end_run(info, phases, bounds, LENGTHS, next_token_guard=False, resend_mode="in_step")
 
 
 def test_a_prompt_checkpoint_keyed_one_token_short_fails_the_bound(end_runs):

@@ -167,10 +167,8 @@ from decode_path_control import install as install_decode_path
 case = json.loads(sys.argv[3])
 k = case["k"]
 if case.get("torch_vocab_topk"):  # why: test_gpu_dflash.TORCH_VOCAB_TOPK
-    from vllm.model_executor.layers import logits_processor
-    if not callable(getattr(logits_processor, "_flashinfer_topk", None)):
-        raise RuntimeError("vLLM moved LogitsProcessor's top-k selector: torch_vocab_topk cannot apply")
-    logits_processor._flashinfer_topk = lambda: None  # None: LogitsProcessor's own torch.topk branch
+    from vocab_topk import use_torch_topk
+    use_torch_topk()
 
 def engine(policy):
     settings = {"policy": policy, "prompt_capture": "in_step", **case.get("plugin", {})}

@@ -5,14 +5,14 @@ families whose ``auto`` takes it (the same GPU test module, and the CPU engine
 in ``tests/e2e/test_prompt_end_engine.py``): one scenario and one judgement for all.
 
 :data:`SCRIPT` runs one engine of the plugin with ``prompt_capture: end`` (under MTP k = ``K`` when
-``K`` > 0, on the planted MTP fixture ``qwen3_next_mtp_planted``) and sends every phase as one
+``K`` > 0, on a planted MTP fixture, or the drafter the engine arguments name) and sends every phase as one
 batch: producers; prompts that extend each producer's prompt with its first sampled token and a
 short tail (no response checkpoint serves them, so they restore the prompt's at ``P``), their cold
 controls twice and once with a chunk that ends at ``P`` (an instruction boundary: the restore's
 split, without a checkpoint); prompts with another token at ``P`` (under MTP the next-token guard
-refuses ``P``; without it they restore ``P``); the exact resend twice (the first is captured at
-``P - 1``, the second restores there); the edited prompts again (under MTP now a fallback to
-``P - 1``). Then the same engine with its scheduler re-classed to ``corrupt_restore``'s
+refuses ``P``; without that guard, which DFlash needs not, they restore ``P``); the exact resend
+twice (the first is captured at ``P - 1``, the second restores there); the edited prompts again
+(under MTP now a fallback to ``P - 1``). Then the same engine with its scheduler re-classed to ``corrupt_restore``'s
 ``PromptEndCorruptScheduler`` (each prompt checkpoint at ``P`` keyed ``P - 1``: one token of state
 off) runs the first phases again: the negative control.
 
@@ -39,6 +39,9 @@ ENGINE = json.loads(sys.argv[7])  # the platform's engine arguments
 if ENGINE.pop("cpu", False):
     import fake_triton_cpu
     fake_triton_cpu.install()
+if ENGINE.pop("torch_vocab_topk", False):  # DFlash2 (tests/helpers/vocab_topk.py)
+    from vocab_topk import use_torch_topk
+    use_torch_topk()
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 from vllm.inputs import TokensPrompt
@@ -49,8 +52,8 @@ from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY
 
 plugin = {"policy": "request_boundaries", "prompt_capture": "end"}
 extra = {**ENGINE.pop("additional_config", {}), "boundary_checkpoints": plugin}
-if K:
-    ENGINE["speculative_config"] = {"method": "mtp", "num_speculative_tokens": K}
+if K:  # MTP unless the engine arguments name another drafter (DFlash)
+    ENGINE.setdefault("speculative_config", {"method": "mtp", "num_speculative_tokens": K})
 ENGINE.setdefault("max_model_len", 1024)
 llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", enable_prefix_caching=True,
           seed=0, disable_log_stats=False, additional_config=extra, **ENGINE)
@@ -158,16 +161,17 @@ def check_end_run(
     phases: dict[str, list[Answer]],
     bounds: LengthBounds,
     lengths: tuple[int, ...],
-    speculative: bool = True,
+    next_token_guard: bool = True,
     resend_mode: str = "stop",
 ) -> None:
     """Fresh prompts take no stop; an extension restores exactly ``P``, within the bounds; another
-    token at ``P`` is refused under MTP, ``speculative`` (a ``draft_next_token`` miss before any
-    ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after), and restores ``P`` without it;
+    token at ``P`` is refused under MTP, ``next_token_guard`` (a ``draft_next_token`` miss before any
+    ``P - 1`` checkpoint exists, a fallback to ``P - 1`` after), and restores ``P`` without it (no
+    drafter, or DFlash, whose draft rows below ``P`` read only the first ``P`` tokens);
     the first resend is captured at ``P - 1`` (``resend_mode``: by the stop, or in step) and the
     one after it restores there, its first token within the bound."""
     n = len(lengths)
-    assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", resend_mode, speculative), info["mode"]
+    assert (info["mode"], info["resend_mode"], info["guard"]) == ("end", resend_mode, next_token_guard), info["mode"]
     assert stat(info, "producer", "prompt_stops") == 0 and stat(info, "producer", "prompt_captures_in_step") == 0
     assert all(a.cached == 0 for a in phases["producer"])
     failures = []
@@ -179,7 +183,7 @@ def check_end_run(
     assert stat(info, "extended", "draft_next_token_fallbacks") == 0
     assert stat(info, "extended", "hit_prompt") - stat(info, "producer", "hit_prompt") == n
 
-    if speculative:
+    if next_token_guard:
         assert all(a.cached < p - 1 for p, a in zip(lengths, phases["edited"], strict=True))  # vLLM's hit at most
         assert stat(info, "edited", "miss_draft_next_token") - stat(info, "cold_again", "miss_draft_next_token") == n
     else:
@@ -199,7 +203,7 @@ def check_end_run(
     assert beyond == [], (beyond, bounds)
     assert stat(info, "resend_again", captured_by) == n
 
-    if speculative:
+    if next_token_guard:
         assert [a.cached for a in phases["edited_again"]] == [p - 1 for p in lengths]
         fallbacks = stat(info, "edited_again", "draft_next_token_fallbacks")
         assert fallbacks - stat(info, "resend_again", "draft_next_token_fallbacks") == n
