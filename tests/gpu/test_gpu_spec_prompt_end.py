@@ -34,7 +34,6 @@ import pytest
 import spec_prompt_end
 from engine_script import HELPERS_DIR, run_engine_script
 from results_out import save_json
-from test_gpu_dflash import LAYER_TYPES, PLANTED_SEED, TORCH_VOCAB_TOPK, WINDOW
 from test_gpu_spec_families import (
     CASE_TIMEOUT_S,
     LOGIT_STEP,
@@ -121,6 +120,8 @@ def test_prompt_checkpoint_at_p_under_dflash(variant, tmp_path):
     sliding-window layer of 64 among the bundle's groups): no next-token guard (a DFlash draft row
     below ``P`` reads the first ``P`` tokens only), so a prompt with another token at ``P`` restores
     ``P`` too."""
+    from test_gpu_dflash import LAYER_TYPES, PLANTED_SEED, TORCH_VOCAB_TOPK, WINDOW
+
     from bc_tools.fixtures.dflash import write_dflash_drafter
     from bc_tools.fixtures.tiny_models import default_model_dir, make_tiny_model
 
