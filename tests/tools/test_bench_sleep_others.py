@@ -225,7 +225,7 @@ def test_kept_servers_are_adopted_asleep_by_the_next_run_of_the_same_launch(tmp_
     assert store["key"] != other_key  # another launch adopts nothing
 
 
-def test_kept_servers_file_adopts_live_groups_and_stops_them_for_another_launch(tmp_path):
+def test_kept_servers_file_adopts_live_groups_and_stops_them_for_another_launch(tmp_path, capsys):
     import subprocess
     import sys
     import threading
@@ -248,6 +248,11 @@ def test_kept_servers_file_adopts_live_groups_and_stops_them_for_another_launch(
     assert list(adopted) == ["a"] and adopted["a"].pid == live.pid and adopted["a"].running()
     assert kept_servers.adopt(path, "k2") == {}  # another launch: stopped, file gone
     assert not path.exists() and live.process.wait(timeout=30) is not None and not live.running()
+    again = detached()  # from a shell: python -m bc_tools.bench.kept_servers --stop FILE
+    kept_servers.save(path, "k1", {"a": again})
+    assert kept_servers.main(["--stop", str(path)]) == 0 and not path.exists()
+    assert again.process.wait(timeout=30) is not None
+    assert "kept servers stopped: a" in capsys.readouterr().out
     assert kept_servers.launch_key({"env": {"VLLM_LOGGING_CONFIG_PATH": "/t/1"}}) == kept_servers.launch_key(
         {"env": {"VLLM_LOGGING_CONFIG_PATH": "/t/2"}})  # fmt: skip
 
