@@ -237,21 +237,22 @@ class LaunchedServers(ServerSet):
         labels = self.settings.labels
         if self.spec.one_by_one or self.settings.sleep_others:
             kept = self._kept(progress)
-            for label in labels:
-                if label in kept:
-                    self._adopt(label, kept[label], progress)
-                else:
-                    self._start(label, progress)
+            for label in [label for label in labels if label in kept]:  # first, all asleep: GPU memory
+                self._adopt(label, kept[label], progress)  # for the new ones, an empty cache at each first slot
                 self._wait(label, progress)
-                if self.settings.sleep_others and label in kept:  # asleep, so its first slot empties its cache
-                    self._asleep[label] = sleep_mode.is_sleeping(kept[label].base_url)
-                    if not self._asleep[label]:
-                        self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
-                elif self.settings.sleep_others and label != labels[-1]:
+                self._asleep[label] = sleep_mode.is_sleeping(kept[label].base_url)
+                if not self._asleep[label]:
+                    self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
+            new = [label for label in labels if label not in kept]
+            for label in new:
+                self._start(label, progress)
+                self._wait(label, progress)
+                if self.settings.sleep_others and label != new[-1]:
                     self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
                 elif self.settings.sleep_others:
                     self._asleep[label] = False
                 self._save_kept()
+            self._save_kept()
             return
         for label in self.settings.labels:
             self._start(label, progress)

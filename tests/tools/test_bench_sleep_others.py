@@ -149,6 +149,7 @@ def _fake_launches(stack, monkeypatch, tmp_path, events, asleep):
             self.base_url, self.log_path, self.command = urls[self.label], Path(log_path), ["fake"]
             self.log_path.write_text("")
             launched[self.label] = kw
+            asleep[self.label] = False  # a server starts awake
             events.append((self.label, "start"))
 
     def healthy(server, timeout):
@@ -197,7 +198,8 @@ def test_sleep_memory_reads_the_workers_line():
 def test_kept_servers_are_adopted_asleep_by_the_next_run_of_the_same_launch(tmp_path, monkeypatch):
     """--keep-servers: the first run stops nothing and records its servers; the next run of the same
     launch starts none, puts the one left awake to sleep, and runs the same switches as a run whose
-    servers were all asleep; a run of another launch gets none of them."""
+    servers were all asleep; one whose server is gone puts the kept one to sleep before starting
+    it; a run of another launch gets none of them."""
     from bc_tools.bench import kept_servers
 
     store: dict = {}
@@ -209,12 +211,16 @@ def test_kept_servers_are_adopted_asleep_by_the_next_run_of_the_same_launch(tmp_
         events: list[tuple] = []
         asleep: dict[str, bool] = {}
         _fake_launches(stack, monkeypatch, tmp_path, events, asleep)
-        for _ in range(2):
+        for run in range(3):
+            if run == 2:  # aligned's kept server is gone: rb, left awake, must sleep before aligned starts
+                store["servers"].pop("aligned")
             settings, servers = _launched(tmp_path, True, keep_file=tmp_path / "kept.json")
             start = len(events)
             runs.append((runner.run_benchmark(settings, servers), events[start:]))
         other_key = _launched(tmp_path, True, keep_file=tmp_path / "kept.json", server_args=["--x"])[1]._launch_key()
-    (first, first_events), (second, second_events) = runs
+    (first, first_events), (second, second_events), (_, third_events) = runs
+    third = [(name, kind) for name, kind, *_ in third_events if kind in ("start", "sleep")]
+    assert third[:2] == [("request_boundaries", "sleep"), ("aligned", "start")], third
     assert [name for name, kind, *_ in first_events if kind == "start"] == LABELS
     assert [e for e in first_events + second_events if e[1] == "stop"] == []  # left running
     assert [name for name, kind, *_ in second_events if kind == "start"] == []
