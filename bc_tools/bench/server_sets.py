@@ -251,8 +251,7 @@ class LaunchedServers(ServerSet):
                     self.info[label]["startup_sleep"] = self._sleep(self._up()[label], progress)
                 elif self.settings.sleep_others:
                     self._asleep[label] = False
-                self._save_kept()
-            self._save_kept()
+                self._save_kept()  # at once: a run killed before close() must not orphan it
             return
         for label in self.settings.labels:
             self._start(label, progress)
@@ -312,8 +311,6 @@ class LaunchedServers(ServerSet):
     def close(self) -> None:
         if self.spec.keep_file is not None:  # left running for the next run (kept_servers)
             self._save_kept()
-            for label, server in self.running.items():
-                self.info[label]["boundary_stats"] = logs.parse_boundary_stats(logs.read_text(server.log_path))
             return
         for label in list(self.running):
             self._stop(label)

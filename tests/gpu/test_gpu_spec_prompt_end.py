@@ -76,13 +76,14 @@ def run_and_check(
     info, _ = run_engine_script(spec_prompt_end.SCRIPT, str(model), HELPERS_DIR, *argv, timeout=CASE_TIMEOUT_S)
     save_json(name, info)
     assert info["scheduler"] == "BoundaryAsyncScheduler", info["scheduler"]
-    judge(info, k, lengths, label=f"{family} k={k}", guard=k > 0 if guard is None else guard)
+    judge(info, k, lengths, label=f"{family} k={k}", guard=guard)
 
 
 def judge(info: dict, k: int, lengths: tuple[int, ...], label: str = "", guard: bool | None = None) -> None:
     """One run's judgement (also replayed on recorded runs, ``tests/tools/test_gpu_records.py``):
     exact counts, the bounds calibrated per prompt length, and the negative control, which must
-    catch every corrupted restore a reference pair of its length tells apart."""
+    catch every corrupted restore a reference pair of its length tells apart (``guard``: the
+    next-token guard applies; default: under a drafter, as under MTP)."""
     floor = SPEC_ROW_REFERENCE if k else 0.0  # under a drafter the restored resend's padded row
     info, phases, bounds = spec_prompt_end.end_result(info, lengths, reference_floor=floor, margin=MARGIN)
     bounds = bounds.one_step_above(LOGIT_STEP)
