@@ -10,7 +10,8 @@ worker both call it on the same configuration, so they agree without talking to 
   prompt tokens, copied from the request's blocks before the next step's forward, as a response
   checkpoint is: no split and no extra step, on any kernel and family, with or without speculative
   decoding. Under a drafter ``auto`` takes it where a GPU validated it
-  (``support.PROMPT_END_SPECULATIVE``: Qwen3-Next under MTP) and stops elsewhere
+  (``support.PROMPT_END_SPECULATIVE``: Qwen3-Next under MTP and DFlash, Nemotron-H under MTP at
+  k = 1) and stops elsewhere
   (:data:`SPECULATIVE_AUTO_REASON`). A next turn (a prompt
   that extends this one) restores it. A resend of the same prompt cannot (its last token must run
   to give logits) and gets vLLM's block-grid hit, but is itself
@@ -84,6 +85,7 @@ class EngineFacts:
     speculative: bool
     micro_batching: bool
     speculative_method: str | None = None  # the drafter's method ("mtp", "dflash") when speculative
+    speculative_k: int = 0  # the drafter's tokens per step (num_speculative_tokens) when speculative
     full_graphs_for_prefills: bool = False  # CUDA graph mode FULL: prefill steps replay whole graphs
 
 
@@ -144,15 +146,19 @@ SPECULATIVE_AUTO_REASON = (
 
 def end_validated_under_drafter(facts: EngineFacts) -> bool:
     """Whether ``auto`` takes the checkpoint at ``P`` under ``facts``' drafter: every architecture
-    validated on a GPU with that method (:data:`~boundary_checkpoints.support.PROMPT_END_SPECULATIVE`)."""
-    return support.lists_every_architecture(
-        support.PROMPT_END_SPECULATIVE, facts.architectures, facts.speculative_method
+    validated on a GPU with that method and at least as many drafts
+    (:data:`~boundary_checkpoints.support.PROMPT_END_SPECULATIVE`)."""
+    return support.validated_for_every_architecture(
+        support.PROMPT_END_SPECULATIVE, facts.architectures, facts.speculative_method, facts.speculative_k
     )
 
 
 def speculative_auto_reason() -> str:
     """:data:`SPECULATIVE_AUTO_REASON` naming the validated architecture and method pairs."""
-    pairs = [f"{method} on {arch}" for arch, methods in support.PROMPT_END_SPECULATIVE.items() for method in methods]
+    pairs = [
+        f"{method} up to k = {k} on {arch}"
+        for arch, methods in support.PROMPT_END_SPECULATIVE.items() for method, k in methods.items()
+    ]  # fmt: skip
     return SPECULATIVE_AUTO_REASON.format(validated=", ".join(pairs))
 
 
@@ -228,6 +234,7 @@ def facts_of(vllm_config: Any) -> EngineFacts:
         architectures=tuple(getattr(model, "architectures", None) or ()),
         speculative=speculative is not None,
         speculative_method=getattr(speculative, "method", None),
+        speculative_k=int(getattr(speculative, "num_speculative_tokens", None) or 0),
         micro_batching=bool(getattr(parallel, "use_ubatching", False)),
         full_graphs_for_prefills=platform == "cuda" and mixed_batches_replay_full_graphs(vllm_config),
     )

@@ -55,10 +55,16 @@ VALIDATED_SPECULATIVE = {
     method: max(methods.get(method, 0) for methods in VALIDATED_SPECULATIVE_ARCHITECTURES.values())
     for method in SUPPORTED_SPECULATIVE_METHODS
 }
-# Where ``prompt_capture: auto`` takes the checkpoint at P under a drafter (no P - 1 stop): the
-# architecture and method pairs whose GPU test (tests/gpu/test_gpu_spec_prompt_end.py) passed.
-# Qwen3-Next under MTP k = 1 and 3 (docs/results/gpu-prompt-end-keyed-h200.md).
-PROMPT_END_SPECULATIVE: dict[str, tuple[str, ...]] = {"Qwen3NextForCausalLM": ("mtp",)}
+# Where ``prompt_capture: auto`` takes the checkpoint at P under a drafter (no P - 1 stop):
+# architecture -> method -> the largest k whose GPU test (tests/gpu/test_gpu_spec_prompt_end.py)
+# passed. Qwen3-Next under MTP k = 1 and 3 (docs/results/gpu-prompt-end-keyed-h200.md) and under
+# DFlash and DFlash2 k = 3; Nemotron-H under MTP k = 1: at k = 3 its fixture forgets a one-token-off
+# state within the prompt's tail, so the negative control tells none apart
+# (docs/results/gpu-spec-prompt-end-drafters-h100.md).
+PROMPT_END_SPECULATIVE: dict[str, dict[str, int]] = {
+    "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
+    "NemotronHForCausalLM": {"mtp": 1},
+}
 # Where ``policy: auto`` gives vLLM the indexer's pool as its prefix match unit (``match_unit.py``):
 # the architecture and method pairs whose GPU exactness run at that unit, drafts accepted, passes
 # every check of its test. GLM-5.3-Flash under MTP at k = 1, 2 and 3 (docs/results/gpu-glm-mtp-unit-h100.md).
@@ -88,9 +94,19 @@ def lists_every_architecture(
     table: dict[str, tuple[str, ...]], architectures: Iterable[str], method: str | None
 ) -> bool:
     """Whether ``table`` (architecture -> speculative methods validated for a path, such as
-    :data:`PROMPT_END_SPECULATIVE`) lists ``method`` for every one of ``architectures`` (none: False)."""
+    :data:`MATCH_UNIT_SPECULATIVE`) lists ``method`` for every one of ``architectures`` (none: False)."""
     architectures = list(architectures)
     return bool(architectures) and all(method in table.get(arch, ()) for arch in architectures)
+
+
+def validated_for_every_architecture(
+    table: dict[str, dict[str, int]], architectures: Iterable[str], method: str | None, k: int
+) -> bool:
+    """Whether ``table`` (architecture -> method -> largest k validated, such as
+    :data:`PROMPT_END_SPECULATIVE`) validates ``method`` with ``k`` drafts on every one of
+    ``architectures`` (none: False)."""
+    architectures = list(architectures)
+    return bool(architectures) and all(k <= table.get(arch, {}).get(method or "", 0) for arch in architectures)
 
 
 def speculative_architectures(method: str | None) -> list[str]:

@@ -44,11 +44,25 @@ def test_largest_speculative_k_is_the_architectures_own():
 
 
 def test_the_checkpoint_at_p_under_a_drafter_is_what_the_gpu_measured():
-    """Qwen3-Next under MTP k = 1 and 3 (gpu-prompt-end-keyed-h200.md); nothing else, and only
-    pairs validated under speculative decoding at all."""
-    assert support.PROMPT_END_SPECULATIVE == {"Qwen3NextForCausalLM": ("mtp",)}
+    """Qwen3-Next under MTP k = 1 and 3 (gpu-prompt-end-keyed-h200.md) and DFlash / DFlash2 k = 3,
+    Nemotron-H under MTP k = 1 (gpu-spec-prompt-end-drafters-h100.md); nothing else, and never
+    beyond what speculative decoding is validated at on that architecture."""
+    assert support.PROMPT_END_SPECULATIVE == {
+        "Qwen3NextForCausalLM": {"mtp": 3, "dflash": 3},
+        "NemotronHForCausalLM": {"mtp": 1},
+    }
     for arch, methods in support.PROMPT_END_SPECULATIVE.items():
-        assert set(methods) <= set(support.VALIDATED_SPECULATIVE_ARCHITECTURES[arch]), arch
+        for method, k in methods.items():
+            assert k <= support.VALIDATED_SPECULATIVE_ARCHITECTURES[arch][method], (arch, method)
+
+
+def test_validated_for_every_architecture_checks_method_and_k():
+    table = {"A": {"mtp": 3}, "B": {"mtp": 1, "dflash": 3}}
+    check = support.validated_for_every_architecture
+    assert check(table, ["A"], "mtp", 3) and check(table, ["A", "B"], "mtp", 1)
+    assert not check(table, ["A"], "mtp", 4) and not check(table, ["A", "B"], "mtp", 2)
+    assert not check(table, ["A"], "dflash", 1) and not check(table, [], "mtp", 1)
+    assert not check(table, ["B"], None, 1)
 
 
 def test_failures_on_gpu_lookup():

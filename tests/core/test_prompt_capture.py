@@ -83,26 +83,38 @@ def test_auto_keeps_the_prompt_checkpoint_at_p_and_a_resends_at_p_minus_1_as_in_
     decision = decide(True, AUTO, facts(gdn_prefill_backend="flashinfer"))
     assert (decision.mode, decision.resend, decision.splits_in_step) == (END, STOP, False)
     assert "gdn_prefill_backend=triton" in decision.reason and "by the P - 1 stop" in decision.describe()
-    speculative = decide(True, AUTO, facts(speculative=True, speculative_method="dflash"))
+    nemotron = ("NemotronHForCausalLM",)
+    drafted = facts(speculative=True, speculative_method="dflash", speculative_k=3, architectures=nemotron)
+    speculative = decide(True, AUTO, drafted)
     assert (speculative.mode, speculative.reason) == (STOP, speculative_auto_reason())
     assert "on a GPU it is validated under" in speculative.describe()
 
 
+VALIDATED_AT_P = {"Qwen3NextForCausalLM": {"mtp": 3}, "NemotronHForCausalLM": {"mtp": 1}}
+
+
+def at_p(architecture: str, method: str, k: int) -> bool:
+    return k <= VALIDATED_AT_P.get(architecture, {}).get(method, 0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("method", ["mtp", "dflash"])
 @pytest.mark.parametrize("architecture", ["Qwen3NextForCausalLM", "NemotronHForCausalLM", "Glm5NextForCausalLM"])
-def test_auto_under_a_drafter_takes_p_only_where_a_gpu_validated_it(monkeypatch, architecture, method):
-    """Under a drafter ``auto`` takes the checkpoint at P exactly for the pairs of
+def test_auto_under_a_drafter_takes_p_only_where_a_gpu_validated_it(monkeypatch, architecture, method, k):
+    """Under a drafter ``auto`` takes the checkpoint at P exactly for the pairs and k of
     ``PROMPT_END_SPECULATIVE``; elsewhere it stops at P - 1 and the reason names the pairs."""
-    monkeypatch.setattr(support, "PROMPT_END_SPECULATIVE", {"Qwen3NextForCausalLM": ("mtp",)})
-    drafted = facts(speculative=True, speculative_method=method, architectures=(architecture,))
+    monkeypatch.setattr(support, "PROMPT_END_SPECULATIVE", VALIDATED_AT_P)
+    drafted = facts(speculative=True, speculative_method=method, speculative_k=k, architectures=(architecture,))
     decision = decide(True, AUTO, drafted)
-    if (architecture, method) == ("Qwen3NextForCausalLM", "mtp"):
+    if at_p(architecture, method, k):
         assert (decision.mode, decision.resend) == (END, STOP) and "speculative" in decision.reason
     else:
         assert (decision.mode, decision.reason) == (STOP, speculative_auto_reason())
-        assert "validated under mtp on Qwen3NextForCausalLM)" in decision.reason
-    mixed = facts(speculative=True, speculative_method="mtp", architectures=("Qwen3NextForCausalLM", architecture))
-    assert decide(True, AUTO, mixed).mode == (END if architecture == "Qwen3NextForCausalLM" else STOP)
+        pairs = "mtp up to k = 3 on Qwen3NextForCausalLM, mtp up to k = 1 on NemotronHForCausalLM"
+        assert f"validated under {pairs})" in decision.reason
+    both = ("Qwen3NextForCausalLM", architecture)
+    mixed = facts(speculative=True, speculative_method=method, speculative_k=k, architectures=both)
+    assert (decide(True, AUTO, mixed).mode == END) == all(at_p(arch, method, k) for arch in both)
 
 
 def test_configured_stop_and_off():
@@ -126,8 +138,8 @@ def test_real_cpu_configs(model_dir):
     assert decide_for(config, real_config(model_dir)).mode == END
     assert decide_for(BoundaryConfig(prompt_capture="in_step"), real_config(model_dir)).mode == IN_STEP
     mtp = real_config(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    assert facts_of(mtp).speculative_method == "mtp"
-    expected = END if "mtp" in PROMPT_END_SPECULATIVE.get("Qwen3NextForCausalLM", ()) else STOP
+    assert (facts_of(mtp).speculative_method, facts_of(mtp).speculative_k) == ("mtp", 1)
+    expected = END if PROMPT_END_SPECULATIVE.get("Qwen3NextForCausalLM", {}).get("mtp", 0) >= 1 else STOP
     assert decide_for(config, mtp).mode == expected
     at_end = decide_for(BoundaryConfig(prompt_capture="end"), mtp)
     assert (at_end.mode, at_end.resend) == (END, STOP) and "speculative" in at_end.reason

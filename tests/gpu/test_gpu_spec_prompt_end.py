@@ -9,8 +9,9 @@ defaults (CUDA graphs, async scheduling): the scenario and judgement of
   it stops every prompt at ``P - 1`` (``prompt_capture.SPECULATIVE_AUTO_REASON``).
 * Under MTP k = 1 and 3 on Nemotron-H (``nemotron_h_mtp_planted``) and under DFlash and DFlash2 k = 3
   on Qwen3-Next (``test_gpu_dflash.py``'s planted drafter; no next-token guard: a DFlash draft row
-  below ``P`` reads the first ``P`` tokens only): where these pass, ``auto`` can drop the
-  ``P - 1`` stop it runs there today (``support.PROMPT_END_SPECULATIVE``).
+  below ``P`` reads the first ``P`` tokens only). Passed on an H100 but for Nemotron-H at k = 3, where
+  the fixture forgets a one-token-off state within the k + 2 tokens after ``P`` and the control
+  tells none apart; ``auto`` takes ``P`` where they passed (``support.PROMPT_END_SPECULATIVE``).
 * Without speculative decoding on Kimi-Linear, Nemotron-H and GLM-5.3-Flash (tiny fixtures), whose
   ``auto`` takes the checkpoint at ``P`` (copied after the step, as a response checkpoint is); a
   resend is captured at ``P - 1`` by the stop (their recurrent layers have no in-step split).

@@ -69,6 +69,7 @@ DFLASH_RECORDS = ("gpu-dflash-glm-dflash2.json.gz", "gpu-dflash-glm-dflash2-1de3
 SPEC_END_RECORDS = ROOT / "docs/results/gpu-spec-prompt-end-h200"
 FAMILY_END_RECORDS = ROOT / "docs/results/gpu-prompt-end-families-h100"
 KEYED_END_RECORDS = ROOT / "docs/results/gpu-prompt-end-keyed-h200"
+DRAFTER_END_RECORDS = ROOT / "docs/results/gpu-spec-prompt-end-drafters-h100"
 
 
 def gpu_module(name: str):
@@ -216,6 +217,40 @@ def test_prompt_end_records_pass_the_gpu_test(directory, name, k, lengths, more,
     monkeypatch.setitem(sys.modules, "test_gpu_spec_families", gpu_checks())  # what the GPU test imports
     module = gpu_module("test_gpu_spec_prompt_end")
     module.judge(end_record(directory, name), k, getattr(module, lengths) + more)
+
+
+# (record, k, the GPU test's lengths attribute, the next-token guard): the drafters' run on an H100
+DRAFTER_END_RUNS = [
+    ("gpu-spec-prompt-end-nemotron-k1", 1, "FAMILY_LENGTHS", True),
+    ("gpu-spec-prompt-end-dflash", 3, "LENGTHS", False),
+    ("gpu-spec-prompt-end-dflash2", 3, "LENGTHS", False),
+]
+
+
+@pytest.mark.parametrize(("name", "k", "lengths", "guard"), DRAFTER_END_RUNS)
+def test_drafter_prompt_end_records_pass_the_gpu_test(name, k, lengths, guard, monkeypatch):
+    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", gpu_checks())
+    module = gpu_module("test_gpu_spec_prompt_end")
+    module.judge(end_record(DRAFTER_END_RECORDS, name), k, getattr(module, lengths), guard=guard)
+
+
+def test_nemotron_mtp_k3_prompt_end_record_cannot_tell_a_corrupted_restore(monkeypatch):
+    """Nemotron-H under MTP k = 3: exact counts and bounds pass, but with the k + 2 tokens after P
+    that keep the restored row a prefill row, the fixture forgets a one-token-off state: no
+    corrupted restore deviates from its cold control beyond a reference pair, so the run proves
+    nothing about the state and ``auto`` keeps the P - 1 stop there."""
+    checks = gpu_checks()
+    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)
+    module = gpu_module("test_gpu_spec_prompt_end")
+    info = end_record(DRAFTER_END_RECORDS, "gpu-spec-prompt-end-nemotron-k3")
+    lengths = module.FAMILY_LENGTHS
+    floor, margin = checks.SPEC_ROW_REFERENCE, checks.MARGIN
+    _, phases, bounds = spec_prompt_end.end_result(info, lengths, reference_floor=floor, margin=margin)
+    bounds = bounds.one_step_above(checks.LOGIT_STEP)
+    spec_prompt_end.check_end_run(info, phases, bounds, lengths, next_token_guard=True)
+    assert spec_prompt_end.tellable_prompts(info, bounds, lengths, checks.LOGIT_STEP) == []
+    with pytest.raises(AssertionError):
+        module.judge(end_record(DRAFTER_END_RECORDS, "gpu-spec-prompt-end-nemotron-k3"), 3, lengths)
 
 
 def test_prompt_end_k1_record_under_one_bound_lets_a_corrupted_restore_through(monkeypatch):
