@@ -36,6 +36,9 @@
 #                                block vLLM splits each prompt at the unit the plugin sets under MTP);
 #                                $GLM_SERVER_ARG: one more server argument for both, e.g. '--prefix-match-unit 16';
 #                                each server waited for $GLM_STARTUP_TIMEOUT s (420: a bare host compiles everything)
+#   prompt_end_session.sh glmfresh glm's pair (kept from glm on an H100) on fresh prompts only (--turn1-only: nothing
+#                                reused): $GLM_N conversations (32) of $GLM_SHARED-token prompts (8000), 128-token
+#                                answers, $GLM_LEVELS in flight (1,8,32), 6 rounds (issue 30 targets 1-2 on GLM)
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -61,7 +64,7 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmfresh|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -74,7 +77,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > /tmp/r/gp
 # stops them first. Their logs live in /tmp/bc-logs/STAGE and are copied to /tmp/r/logs at the end.
 KEPT=/tmp/bc-kept.json
 case "$stage" in
-  turns24|mtp24|fresh24|aa24|pressure24|glm|glmunit) ;;
+  turns24|mtp24|fresh24|aa24|pressure24|glm|glmfresh|glmunit) ;;
   *) python3 -m bc_tools.bench.kept_servers --stop $KEPT ;;
 esac
 KEEP=(--keep-servers $KEPT --log-dir /tmp/bc-logs/$stage)
@@ -187,7 +190,7 @@ case "$stage" in
     timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \
       2>&1 | tee /tmp/r/nemotronmtp.log | tail -40
     ;;
-  glm|glmunit)
+  glm|glmfresh|glmunit)
     for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
     sleep 10
     # 27.9 GiB of weights each: two servers up at once fit an H200 (0.42 of it each); on a smaller
@@ -204,12 +207,16 @@ case "$stage" in
       policies=(--policies aligned --variant "${unit_policy}_unit16={\"policy\": \"$unit_policy\"}"
         --variant-arg "${unit_policy}_unit16=--prefix-match-unit 16")
     fi
+    workload=(-N 8 -T 3 -S "${GLM_SHARED:-5000}" -U 100 -A "${GLM_ANSWER:-32}" --in-flight "${GLM_LEVELS:-1,8}")
+    if [[ $stage == glmfresh ]]; then
+      workload=(--turn1-only -N "${GLM_N:-32}" -S "${GLM_SHARED:-8000}" -U 100 -A 128 --in-flight "${GLM_LEVELS:-1,8,32}")
+    fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
       --log-dir /tmp/r/logs "${policies[@]}" "${glm_pair[@]}" --server-arg='--load-format dummy' \
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      -N 8 -T 3 -S ${GLM_SHARED:-5000} -U 100 -A ${GLM_ANSWER:-32} --in-flight ${GLM_LEVELS:-1,8} --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
+      "${workload[@]}" --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
       --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
   pressure)
