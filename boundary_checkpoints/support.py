@@ -105,8 +105,8 @@ def validated_for_every_architecture(
     """Whether ``table`` (architecture -> method -> largest k validated, such as
     :data:`PROMPT_END_SPECULATIVE`) validates ``method`` with ``k`` drafts on every one of
     ``architectures`` (none: False)."""
-    architectures = list(architectures)
-    return bool(architectures) and all(k <= table.get(arch, {}).get(method or "", 0) for arch in architectures)
+    limits = [table.get(arch, {}).get(method or "") for arch in architectures]
+    return bool(limits) and all(limit is not None and k <= limit for limit in limits)
 
 
 def speculative_architectures(method: str | None) -> list[str]:

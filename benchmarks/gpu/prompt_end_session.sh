@@ -38,7 +38,8 @@
 #                                each server waited for $GLM_STARTUP_TIMEOUT s (420: a bare host compiles everything)
 #   prompt_end_session.sh glmfresh glm's pair (kept from glm on an H100) on fresh prompts only (--turn1-only: nothing
 #                                reused): $GLM_N conversations (32) of $GLM_SHARED-token prompts (8000), 128-token
-#                                answers, $GLM_LEVELS in flight (1,8,32), 6 rounds (issue 30 targets 1-2 on GLM)
+#                                answers, $GLM_LEVELS in flight (1,8,32), 6 rounds (issue 30 targets 1-2 on GLM);
+#                                GLM_AA=1 (glm, glmfresh): two stock servers instead, the pairing's own spread
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -200,6 +201,8 @@ case "$stage" in
       glm_pair=(--sleep-others "${KEEP[@]}" --server-arg='--gpu-memory-utilization 0.8')
     fi
     policies=(--policies "${GLM_POLICIES:-aligned,request_boundaries}")  # aligned,auto: the plugin's defaults
+    # GLM_AA=1: two stock servers (an A/A pair): the spread the pairing alone gives at GLM dims
+    [[ -n ${GLM_AA:-} ]] && policies=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
     if [[ $stage == glmunit ]]; then
       GLM_ARCH=${GLM_ARCH:-glm5_next_flash_dense_mtp}
       [[ -n ${GLM_SPEC:-} ]] || GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'

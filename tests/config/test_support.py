@@ -63,6 +63,7 @@ def test_validated_for_every_architecture_checks_method_and_k():
     assert not check(table, ["A"], "mtp", 4) and not check(table, ["A", "B"], "mtp", 2)
     assert not check(table, ["A"], "dflash", 1) and not check(table, [], "mtp", 1)
     assert not check(table, ["B"], None, 1)
+    assert not check(table, ["C"], "mtp", 0) and not check(table, ["A", "C"], "mtp", 0)  # unlisted: never
 
 
 def test_failures_on_gpu_lookup():
