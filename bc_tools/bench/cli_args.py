@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=int,
         default=1,
-        help="throw-away 2-turn conversations per server start (--sleep-others: and per wake)",
+        help="throw-away 2-turn conversations per server start (--sleep-others: and per wake), sent all at once",
     )
     wl.add_argument("--request-timeout", type=float, default=600.0, help="seconds one request may take")
     fl = p.add_argument_group("floor")

@@ -11,8 +11,8 @@ special tokens, whose text then re-renders as the same tokens); its records carr
 ``usage`` counts, and a turn's boundary is the previous turn's rendered prompt + answer - 1.
 ``run_floor`` then sends the floor (``workload.floor_prompts``, token ids, ``/v1/completions``;
 in chat mode from the prompt ids the server rendered): every prime first, then the timed requests
-with the conversations' cadence. ``warm_up`` sends throw-away 2-turn conversations (own salt, own
-ids; chat conversations in chat mode) and raises if one fails.
+with the conversations' cadence. ``warm_up`` sends throw-away 2-turn conversations, all at once (own
+salt, own ids; chat conversations in chat mode), and raises if one fails.
 """
 
 from __future__ import annotations
@@ -176,38 +176,44 @@ class Slot:
 def warm_up(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
             words: tuple[str, ...] = TINY_WORDS) -> None:  # fmt: skip
     """Throw-away 2-turn conversations (own salt, own ids; chat mode: chat conversations of
-    ``words``), so that the timed slots exclude first-call costs (kernel compiles, allocator growth)."""
-    w, clock = workload, Clock()
-    if w.mode == "chat":
-        warm_up_chat(target, workload, salt, conversations, timeout, words)
-        return
-    for i in range(conversations):
-        rng = random.Random(f"warmup-{w.seed}-{i}")
-        prompt = draw_ids(rng, w.system_tokens + w.user_tokens, w.vocab_size)
-        first = send(target, prompt, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
-                     phase="warmup", conversation=-1 - i, turn=1, boundary=0)  # fmt: skip
-        if first.error:
-            raise CompletionError(f"[{target.label}] warm-up request failed: {first.error}")
-        second = next_prompt(prompt, first.answer_ids, draw_ids(rng, w.user_tokens, w.vocab_size))
-        send(target, second, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
-             phase="warmup", conversation=-1 - i, turn=2, boundary=0)  # fmt: skip
+    ``words``), all ``conversations`` at once, so that the timed slots exclude first-call costs
+    (kernel compiles, allocator growth), those of batches of that many requests included."""
+    chat = workload.mode == "chat"
+    send_one: Callable[..., None] = functools.partial(_warm_up_chat, words=words) if chat else _warm_up_tokens
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, conversations)) as pool:
+        futures = [pool.submit(send_one, target, workload, salt, i, timeout) for i in range(conversations)]
+        for fut in futures:
+            fut.result()
 
 
-def warm_up_chat(target: Target, workload: Workload, salt: str, conversations: int, timeout: float,
-                 words: tuple[str, ...]) -> None:  # fmt: skip
-    """``warm_up``'s chat conversations: turn 1's shape (a system and a user message) with other
-    words, then a second turn with the answer sent back."""
+def _warm_up_tokens(target: Target, workload: Workload, salt: str, i: int, timeout: float) -> None:
     w, clock = workload, Clock()
-    for i in range(conversations):
-        rng = random.Random(f"chat-warmup-{w.seed}-{i}")
-        plan = ChatConversationPlan(index=-1 - i, system_text=draw_words(rng, w.system_tokens, words),
-                                    user_texts=(draw_words(rng, w.user_tokens, words),
-                                                draw_words(rng, w.user_tokens, words)))  # fmt: skip
-        answers: list[str] = []
-        for turn in (1, 2):
-            rec, res = send_chat(target, chat_messages(plan, answers), max_tokens=w.answer_tokens,
-                                 salt=f"{salt}-{i}", clock=clock, timeout=timeout, phase="warmup",
-                                 conversation=-1 - i, turn=turn, boundary=0)  # fmt: skip
-            if res is None:
-                raise CompletionError(f"[{target.label}] warm-up chat request failed: {rec.error}")
-            answers.append(res.text)
+    rng = random.Random(f"warmup-{w.seed}-{i}")
+    prompt = draw_ids(rng, w.system_tokens + w.user_tokens, w.vocab_size)
+    first = send(target, prompt, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
+                 phase="warmup", conversation=-1 - i, turn=1, boundary=0)  # fmt: skip
+    if first.error:
+        raise CompletionError(f"[{target.label}] warm-up request failed: {first.error}")
+    second = next_prompt(prompt, first.answer_ids, draw_ids(rng, w.user_tokens, w.vocab_size))
+    send(target, second, max_tokens=w.answer_tokens, salt=f"{salt}-{i}", clock=clock, timeout=timeout,
+         phase="warmup", conversation=-1 - i, turn=2, boundary=0)  # fmt: skip
+
+
+def _warm_up_chat(
+    target: Target, workload: Workload, salt: str, i: int, timeout: float, words: tuple[str, ...]
+) -> None:
+    """Turn 1's shape (a system and a user message) with other words, then a second turn with
+    the answer sent back."""
+    w, clock = workload, Clock()
+    rng = random.Random(f"chat-warmup-{w.seed}-{i}")
+    plan = ChatConversationPlan(index=-1 - i, system_text=draw_words(rng, w.system_tokens, words),
+                                user_texts=(draw_words(rng, w.user_tokens, words),
+                                            draw_words(rng, w.user_tokens, words)))  # fmt: skip
+    answers: list[str] = []
+    for turn in (1, 2):
+        rec, res = send_chat(target, chat_messages(plan, answers), max_tokens=w.answer_tokens,
+                             salt=f"{salt}-{i}", clock=clock, timeout=timeout, phase="warmup",
+                             conversation=-1 - i, turn=turn, boundary=0)  # fmt: skip
+        if res is None:
+            raise CompletionError(f"[{target.label}] warm-up chat request failed: {rec.error}")
+        answers.append(res.text)

@@ -56,7 +56,8 @@
 #                                could not take); the turns stage's workload (8k-token first turns
 #                                sharing a prefix, and next turns, $TURNS24_LEVELS in flight (1,8), up to 6 rounds);
 #                                every 24-layer stage waits $STARTUP24_TIMEOUT s (420) for a server: a bare
-#                                H100 without the compile caches took over 300 s
+#                                H100 without the compile caches took over 300 s; $WARMUP24 (1): warm-up
+#                                conversations per start and wake, sent at once
 #   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
@@ -99,7 +100,7 @@ pair24() {
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
-    --repeat 6 --startup-timeout "${STARTUP24_TIMEOUT:-420}" --markdown "$@"
+    --repeat 6 --warmup "${WARMUP24:-1}" --startup-timeout "${STARTUP24_TIMEOUT:-420}" --markdown "$@"
 }
 case "$stage" in
   turns)

@@ -14,12 +14,14 @@ import json
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from http_stub import CompletionsStub, serve, stand_in_server
 
-from bc_tools.bench import cli, cli_args, logs, report, run_settings, runner, server_sets, stats, traffic
+from bc_tools.bench import cli, cli_args, logs, report, run_settings, runner, server_sets, slot, stats, traffic
 from bc_tools.bench import workload as wl
 from bc_tools.bench.stats import RequestRecord
 
@@ -576,6 +578,29 @@ def test_launched_servers_together_or_one_per_slot(tmp_path, monkeypatch, mode):
     assert len(warmups) == 2 * 2 * starts  # one 2-turn warm-up conversation per server start
     assert result["block_size"] == 16 and result["floor_policy"] == "aligned"
     assert len([r for r in result["records"] if r["phase"] == "floor"]) == 2  # one per round
+
+
+@pytest.mark.parametrize("mode", ["tokens", "chat"])
+def test_warm_up_sends_its_conversations_at_once(monkeypatch, mode):
+    """Every warm-up conversation's first turn is in flight before any returns (the barrier lets
+    none through until all three wait), so the timed slots meet no batch shape it left out."""
+    first_turns = threading.Barrier(3, timeout=20)
+    sent = []
+
+    def fake_send(target, prompt, **fields):
+        if fields["turn"] == 1:
+            first_turns.wait()
+        sent.append((fields["conversation"], fields["turn"]))
+        return SimpleNamespace(error=None, answer_ids=[5, 6])
+
+    def fake_send_chat(target, messages, **fields):
+        return fake_send(target, messages, **fields), SimpleNamespace(text="an answer")
+
+    monkeypatch.setattr(slot, "send", fake_send)
+    monkeypatch.setattr(slot, "send_chat", fake_send_chat)
+    workload = _workload(mode=mode, system_tokens=32, user_tokens=8)
+    slot.warm_up(traffic.Target("stock", "http://x", "m"), workload, "salt", 3, timeout=5)
+    assert sorted(sent) == [(c, t) for c in (-3, -2, -1) for t in (1, 2)]
 
 
 def test_turn1_only_run_reports_the_first_turn_tax_only(tmp_path, capsys):
