@@ -90,9 +90,7 @@ class Slot:
         return rec, res
 
     def _pool(self, fn: Callable[[Any], None], items: list) -> None:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.workload.concurrency) as pool:
-            for fut in [pool.submit(fn, item) for item in items]:
-                fut.result()
+        run_threads(fn, items, self.workload.concurrency)
 
     def _turn(self, plan: ConversationPlan | ChatConversationPlan, state: _ConversationState, turn: int) -> None:
         """Send turn ``turn`` of ``plan`` (tokens or chat), unless an earlier turn failed."""
@@ -180,9 +178,14 @@ def warm_up(target: Target, workload: Workload, salt: str, conversations: int, t
     (kernel compiles, allocator growth), those of batches of that many requests included."""
     chat = workload.mode == "chat"
     send_one: Callable[..., None] = functools.partial(_warm_up_chat, words=words) if chat else _warm_up_tokens
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, conversations)) as pool:
-        futures = [pool.submit(send_one, target, workload, salt, i, timeout) for i in range(conversations)]
-        for fut in futures:
+    run_threads(lambda i: send_one(target, workload, salt, i, timeout), list(range(conversations)), conversations)
+
+
+def run_threads(fn: Callable[[Any], None], items: list, workers: int) -> None:
+    """``fn`` on every item, ``workers`` threads at a time; re-raises the error of the first item,
+    in order, that failed."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for fut in [pool.submit(fn, item) for item in items]:
             fut.result()
 
 
