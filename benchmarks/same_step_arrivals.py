@@ -10,9 +10,12 @@ Qwen3-Next (``--mtp K``: the planted MTP fixture under MTP k = K, through the Tr
 CPU engine needs). It prints, for each pattern, every request's cached tokens: stock (``aligned``),
 then the plugin (``request_boundaries``, ``prompt_capture`` ``auto``), and whether the plugin's are
 the same, more for some request, or below stock's for some request; and the engine steps until
-every request had its first token.
+every request had its first token. ``--primed``: one prompt with the shared prefix runs to its end
+before each pattern, so the prefix is cached when the others arrive (vLLM starts prompts hitting
+one cached recurrent state a step apart; the plugin in one step, ``core/shared_hits.py``).
 
     .venv/bin/python benchmarks/same_step_arrivals.py --mtp 3
+    .venv/bin/python benchmarks/same_step_arrivals.py --mtp 0 --primed
 """
 
 from __future__ import annotations
@@ -32,30 +35,42 @@ ENGINE_SCRIPT = r"""
 import json, random, sys
 sys.path.insert(0, sys.argv[5])
 model, policy, k, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-patterns = json.loads(sys.argv[6])
+patterns, primed = json.loads(sys.argv[6]), sys.argv[7] == "1"
+if len(sys.argv) > 8:  # a test's corrupted variant: "module:attribute" replacing the plugin's class
+    import importlib
+    module, name = sys.argv[8].split(":")
+    target = importlib.import_module("boundary_checkpoints.core.shared_hits")
+    target.SharedHits = getattr(importlib.import_module(module), name)
 if k:
     import fake_triton_cpu
     fake_triton_cpu.install()
+import torch
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if k else {}
+extra = {"gdn_prefill_backend": "triton"} if torch.cuda.is_available() else {}  # the GPU host's GDN kernel
 llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=2048, enforce_eager=True,
           distributed_executor_backend="uni", enable_prefix_caching=True, seed=0, max_num_batched_tokens=1024,
-          additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "auto"}}, **spec)
+          additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "auto"}, **extra}, **spec)
 engine = llm.llm_engine
-params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
 rng = random.Random(0)
 rows = {}
 for p, pattern in enumerate(patterns):
     prefix = [rng.randrange(4, 1024) for _ in range(shared)]
     prompts = [prefix + [rng.randrange(4, 1024) for _ in range(20)] for _ in range(sum(pattern))]
-    cached, first, sent, steps = {}, {}, 0, [0]
+    primer = prefix + [rng.randrange(4, 1024) for _ in range(20)]
+    if primed:
+        llm.generate([TokensPrompt(prompt_token_ids=primer)], params, use_tqdm=False)
+    cached, first, logprob, sent, steps = {}, {}, {}, 0, [0]
     def step():
         steps[0] += 1
         for out in engine.step():
             cached.setdefault(out.request_id, out.num_cached_tokens)
             if out.outputs and out.outputs[0].token_ids:
                 first.setdefault(out.request_id, steps[0])
+                token, entries = out.outputs[0].token_ids[0], out.outputs[0].logprobs[0]
+                logprob.setdefault(out.request_id, entries[token].logprob)
     for group in pattern:
         for _ in range(group):
             engine.add_request(f"{p}-{sent}", TokensPrompt(prompt_token_ids=prompts[sent]), params)
@@ -63,17 +78,21 @@ for p, pattern in enumerate(patterns):
         step()
     while engine.has_unfinished_requests():
         step()
-    rows[str(pattern)] = ([cached[f"{p}-{i}"] for i in range(sent)], max(first.values()))
+    ids = [f"{p}-{i}" for i in range(sent)]
+    rows[str(pattern)] = ([cached[i] for i in ids], max(first.values()), [logprob[i] for i in ids])
 print("RESULT " + json.dumps(rows))
 """
 
 
-def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS) -> dict:
-    """One engine's run (a fresh process): per arrival pattern, each request's cached tokens and
-    the engine steps until every request had its first token."""
+def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS, primed: bool = False,
+               shared_hits_class: str | None = None) -> dict:  # fmt: skip
+    """One engine's run (a fresh process): per arrival pattern, each request's cached tokens, the
+    engine steps until every request had its first token, and each first token's logprob.
+    ``shared_hits_class`` ("module:Class"): a replacement for the plugin's ``SharedHits`` (tests)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
-    argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(patterns)]
+    argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(patterns),
+            "1" if primed else "0", *([shared_hits_class] if shared_hits_class else [])]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, *argv], env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -85,17 +104,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mtp", type=int, default=3, help="MTP draft tokens k (0: no speculative decoding)")
     parser.add_argument("--shared", type=int, default=700, help="tokens of the shared prefix")
+    parser.add_argument("--primed", action="store_true", help="the shared prefix is cached before each pattern")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from bc_tools.fixtures.tiny_models import make_tiny_model
 
     family = "qwen3_next_mtp_planted" if args.mtp else "qwen3_next"
     model = make_tiny_model(Path(tempfile.gettempdir()) / f"bc_tiny_{family}", family=family)
-    stock = run_engine(model, "aligned", args.mtp, args.shared)
-    plugin = run_engine(model, "request_boundaries", args.mtp, args.shared)
-    print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix; cached tokens per request, in arrival order")
+    stock = run_engine(model, "aligned", args.mtp, args.shared, primed=args.primed)
+    plugin = run_engine(model, "request_boundaries", args.mtp, args.shared, primed=args.primed)
+    print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix{', cached first' if args.primed else ''}; "
+          "cached tokens per request, in arrival order")  # fmt: skip
     for pattern in stock:
-        (ours, our_steps), (theirs, their_steps) = plugin[pattern], stock[pattern]
+        (ours, our_steps, _), (theirs, their_steps, _) = plugin[pattern], stock[pattern]
         pairs = list(zip(ours, theirs, strict=True))
         verdict = "BELOW STOCK" if any(p < s for p, s in pairs) else "more" if any(p > s for p, s in pairs) else "same"
         print(f"arrivals {pattern:>12}  stock {theirs}  plugin {ours}  {verdict}; "

@@ -68,6 +68,12 @@ override their hooks. Names and the behaviour relied on:
   ``watermark_blocks`` for waiting requests and ``reserved_blocks``), and answers more blocks than
   the pool holds to defer a recurrent hit to the next step. ``KVCacheBlock.ref_cnt`` tells whether
   a retained block's release frees it.
+* ``MambaManager.cached_blocks_this_step`` in align mode (``mamba_cache_mode``): the hashes it
+  marks as written in this step; a new request whose recurrent hit ends on a marked hash is
+  deferred to the next step (more blocks than the pool). Its ``cache_blocks`` also marks the hash
+  of a prompt's last hash-block boundary when it re-registers a block that already held it (a hit
+  ending there); ``new_step_starts`` clears the set. ``KVCacheBlocks.blocks``: the hit's blocks
+  per KV group, the recurrent group's state in the last (``core/shared_hits.py``).
 * ``KVCacheManager.new_step_starts`` (called at the start of every ``schedule()``), the scheduler's
   ``use_eagle_block_drop`` and ``connector``, and ``get_mamba_prefill_checkpoint_position``
   (v1/kv_cache_interface.py): where align mode keeps a prompt's reusable state in its last chunk
@@ -130,12 +136,14 @@ __all__ = [
     "copy_kv_cache_blocks_inplace",
     "drops_eagle_block",
     "free_queue_order",
+    "group_hit_blocks",
     "get_block_hash",
     "get_group_id",
     "keeps_prompt_states_between_blocks",
     "prefill_state_position",
     "request_blocks",
     "sampled_token_ids",
+    "same_step_marks",
     "single_type_managers",
     "watermark_blocks",
 ]
@@ -159,6 +167,20 @@ STATS_CARRIER_FIELD = "num_kv_fetch_reqs_by_stage"
 def single_type_managers(kv_cache_manager) -> list:
     """The per-KV-group managers of vLLM's coordinator, in group order."""
     return list(kv_cache_manager.coordinator.single_type_managers)
+
+
+def same_step_marks(manager) -> set | None:
+    """The hashes a recurrent group's manager in align mode marks as written in this step
+    (``cached_blocks_this_step``: a hit ending on one waits a step); None for any other manager."""
+    if isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align":
+        marks = getattr(manager, "cached_blocks_this_step", None)
+        return marks if isinstance(marks, set) else None
+    return None
+
+
+def group_hit_blocks(blocks, group: int) -> list:
+    """The prefix hit's blocks of KV group ``group`` (``KVCacheBlocks.blocks``)."""
+    return list(blocks.blocks[group])
 
 
 def request_blocks(kv_cache_manager, request_id: str) -> list[list]:

@@ -38,6 +38,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
     (KVCacheManager, "prefix_cache_lookup_enabled", ("request",)),
     (KVCacheManager, "new_step_starts", ()),
+    (KVCacheManager, "free", ("request",)),
     (KVCacheCoordinator, "find_longest_cache_hit", ("block_hashes", "max_cache_hit_length")),
     # The block pool's own API, which the plugin calls for its bundles' references.
     (BlockPool, "get_new_blocks", ("num_blocks",)),

@@ -205,6 +205,10 @@ class StoreCounters:
         "New prompts that waited (up to two engine steps) for a shared prefix another request was computing, "
         "rather than computing it cold beside it (speculative decoding)."
     )
+    shared_hits_released: int = exported(
+        "Allocations whose mark on the cached recurrent state their prefix hit ends on was taken back, so "
+        "other prompts hitting that state start in the same engine step (vLLM would defer each a step)."
+    )
     prompt_stops: int = exported(
         "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
     )

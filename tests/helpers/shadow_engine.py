@@ -17,6 +17,10 @@ them: a request whose recurrent state block of this step is the source of a pair
 pair's destination (a step of fewer than two tokens, or a pair no request takes, is a mismatch);
 ``boundary_post_forward_copies`` are applied after every request's forward.
 
+``parallel_rows``: a step's rows read their recurrent states as the step found them (after its
+copies), as a GPU's rows run at once: a row that reads a state another row of the same step writes
+sees the old one, so a hit admitted on a state computed in its own step is a mismatch.
+
 A "ring" group (the GLM indexer tail ring, block size = the pool size ``kpool``) holds, in the
 request's one block, the tokens of the pool in progress. Like GLM's indexer, a step that starts off
 the pool grid and completes the open pool must be a single (decode) token, which reads the ring; a
@@ -84,6 +88,8 @@ class ShadowWorker:
     prefill_checkpoints: tuple[int, int, int, int] | None = None
     drop_eagle_block: bool = False  # vLLM's use_eagle_block_drop (MTP, DFlash), for that placement rule
     internal_checkpoints: int = 0  # such states written into a real (not the null) block
+    parallel_rows: bool = False  # recurrent reads see the states at the step's start (module docstring)
+    _step_states: dict[int, int] | None = None
 
     def execute(self, so):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -125,6 +131,7 @@ class ShadowWorker:
             self._copy(copy.src_block_id, copy.dst_block_id)
 
         self.in_step = dict(getattr(so, "boundary_in_step_captures", None) or ())
+        self._step_states = dict(self.states) if self.parallel_rows else None
         req_ids, sampled = [], []
         for req_id, num in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
@@ -205,7 +212,8 @@ class ShadowWorker:
                     page[row % size] = req.prefix_state(row + 1)
             else:
                 prev = previous_state_idx if previous_state_idx is not None else (start - 1) // size
-                state = EMPTY_STATE if start == 0 else self.states.get(blocks[prev])
+                read = self.states if self._step_states is None else self._step_states
+                state = EMPTY_STATE if start == 0 else read.get(blocks[prev])
                 if start and previous_state_idx is None:
                     self.restored_reads += 1
                 if state != req.prefix_state(start):
