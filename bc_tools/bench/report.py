@@ -145,6 +145,8 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
     row("preemptions", "preemptions", lambda v: num(v, 0))
     if any((summ[p].get("prompts_waited") or {}).get("median") for p in labels):  # speculative decoding
         row("prompts that waited for a prefix in flight", "prompts_waited", lambda v: num(v, 0))
+    if any((summ[p].get("shared_hits_released") or {}).get("median") for p in labels):
+        row("prompts started beside a shared cached prefix", "shared_hits_released", lambda v: num(v, 0))
     if any((summ[p].get("capture_copies") or {}).get("median") for p in labels):  # where /metrics has them
         row("capture-copy launches", "capture_copies", lambda v: num(v, 0))
         row("capture-copy time ms", "capture_copy_us", lambda v: num(None if v is None else v / 1000, 2))

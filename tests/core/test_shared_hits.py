@@ -1,8 +1,9 @@
 """Prompts that hit one cached recurrent state start in the same engine step (``core/shared_hits.py``).
 
-vLLM's real scheduler over the shadow runner with ``parallel_rows`` (a step's rows read their
-recurrent states as the step found them, as on a GPU; any state read that differs from a cold run
-raises). Six prompts share a cached 96-token prefix and arrive at once: stock starts one per step
+vLLM's real scheduler over the shadow runner, whose rows read their recurrent states as the step
+found them (``parallel_rows``, as on a GPU; any state read that differs from a cold run raises), on
+Qwen3-Next's layout and GLM-5.3-Flash's (indexer ring, in-chunk states). Six prompts share a cached
+96-token prefix and arrive at once: stock starts one per step
 (one per two under async scheduling), the plugin all six in one step, each with stock's hit and
 the tokens of a cold run. Negative control: a release that also takes back the mark of a state its
 own step computes lets a sibling read that state before it is written, and the runner says so.
@@ -18,20 +19,26 @@ from shared_hits_variants import ReleasingEveryMark
 
 from boundary_checkpoints.compat import same_step_marks, single_type_managers
 
+LAYOUTS = {
+    "qwen3_next": {},
+    # GLM-5.3-Flash's: an indexer tail ring on a 4-token pool grid, recurrent states saved inside chunks
+    "glm": {"ring_kpool": 4, "prefill_checkpoint_alignment": 4},
+}
 
-def engine(model_dir, policy: str, async_scheduling: bool):
+
+def engine(model_dir, policy: str, async_scheduling: bool, layout: str = "qwen3_next"):
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=512,
-        max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto",
+        max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto", **LAYOUTS[layout],
     )  # fmt: skip
-    worker.parallel_rows = True
+    assert worker.parallel_rows, "the negative control needs rows that read their states at once"
     return scheduler, Driver(scheduler, worker, lag=int(async_scheduling))
 
 
-def run_siblings(model_dir, policy: str, async_scheduling: bool, prefix_cached: bool = True):
+def run_siblings(model_dir, policy: str, async_scheduling: bool, prefix_cached: bool = True, layout="qwen3_next"):
     """Six prompts sharing a 96-token prefix (cached first unless ``prefix_cached`` is False), sent
     at once: (prefill rows per step until all have started, their cached tokens, their outputs)."""
-    scheduler, driver = engine(model_dir, policy, async_scheduling)
+    scheduler, driver = engine(model_dir, policy, async_scheduling, layout)
     rng = random.Random(3)
     prefix = tokens(rng, 96)
     primer = make_request(prefix + tokens(rng, 7), max_tokens=2)
@@ -65,20 +72,24 @@ def cold_outputs(model_dir):
     return outputs
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_stock_starts_prompts_sharing_a_cached_state_one_step_apart(model_dir, async_scheduling):
+def test_stock_starts_prompts_sharing_a_cached_state_one_step_apart(model_dir, async_scheduling, layout):
     """Why the plugin does it: vLLM defers every sibling of the first a step (two under async)."""
-    _, per_step, cached, _ = run_siblings(model_dir, "aligned", async_scheduling)
+    _, per_step, cached, _ = run_siblings(model_dir, "aligned", async_scheduling, layout=layout)
     assert max(per_step) == 1
     assert len(per_step) == (11 if async_scheduling else 6)
     assert cached == [96] * 6
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_plugin_starts_them_in_one_step_with_stocks_hit_and_a_cold_runs_tokens(
-    model_dir, cold_outputs, async_scheduling
+    model_dir, cold_outputs, async_scheduling, layout
 ):
-    scheduler, per_step, cached, outputs = run_siblings(model_dir, "request_boundaries", async_scheduling)
+    scheduler, per_step, cached, outputs = run_siblings(
+        model_dir, "request_boundaries", async_scheduling, layout=layout
+    )
     assert per_step == [6]
     assert cached == [96] * 6
     assert outputs == cold_outputs

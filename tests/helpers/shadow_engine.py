@@ -17,9 +17,10 @@ them: a request whose recurrent state block of this step is the source of a pair
 pair's destination (a step of fewer than two tokens, or a pair no request takes, is a mismatch);
 ``boundary_post_forward_copies`` are applied after every request's forward.
 
-``parallel_rows``: a step's rows read their recurrent states as the step found them (after its
-copies), as a GPU's rows run at once: a row that reads a state another row of the same step writes
-sees the old one, so a hit admitted on a state computed in its own step is a mismatch.
+``parallel_rows`` (on unless a test turns it off): a step's rows read their recurrent states as the
+step found them (after its copies), as a GPU's rows run at once: a row that reads a state another
+row of the same step writes sees the old one, so a hit admitted on a state computed in its own step
+is a mismatch.
 
 A "ring" group (the GLM indexer tail ring, block size = the pool size ``kpool``) holds, in the
 request's one block, the tokens of the pool in progress. Like GLM's indexer, a step that starts off
@@ -88,7 +89,7 @@ class ShadowWorker:
     prefill_checkpoints: tuple[int, int, int, int] | None = None
     drop_eagle_block: bool = False  # vLLM's use_eagle_block_drop (MTP, DFlash), for that placement rule
     internal_checkpoints: int = 0  # such states written into a real (not the null) block
-    parallel_rows: bool = False  # recurrent reads see the states at the step's start (module docstring)
+    parallel_rows: bool = True  # recurrent reads see the states at the step's start (module docstring)
     _step_states: dict[int, int] | None = None
 
     def execute(self, so):
