@@ -12,10 +12,11 @@ then the plugin (``request_boundaries``, ``prompt_capture`` ``auto``), and wheth
 the same, more for some request, or below stock's for some request; and the engine steps until
 every request had its first token. ``--primed``: one prompt with the shared prefix runs to its end
 before each pattern, so the prefix is cached when the others arrive (vLLM starts prompts hitting
-one cached recurrent state a step apart; the plugin in one step, ``core/shared_hits.py``).
+one cached recurrent state a step apart; the plugin with ``--together``, its
+``shared_hits_together``, in one step: ``core/shared_hits.py``).
 
     .venv/bin/python benchmarks/same_step_arrivals.py --mtp 3
-    .venv/bin/python benchmarks/same_step_arrivals.py --mtp 0 --primed
+    .venv/bin/python benchmarks/same_step_arrivals.py --mtp 0 --primed --together
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ ENGINE_SCRIPT = r"""
 import json, random, sys
 sys.path.insert(0, sys.argv[5])
 model, policy, k, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-patterns, primed = json.loads(sys.argv[6]), sys.argv[7] == "1"
-if len(sys.argv) > 8:  # a test's corrupted variant: "module:attribute" replacing the plugin's class
+patterns, primed, settings = json.loads(sys.argv[6]), sys.argv[7] == "1", json.loads(sys.argv[8])
+if len(sys.argv) > 9:  # a test's corrupted variant: "module:attribute" replacing the plugin's class
     import importlib
-    module, name = sys.argv[8].split(":")
+    module, name = sys.argv[9].split(":")
     target = importlib.import_module("boundary_checkpoints.core.shared_hits")
     target.SharedHits = getattr(importlib.import_module(module), name)
 if k:
@@ -51,7 +52,8 @@ spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k}} if
 extra = {"gdn_prefill_backend": "triton"} if torch.cuda.is_available() else {}  # the GPU host's GDN kernel
 llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=2048, enforce_eager=True,
           distributed_executor_backend="uni", enable_prefix_caching=True, seed=0, max_num_batched_tokens=1024,
-          additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "auto"}, **extra}, **spec)
+          additional_config={"boundary_checkpoints": {"policy": policy, "prompt_capture": "auto", **settings}, **extra},
+          **spec)
 engine = llm.llm_engine
 params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
 rng = random.Random(0)
@@ -85,14 +87,16 @@ print("RESULT " + json.dumps(rows))
 
 
 def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS, primed: bool = False,
-               shared_hits_class: str | None = None) -> dict:  # fmt: skip
+               settings: dict | None = None, shared_hits_class: str | None = None) -> dict:  # fmt: skip
     """One engine's run (a fresh process): per arrival pattern, each request's cached tokens, the
     engine steps until every request had its first token, and each first token's logprob.
-    ``shared_hits_class`` ("module:Class"): a replacement for the plugin's ``SharedHits`` (tests)."""
+    ``settings``: more keys of the plugin's section; ``shared_hits_class`` ("module:Class"): a
+    replacement for the plugin's ``SharedHits`` (tests)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
     argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(patterns),
-            "1" if primed else "0", *([shared_hits_class] if shared_hits_class else [])]  # fmt: skip
+            "1" if primed else "0", json.dumps(settings or {}),
+            *([shared_hits_class] if shared_hits_class else [])]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, *argv], env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--mtp", type=int, default=3, help="MTP draft tokens k (0: no speculative decoding)")
     parser.add_argument("--shared", type=int, default=700, help="tokens of the shared prefix")
     parser.add_argument("--primed", action="store_true", help="the shared prefix is cached before each pattern")
+    parser.add_argument("--together", action="store_true", help="the plugin with shared_hits_together: true")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from bc_tools.fixtures.tiny_models import make_tiny_model
@@ -112,7 +117,8 @@ def main() -> None:
     family = "qwen3_next_mtp_planted" if args.mtp else "qwen3_next"
     model = make_tiny_model(Path(tempfile.gettempdir()) / f"bc_tiny_{family}", family=family)
     stock = run_engine(model, "aligned", args.mtp, args.shared, primed=args.primed)
-    plugin = run_engine(model, "request_boundaries", args.mtp, args.shared, primed=args.primed)
+    settings = {"shared_hits_together": True} if args.together else {}
+    plugin = run_engine(model, "request_boundaries", args.mtp, args.shared, primed=args.primed, settings=settings)
     print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix{', cached first' if args.primed else ''}; "
           "cached tokens per request, in arrival order")  # fmt: skip
     for pattern in stock:

@@ -123,6 +123,7 @@ _FIELD_CHECKS = {
     "retention": _one_of(RETENTIONS),
     "pool_grid_snapshots": _check_flag,
     "prefix_match_unit": _one_of(MATCH_UNITS),
+    "shared_hits_together": _check_flag,
 }
 
 
@@ -201,6 +202,12 @@ class BoundaryConfig:
     state on the pool grid: a prompt whose last step crosses a block boundary runs no extra step,
     others as many as with the plugin's stop (``match_unit.py``;
     the startup log says so). ``vllm``: vLLM's own unit (its default, the block, or the one given)."""
+
+    shared_hits_together: bool = False
+    """True: prompts whose hits end on one cached recurrent state start in the same engine step
+    (``core/shared_hits.py``), where vLLM starts them one step apart (two under async scheduling).
+    It pays where a prefill step's time is mostly fixed and loses median TTFT where it grows with
+    its tokens (the CPU engine: ``docs/results/cpu-shared-hits.md``). False (default): vLLM's order."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -39,7 +39,9 @@
 #   prompt_end_session.sh glmfresh glm's pair (kept from glm on an H100) on fresh prompts only (--turn1-only: nothing
 #                                reused): $GLM_N conversations (32) of $GLM_SHARED-token prompts (8000), 128-token
 #                                answers, $GLM_LEVELS in flight (1,8,32), 6 rounds (issue 30 targets 1-2 on GLM);
-#                                GLM_AA=1 (glm, glmfresh): two stock servers instead, the pairing's own spread
+#                                GLM_AA=1 (glm, glmfresh): two stock servers instead, the pairing's own spread;
+#                                TOGETHER=1 (glm, glmfresh and the 24-layer stages): the plugin with
+#                                shared_hits_together (prompts hitting one cached state start in one step)
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -91,12 +93,16 @@ L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102
 # Stock against the default on Qwen3-Next-80B dims at 24 layers (64 experts, 12.6 GB of dummy
 # weights), each server started once and only the slot's server awake (bc-bench --sleep-others),
 # 6 rounds; "$@": the workload and the output.
+# TOGETHER=1: the plugin with shared_hits_together, labelled "together" (see the usage above)
+TOGETHER_VARIANT='together={"policy": "request_boundaries", "shared_hits_together": true}'
+PAIR24=(--policies aligned,request_boundaries)
+[[ -n ${TOGETHER:-} ]] && PAIR24=(--policies aligned --variant "$TOGETHER_VARIANT")
 pair24() {
   for pid in $(cat /tmp/bc-servers.pids 2> /dev/null); do kill -- -"$pid" 2> /dev/null; done
   sleep 10
   local arch=${ARCH24:-qwen3_next_80b_24l}
   timeout 560 bc-bench --write-model /tmp/$arch --arch $arch --launch /tmp/$arch \
-    --policies aligned,request_boundaries --sleep-others "${KEEP[@]}" --server-arg='--load-format dummy' \
+    "${PAIR24[@]}" --sleep-others "${KEEP[@]}" --server-arg='--load-format dummy' \
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
@@ -204,6 +210,7 @@ case "$stage" in
     policies=(--policies "${GLM_POLICIES:-aligned,request_boundaries}")  # aligned,auto: the plugin's defaults
     # GLM_AA=1: two stock servers (an A/A pair): the spread the pairing alone gives at GLM dims
     [[ -n ${GLM_AA:-} ]] && policies=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
+    [[ -n ${TOGETHER:-} ]] && policies=(--policies aligned --variant "$TOGETHER_VARIANT")
     if [[ $stage == glmunit ]]; then
       GLM_ARCH=${GLM_ARCH:-glm5_next_flash_dense_mtp}
       [[ -n ${GLM_SPEC:-} ]] || GLM_SPEC='{"method": "mtp", "num_speculative_tokens": 3}'

@@ -141,7 +141,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         self.kv_cache_manager.prefix_in_flight = prefix_in_flight_for(self, self.checkpoint_store.counters)
         shared_hits = SharedHits(self.kv_cache_manager, self._count_shared_hit_release)
-        self.kv_cache_manager.shared_hits = shared_hits if shared_hits.active else None
+        together = self.boundary_config.shared_hits_together and shared_hits.active
+        self.kv_cache_manager.shared_hits = shared_hits if together else None
         if borrow:
             block_pool.yield_to_cache = self._yield_to_cache
             block_pool.clock = self.checkpoint_store.now

@@ -26,19 +26,22 @@ LAYOUTS = {
 }
 
 
-def engine(model_dir, policy: str, async_scheduling: bool, layout: str = "qwen3_next"):
+def engine(model_dir, policy: str, async_scheduling: bool, layout: str = "qwen3_next", together: bool = True):
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=512,
         max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto", **LAYOUTS[layout],
+        shared_hits_together=together,
     )  # fmt: skip
     assert worker.parallel_rows, "the negative control needs rows that read their states at once"
     return scheduler, Driver(scheduler, worker, lag=int(async_scheduling))
 
 
-def run_siblings(model_dir, policy: str, async_scheduling: bool, prefix_cached: bool = True, layout="qwen3_next"):
+def run_siblings(
+    model_dir, policy: str, async_scheduling: bool, prefix_cached: bool = True, layout="qwen3_next", together=True
+):
     """Six prompts sharing a 96-token prefix (cached first unless ``prefix_cached`` is False), sent
     at once: (prefill rows per step until all have started, their cached tokens, their outputs)."""
-    scheduler, driver = engine(model_dir, policy, async_scheduling, layout)
+    scheduler, driver = engine(model_dir, policy, async_scheduling, layout, together)
     rng = random.Random(3)
     prefix = tokens(rng, 96)
     primer = make_request(prefix + tokens(rng, 7), max_tokens=2)
@@ -94,6 +97,12 @@ def test_the_plugin_starts_them_in_one_step_with_stocks_hit_and_a_cold_runs_toke
     assert cached == [96] * 6
     assert outputs == cold_outputs
     assert scheduler.checkpoint_store.counters.shared_hits_released >= 5
+
+
+def test_by_default_the_plugin_keeps_vllms_order(model_dir):
+    scheduler, per_step, cached, _ = run_siblings(model_dir, "request_boundaries", False, together=False)
+    assert max(per_step) == 1 and cached == [96] * 6
+    assert scheduler.kv_cache_manager.shared_hits is None
 
 
 def test_a_state_computed_in_the_same_step_still_defers_its_hits(model_dir, cold_outputs):

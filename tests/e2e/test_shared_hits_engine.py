@@ -1,5 +1,6 @@
 """Prompts that hit one cached prefix and reach the real CPU engine together start in fewer engine
-steps under the plugin (``core/shared_hits.py``) than under stock vLLM, which starts them a step apart.
+steps under the plugin with ``shared_hits_together`` (``core/shared_hits.py``) than under stock
+vLLM, which starts them a step apart.
 
 The engines are ``benchmarks/same_step_arrivals.py``'s (one fresh process each), no speculative
 decoding, eight prompts sharing a 700-token prefix sent at once. Checked: with the prefix cached
@@ -31,7 +32,8 @@ def runs(tmp_path_factory):
     module = load_script("benchmarks/same_step_arrivals.py", "same_step_arrivals_shared_hits")
 
     def run(policy: str, primed: bool, variant: str | None = None):
-        result = module.run_engine(model, policy, 0, SHARED, [PATTERN], primed=primed, shared_hits_class=variant)
+        settings = {"shared_hits_together": True} if policy != "aligned" else {}
+        result = module.run_engine(model, policy, 0, SHARED, [PATTERN], primed, settings, variant)
         return result[str(PATTERN)]
 
     out = {

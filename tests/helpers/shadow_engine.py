@@ -292,6 +292,7 @@ def build_scheduler(
     drafter: Path | None = None,
     prefill_checkpoint_alignment: int | None = None,
     pool_grid_snapshots: bool = True,
+    shared_hits_together: bool = False,
     prefix_match_unit: int | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
@@ -379,6 +380,7 @@ def build_scheduler(
                 "retention": retention,
                 "prompt_admission": prompt_admission,
                 "pool_grid_snapshots": pool_grid_snapshots,
+                "shared_hits_together": shared_hits_together,
             }
         },
     ).create_engine_config()
