@@ -1,6 +1,7 @@
-"""Prompts that hit the same cached recurrent state start in the same engine step.
+"""Prompts that hit the same cached recurrent state start in the same engine step
+(``shared_hits_together``, off by default: ``docs/results/cpu-shared-hits.md`` says why).
 
-Contract: the plugin's KV cache manager asks :meth:`SharedHits.marks_to_release` before vLLM
+Contract: with the setting on, the plugin's KV cache manager asks :meth:`SharedHits.marks_to_release` before vLLM
 allocates a request and hands the answer to :meth:`SharedHits.allocated` after a successful
 allocation. vLLM's align mode marks a recurrent state as written in this step, and defers to the
 next step every new prompt whose hit ends on a marked state. A prompt whose hit ends at its own
