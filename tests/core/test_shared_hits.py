@@ -3,10 +3,10 @@
 vLLM's real scheduler over the shadow runner, whose rows read their recurrent states as the step
 found them (``parallel_rows``, as on a GPU; any state read that differs from a cold run raises), on
 Qwen3-Next's layout and GLM-5.3-Flash's (indexer ring, in-chunk states). Six prompts share a cached
-96-token prefix and arrive at once: stock starts one per step
-(one per two under async scheduling), the plugin all six in one step, each with stock's hit and
-the tokens of a cold run. Negative control: a release that also takes back the mark of a state its
-own step computes lets a sibling read that state before it is written, and the runner says so.
+96-token prefix and arrive at once: stock starts one per step (one per two under async
+scheduling), the plugin all six in one step, each with stock's hit and the tokens of a cold run.
+Negative control: a release that also takes back the mark of a state its own step computes lets a
+sibling read that state before it is written, and the runner says so.
 """
 
 from __future__ import annotations
@@ -52,11 +52,8 @@ def run_siblings(
         scheduler.add_request(request)
     prefills_per_step = []
     while sum(prefills_per_step) < len(requests):
-        output = scheduler.schedule()
+        output = driver.step()
         prefills_per_step.append(sum(1 for n in output.num_scheduled_tokens.values() if n > 1))
-        driver.in_flight.append((output, driver.worker.execute(output)))
-        while len(driver.in_flight) > driver.lag:
-            driver._process(*driver.in_flight.pop(0))
     outputs = driver.finish(requests)
     return scheduler, prefills_per_step, [driver.cached_tokens[r.request_id] for r in requests], outputs
 

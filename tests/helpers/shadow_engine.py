@@ -492,11 +492,13 @@ class Driver:
     in_flight: list = field(default_factory=list)
     cached_tokens: dict[str, int] = field(default_factory=dict)  # as vLLM reports it to clients
 
-    def step(self) -> None:
+    def step(self):
+        """One scheduler step run on the worker; returns its ``SchedulerOutput``."""
         output = self.scheduler.schedule()
         self.in_flight.append((output, self.worker.execute(output)))
         while len(self.in_flight) > self.lag:
             self._process(*self.in_flight.pop(0))
+        return output
 
     def drain(self) -> None:
         while self.in_flight:
