@@ -111,6 +111,12 @@ def _check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def _check_auto_or_flag(value: Any, name: str) -> bool | str:
+    if value != "auto" and not isinstance(value, bool):
+        raise BoundaryConfigError(f'{name} must be "auto", true or false (got {type(value).__name__} {value!r})')
+    return value
+
+
 _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
@@ -123,7 +129,7 @@ _FIELD_CHECKS = {
     "retention": _one_of(RETENTIONS),
     "pool_grid_snapshots": _check_flag,
     "prefix_match_unit": _one_of(MATCH_UNITS),
-    "shared_hits_together": _check_flag,
+    "shared_hits_together": _check_auto_or_flag,
 }
 
 
@@ -203,11 +209,13 @@ class BoundaryConfig:
     others as many as with the plugin's stop (``match_unit.py``;
     the startup log says so). ``vllm``: vLLM's own unit (its default, the block, or the one given)."""
 
-    shared_hits_together: bool = False
+    shared_hits_together: bool | str = "auto"
     """True: prompts whose hits end on one cached recurrent state start in the same engine step
     (``core/shared_hits.py``), where vLLM starts them one step apart (two under async scheduling).
-    It pays where a prefill step's time is mostly fixed and loses median TTFT where it grows with
-    its tokens (the CPU engine: ``docs/results/cpu-shared-hits.md``). False (default): vLLM's order."""
+    It pays where a prefill step's time grows slower than its tokens (a GPU:
+    ``docs/results/gpu-shared-hits-h100.md``) and loses median TTFT where it grows with them (the
+    CPU engine: ``docs/results/cpu-shared-hits.md``). ``auto`` (default): true except on a CPU.
+    False: vLLM's order. The startup log says which."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

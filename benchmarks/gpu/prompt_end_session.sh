@@ -40,8 +40,9 @@
 #                                reused): $GLM_N conversations (32) of $GLM_SHARED-token prompts (8000), 128-token
 #                                answers, $GLM_LEVELS in flight (1,8,32), 6 rounds (issue 30 targets 1-2 on GLM);
 #                                GLM_AA=1 (glm, glmfresh): two stock servers instead, the pairing's own spread;
-#                                TOGETHER=1 (glm, glmfresh and the 24-layer stages): the plugin with
-#                                shared_hits_together (prompts hitting one cached state start in one step)
+#                                TOGETHER=1 / TOGETHER=0 (glm, glmfresh and the 24-layer stages): the plugin with
+#                                shared_hits_together true / false (its default on a GPU: true), labelled
+#                                "together" / "apart" (prompts hitting one cached state start in one step or not)
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -93,8 +94,9 @@ L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102
 # Stock against the default on Qwen3-Next-80B dims at 24 layers (64 experts, 12.6 GB of dummy
 # weights), each server started once and only the slot's server awake (bc-bench --sleep-others),
 # 6 rounds; "$@": the workload and the output.
-# TOGETHER=1: the plugin with shared_hits_together, labelled "together" (see the usage above)
+# TOGETHER=1 / TOGETHER=0: the plugin with shared_hits_together true / false (see the usage above)
 TOGETHER_VARIANT='together={"policy": "request_boundaries", "shared_hits_together": true}'
+[[ ${TOGETHER:-} == 0 ]] && TOGETHER_VARIANT='apart={"policy": "request_boundaries", "shared_hits_together": false}'
 PAIR24=(--policies aligned,request_boundaries)
 [[ -n ${TOGETHER:-} ]] && PAIR24=(--policies aligned --variant "$TOGETHER_VARIANT")
 pair24() {

@@ -44,7 +44,7 @@ from boundary_checkpoints.core.ledger import Ledgers
 from boundary_checkpoints.core.pool_snapshots import PoolGridMixin
 from boundary_checkpoints.core.prefix_in_flight import PrefixInFlight, prefix_in_flight_for
 from boundary_checkpoints.core.restore import RestoreMixin
-from boundary_checkpoints.core.shared_hits import SharedHits
+from boundary_checkpoints.core.shared_hits import SharedHits, decide_together
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
@@ -141,8 +141,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         self.kv_cache_manager.prefix_in_flight = prefix_in_flight_for(self, self.checkpoint_store.counters)
         shared_hits = SharedHits(self.kv_cache_manager, self._count_shared_hit_release)
-        together = self.boundary_config.shared_hits_together and shared_hits.active
-        self.kv_cache_manager.shared_hits = shared_hits if together else None
+        together, together_phrase = decide_together(self.boundary_config.shared_hits_together, platform_is_cpu())
+        self.kv_cache_manager.shared_hits = shared_hits if together and shared_hits.active else None
         if borrow:
             block_pool.yield_to_cache = self._yield_to_cache
             block_pool.clock = self.checkpoint_store.now
@@ -171,7 +171,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             copy_times_reach_metrics(self.vllm_config),
             self._pool_grid_line()
             + (PrefixInFlight.STARTUP_PHRASE if self.kv_cache_manager.prefix_in_flight else "")
-            + (SharedHits.STARTUP_PHRASE if self.kv_cache_manager.shared_hits else ""),
+            + (together_phrase if shared_hits.active else ""),
         )
 
     def _count_shared_hit_release(self) -> None:

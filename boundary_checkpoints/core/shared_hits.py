@@ -1,5 +1,6 @@
 """Prompts that hit the same cached recurrent state start in the same engine step
-(``shared_hits_together``, off by default: ``docs/results/cpu-shared-hits.md`` says why).
+(``shared_hits_together``; under ``auto``, its default, everywhere but on a CPU:
+:func:`decide_together` says why).
 
 Contract: with the setting on, the plugin's KV cache manager asks :meth:`SharedHits.marks_to_release` before vLLM
 allocates a request and hands the answer to :meth:`SharedHits.allocated` after a successful
@@ -23,10 +24,24 @@ from boundary_checkpoints.compat import group_hit_blocks, same_step_marks, singl
 Release = tuple[set, Any]  # (a group's set of marks, the hash to take back)
 
 
+def decide_together(setting: bool | str, on_cpu: bool) -> tuple[bool, str]:
+    """Whether prompts sharing a cached recurrent state start together, and the startup phrase.
+    ``auto`` turns it on except on a CPU: batching N prompts into one step pays where a step's
+    time grows slower than its tokens (on an H100, 8 turns on one 8,000-token prefix reached their
+    first tokens in 0.56x stock's time), and delays the first of them where it grows with them (the
+    CPU engine's median first turn 1.30x stock's)."""
+    together = not on_cpu if setting == "auto" else bool(setting)
+    if together:
+        why = " (auto: a GPU step's time grows slower than its tokens)" if setting == "auto" else ""
+        return True, ", prompts hitting one cached recurrent state start in the same step" + why
+    if setting == "auto":
+        why = "auto: a CPU step's time grows with its tokens"
+        return False, f", prompts hitting one cached recurrent state start a step apart ({why})"
+    return False, ""
+
+
 class SharedHits:
     """The marks the prompts sharing a cached recurrent prefix must not set (module docstring)."""
-
-    STARTUP_PHRASE = ", prompts hitting one cached recurrent state start in the same step"
 
     def __init__(self, kv_cache_manager: Any, on_release: Callable[[], None]) -> None:
         self._groups = [

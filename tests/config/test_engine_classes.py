@@ -57,6 +57,7 @@ def test_request_boundaries_engine_uses_plugin_classes(tiny_model_dir):
     assert "boundary_checkpoints: policy=request_boundaries -> request_boundaries" in info["log"]
     assert "boundary_checkpoints: request_boundaries active" in info["log"]
     assert "capture-copy times on /metrics (the worker runs in the engine core's process)" in info["log"]
+    assert "prompts hitting one cached recurrent state start a step apart (auto: a CPU step's" in info["log"]
     # The resend restores the prompt checkpoint at P - 1; the worker applied the capture and the
     # restore copies itself (vLLM's runner got a step without them).
     assert info["cached"][2] == 299

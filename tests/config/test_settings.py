@@ -36,6 +36,12 @@ def test_defaults(additional_config):
     assert cfg.prompt_checkpoint_min_tokens == 0
     assert cfg.prompt_capture == "auto"
     assert cfg.prompt_admission == "auto"
+    assert cfg.shared_hits_together == "auto"
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_shared_hits_together_takes_auto_or_a_flag(value):
+    assert parse({"shared_hits_together": value}).shared_hits_together == value
 
 
 def test_public_constants():
@@ -101,6 +107,9 @@ BAD_VALUES = [
     ("prompt_capture", None, "auto, in_step, stop"),
     ("prompt_admission", "sample", "auto, all"),
     ("prompt_admission", True, "auto, all"),
+    ("shared_hits_together", "on", '"auto", true or false'),
+    ("shared_hits_together", 1, '"auto", true or false'),
+    ("shared_hits_together", None, '"auto", true or false'),
 ]
 
 

@@ -18,6 +18,7 @@ from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request,
 from shared_hits_variants import ReleasingEveryMark
 
 from boundary_checkpoints.compat import same_step_marks, single_type_managers
+from boundary_checkpoints.core.shared_hits import decide_together
 
 LAYOUTS = {
     "qwen3_next": {},
@@ -26,7 +27,7 @@ LAYOUTS = {
 }
 
 
-def engine(model_dir, policy: str, async_scheduling: bool, layout: str = "qwen3_next", together: bool = True):
+def engine(model_dir, policy: str, async_scheduling: bool, layout: str = "qwen3_next", together: bool | str = True):
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, block_size=16, num_blocks=512, max_num_seqs=16, max_num_batched_tokens=512,
         max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto", **LAYOUTS[layout],
@@ -96,10 +97,28 @@ def test_the_plugin_starts_them_in_one_step_with_stocks_hit_and_a_cold_runs_toke
     assert scheduler.checkpoint_store.counters.shared_hits_released >= 5
 
 
-def test_by_default_the_plugin_keeps_vllms_order(model_dir):
-    scheduler, per_step, cached, _ = run_siblings(model_dir, "request_boundaries", False, together=False)
+@pytest.mark.parametrize("setting", ["auto", False])
+def test_on_a_cpu_the_default_and_false_keep_vllms_order(model_dir, setting):
+    scheduler, per_step, cached, _ = run_siblings(model_dir, "request_boundaries", False, together=setting)
     assert max(per_step) == 1 and cached == [96] * 6
     assert scheduler.kv_cache_manager.shared_hits is None
+
+
+def test_on_a_gpu_the_default_starts_them_in_one_step(model_dir, cold_outputs, monkeypatch):
+    monkeypatch.setattr("boundary_checkpoints.core.scheduler.platform_is_cpu", lambda: False)
+    scheduler, per_step, cached, outputs = run_siblings(model_dir, "request_boundaries", False, together="auto")
+    assert per_step == [6] and cached == [96] * 6 and outputs == cold_outputs
+
+
+def test_the_startup_phrase_says_what_auto_decided_and_why():
+    on_gpu, on_cpu = decide_together("auto", on_cpu=False), decide_together("auto", on_cpu=True)
+    assert on_gpu[0] and "same step (auto: a GPU" in on_gpu[1]
+    assert not on_cpu[0] and "a step apart (auto: a CPU" in on_cpu[1]
+    assert decide_together(True, on_cpu=True) == (
+        True,
+        ", prompts hitting one cached recurrent state start in the same step",
+    )
+    assert decide_together(False, on_cpu=False) == (False, "")
 
 
 def test_a_state_computed_in_the_same_step_still_defers_its_hits(model_dir, cold_outputs):

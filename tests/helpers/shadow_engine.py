@@ -292,7 +292,7 @@ def build_scheduler(
     drafter: Path | None = None,
     prefill_checkpoint_alignment: int | None = None,
     pool_grid_snapshots: bool = True,
-    shared_hits_together: bool = False,
+    shared_hits_together: bool | str = "auto",
     prefix_match_unit: int | None = None,
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
