@@ -27,6 +27,7 @@ from bc_tools.bench.stats import AT_LEAST, PLUGIN_POLICY, STOCK_POLICY, rounds_b
 RATIO_NAMES = {
     "turn1_ttft_vs_stock": "TTFT p50 turn 1 (fresh prompt) / stock",
     "cont_ttft_vs_stock": "TTFT p50 turns >= 2 / stock",
+    "all_ttft_vs_stock": "TTFT p50 all turns / stock",
     "continuation_ttft_vs_floor": "TTFT p50 turns >= 2 / floor p50",
     "prefill_vs_stock": "prefill tokens / stock",
     "prefill_cont_vs_stock": "prefill tokens turns >= 2 / stock",

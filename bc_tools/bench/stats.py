@@ -285,6 +285,9 @@ def round_ratios(summaries: dict[str, dict], floor: dict | None, stock: str = ST
         out[label] = {
             "turn1_ttft_vs_stock": safe_ratio(p["ttft_turn1_p50_s"], s and s["ttft_turn1_p50_s"]),
             "cont_ttft_vs_stock": safe_ratio(p["ttft_cont_p50_s"], s and s["ttft_cont_p50_s"]),
+            "all_ttft_vs_stock": (  # with one turn only, turn 1's
+                safe_ratio(p.get("ttft_all_p50_s"), s and s.get("ttft_all_p50_s")) if p.get("later_turns") else None
+            ),
             "continuation_ttft_vs_floor": safe_ratio(p["ttft_cont_p50_s"], floor and floor["ttft_p50_s"]),
             "prefill_vs_stock": safe_ratio(p["prefill_tokens"], s and s["prefill_tokens"]),
             "prefill_cont_vs_stock": safe_ratio(p["prefill_cont_tokens"], s and s["prefill_cont_tokens"]),

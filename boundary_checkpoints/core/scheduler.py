@@ -22,7 +22,6 @@ from boundary_checkpoints.compat import (
     Scheduler,
     SchedulerOutput,
     caches_hash,
-    get_block_hash,
     keeps_prompt_states_between_blocks,
     platform_is_cpu,
     reclass_instance,
@@ -31,7 +30,7 @@ from boundary_checkpoints.compat import (
 )
 from boundary_checkpoints.core.admission import PromptAdmission
 from boundary_checkpoints.core.boundaries import RESPONSE, restore_tail
-from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture, frees_uncached
+from boundary_checkpoints.core.capture import CaptureMixin, PendingCapture
 from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
@@ -48,6 +47,7 @@ from boundary_checkpoints.core.shared_hits import SharedHits, decide_together
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, COPY_TIMES_ATTR, copy_times_reach_metrics
 from boundary_checkpoints.core.step_report import StepCounterReporter
 from boundary_checkpoints.core.store import CheckpointStore
+from boundary_checkpoints.core.yielding import YieldingMixin
 from boundary_checkpoints.gate import decide_layout, match_unit_reasons
 from boundary_checkpoints.prompt_capture import END, IN_STEP, OFF, STOP, PromptCaptureDecision, decide_for, on_pool_grid
 from boundary_checkpoints.settings import BoundaryConfig
@@ -57,10 +57,10 @@ logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler p
 _FINISHED_WITH_CHECKPOINT = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
-class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGridMixin):
+class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGridMixin, YieldingMixin):
     """Boundary capture/restore on top of vLLM's Scheduler: ``__init__``, the step hooks, the
-    request lifecycle and the stats; restore, chunk stops, capture and pool-grid snapshots are its
-    bases."""
+    request lifecycle and the stats; restore, chunk stops, capture, pool-grid snapshots and
+    yielding under pressure are its bases."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -307,56 +307,6 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
                 num_pending,
             )
         return super().reset_prefix_cache(*args, **kwargs)
-
-    def _relieve_pressure(self, shortfall: int) -> bool:
-        """Evict one retained bundle that gives blocks back to the pool, unless evicting every
-        such bundle would still leave ``shortfall`` unmet; False when nothing was evicted."""
-        if self._release_snapshot():
-            return True
-        store = self.checkpoint_store
-
-        def is_free(block) -> bool:  # the store's reference is the last one
-            return block.ref_cnt == 1
-
-        if store.freeable_blocks(is_free) < shortfall:
-            return False
-        return store.evict_to_free(is_free)
-
-    def _yield_to_cache(self, num_blocks: int) -> None:
-        """Before vLLM hands out ``num_blocks`` new blocks, while they would include blocks of its
-        prefix cache: evict the least recently used bundle whose release gives back a block no
-        cache entry names (freed to the free queue's head, so handed out first). Once bundles are
-        seen reused within the time vLLM's cache keeps its blocks, and while they cost no more
-        cached tokens than they serve (``_yields_to_every_cached``), only a
-        bundle last used no later than the newest of those cached blocks was freed goes: bundles
-        and cached blocks then leave in one least-recently-used order (a bundle is last used no
-        earlier than the pages it borrows were freed, so it never outlives them). Among those
-        cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
-        shared prefix) outranks every bundle, whatever its age."""
-        while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
-            self._release_snapshot()
-        store = self.checkpoint_store
-        if not len(store):
-            return
-        while True:
-            cached = self._cached_ahead(num_blocks)
-            if not cached:
-                return
-            newest = max(self._block_pool.freed_at(block) for block in cached)
-            yields_to_all = self._yields_to_every_cached(newest) or any(
-                self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached
-            )
-            used_by = None if yields_to_all else newest
-            if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
-                return
-
-    def _yields_to_every_cached(self, freed_at: int) -> bool:
-        """Under retention ``borrow``: whether bundles give way to any cached block rather than
-        only to those freed after their last use, given the newest block about to go was freed
-        at ``freed_at``: before any reuse is seen or while the cache thrashes
-        (``outwaits_cache``), and while bundles cost more cached tokens than they served
-        (``core/hit_balance.py``)."""
-        return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
 
     # ---- metrics --------------------------------------------------------------------------
     def boundary_stats(self) -> dict[str, int]:

@@ -104,14 +104,15 @@ def test_summarize_policy_ratios_throughput_quantiles_and_exact_hits():
 
 def test_round_ratios_and_targets_on_medians():
     stock = {"prefill_tokens": 1000, "prefill_cont_tokens": 800, "output_throughput_tok_s": 100.0,
-             "ttft_cont_p50_s": 0.5, "ttft_turn1_p50_s": 0.2}  # fmt: skip
+             "ttft_cont_p50_s": 0.5, "ttft_turn1_p50_s": 0.2, "ttft_all_p50_s": 0.4}  # fmt: skip
     plugin = {"prefill_tokens": 250, "prefill_cont_tokens": 100, "output_throughput_tok_s": 99.0,
-              "ttft_cont_p50_s": 0.105, "ttft_turn1_p50_s": 0.23}  # fmt: skip
+              "ttft_cont_p50_s": 0.105, "ttft_turn1_p50_s": 0.23, "ttft_all_p50_s": 0.12, "later_turns": 4}  # fmt: skip
     out = stats.round_ratios({"aligned": stock, "request_boundaries": plugin}, {"ttft_p50_s": 0.1})
     r = out["request_boundaries"]
     assert set(out) == {"request_boundaries"}
     assert r["turn1_ttft_vs_stock"] == pytest.approx(1.15)
     assert r["cont_ttft_vs_stock"] == pytest.approx(0.21)
+    assert r["all_ttft_vs_stock"] == pytest.approx(0.3)
     assert r["prefill_cont_vs_stock"] == pytest.approx(0.125)
     assert r["prefill_vs_stock"] == pytest.approx(0.25)
     assert r["throughput_vs_stock"] == pytest.approx(0.99)

@@ -1,0 +1,71 @@
+"""How retained checkpoints give blocks back when vLLM needs them (the scheduler's side of KV
+pressure and of retention ``borrow``).
+
+Contract: :class:`YieldingMixin`, a base of the boundary scheduler, answers two calls of the
+plugin's KV cache manager and block pool. ``_relieve_pressure(shortfall)``, before vLLM would
+preempt for want of ``shortfall`` blocks: a pool-grid snapshot goes first, else one bundle whose
+release frees blocks, unless releasing all of them would still leave the shortfall. ``_yield_to_cache(n)``,
+before vLLM hands out ``n`` blocks that would include blocks of its prefix cache: bundles go in
+the order its docstring gives. It reads the scheduler's ``checkpoint_store``, ``_hit_balance`` and
+``_block_pool`` and the pool-grid and capture mixins' ``_release_snapshot``, ``_snapshot_blocks`` and
+``_cached_ahead``.
+"""
+
+from __future__ import annotations
+
+from boundary_checkpoints.compat import get_block_hash
+from boundary_checkpoints.core.capture import frees_uncached
+
+
+class YieldingMixin:
+    """Bundles and snapshots that yield to vLLM's allocations (module docstring)."""
+
+    def _relieve_pressure(self, shortfall: int) -> bool:
+        """Evict one retained bundle that gives blocks back to the pool, unless evicting every
+        such bundle would still leave ``shortfall`` unmet; False when nothing was evicted."""
+        if self._release_snapshot():
+            return True
+        store = self.checkpoint_store
+
+        def is_free(block) -> bool:  # the store's reference is the last one
+            return block.ref_cnt == 1
+
+        if store.freeable_blocks(is_free) < shortfall:
+            return False
+        return store.evict_to_free(is_free)
+
+    def _yield_to_cache(self, num_blocks: int) -> None:
+        """Before vLLM hands out ``num_blocks`` new blocks, while they would include blocks of its
+        prefix cache: evict the least recently used bundle whose release gives back a block no
+        cache entry names (freed to the free queue's head, so handed out first). Once bundles are
+        seen reused within the time vLLM's cache keeps its blocks, and while they cost no more
+        cached tokens than they serve (``_yields_to_every_cached``), only a
+        bundle last used no later than the newest of those cached blocks was freed goes: bundles
+        and cached blocks then leave in one least-recently-used order (a bundle is last used no
+        earlier than the pages it borrows were freed, so it never outlives them). Among those
+        cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
+        shared prefix) outranks every bundle, whatever its age."""
+        while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
+            self._release_snapshot()
+        store = self.checkpoint_store
+        if not len(store):
+            return
+        while True:
+            cached = self._cached_ahead(num_blocks)
+            if not cached:
+                return
+            newest = max(self._block_pool.freed_at(block) for block in cached)
+            yields_to_all = self._yields_to_every_cached(newest) or any(
+                self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached
+            )
+            used_by = None if yields_to_all else newest
+            if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
+                return
+
+    def _yields_to_every_cached(self, freed_at: int) -> bool:
+        """Under retention ``borrow``: whether bundles give way to any cached block rather than
+        only to those freed after their last use, given the newest block about to go was freed
+        at ``freed_at``: before any reuse is seen or while the cache thrashes
+        (``outwaits_cache``), and while bundles cost more cached tokens than they served
+        (``core/hit_balance.py``)."""
+        return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
