@@ -56,8 +56,8 @@ llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_mo
           **spec)
 engine = llm.llm_engine
 scheduler = engine.engine_core.engine_core.scheduler  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-layout = {"block_size": scheduler.block_size, "hash_block_size": scheduler.hash_block_size,
-          "async_scheduling": bool(engine.vllm_config.scheduler_config.async_scheduling)}
+engine_facts = {"block_size": scheduler.block_size, "hash_block_size": scheduler.hash_block_size,
+                "async_scheduling": bool(engine.vllm_config.scheduler_config.async_scheduling)}
 params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
 rng = random.Random(0)
 rows = {}
@@ -85,17 +85,17 @@ for p, pattern in enumerate(patterns):
         step()
     ids = [f"{p}-{i}" for i in range(sent)]
     rows[str(pattern)] = ([cached[i] for i in ids], max(first.values()), [logprob[i] for i in ids])
-    layout[f"first-token steps {pattern}"] = [first[i] for i in ids]
-print("RESULT " + json.dumps({"rows": rows, "layout": layout}))
+    engine_facts[f"first-token steps {pattern}"] = [first[i] for i in ids]
+print("RESULT " + json.dumps({"rows": rows, "engine": engine_facts}))
 """
 
 
 def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS, primed: bool = False,
                settings: dict | None = None, shared_hits_class: str | None = None) -> dict:  # fmt: skip
-    """One engine's run (a fresh process): per arrival pattern, each request's cached tokens, the
-    engine steps until every request had its first token, and each first token's logprob; under
-    ``"layout"`` the scheduler's block and hash block sizes, whether it schedules asynchronously,
-    and per pattern the step of each request's first token.
+    """One engine's run (a fresh process): under ``"rows"``, per arrival pattern, each request's
+    cached tokens, the engine steps until every request had its first token, and each first
+    token's logprob; under ``"engine"`` the scheduler's block and hash block sizes, whether it
+    schedules asynchronously, and per pattern the step of each request's first token.
     ``settings``: more keys of the plugin's section; ``shared_hits_class`` ("module:Class"): a
     replacement for the plugin's ``SharedHits`` (tests)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
@@ -107,8 +107,7 @@ def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS,
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or not lines:
         raise RuntimeError(f"{policy} engine failed:\n{(done.stdout + done.stderr)[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT ") :])
-    return {**result["rows"], "layout": result["layout"]}
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -128,9 +127,9 @@ def main() -> None:
     plugin = run_engine(model, "request_boundaries", args.mtp, args.shared, primed=args.primed, settings=settings)
     print(f"MTP k = {args.mtp}, {args.shared}-token shared prefix{', cached first' if args.primed else ''}; "
           "cached tokens per request, in arrival order")  # fmt: skip
-    print(f"stock's engine: {stock['layout']}")
-    for pattern in (key for key in stock if key != "layout"):
-        (ours, our_steps, _), (theirs, their_steps, _) = plugin[pattern], stock[pattern]
+    print(f"stock's engine: {stock['engine']}")
+    for pattern in stock["rows"]:
+        (ours, our_steps, _), (theirs, their_steps, _) = plugin["rows"][pattern], stock["rows"][pattern]
         pairs = list(zip(ours, theirs, strict=True))
         verdict = "BELOW STOCK" if any(p < s for p, s in pairs) else "more" if any(p > s for p, s in pairs) else "same"
         print(f"arrivals {pattern:>12}  stock {theirs}  plugin {ours}  {verdict}; "

@@ -34,7 +34,7 @@ def runs(tmp_path_factory):
     def run(policy: str, primed: bool, variant: str | None = None):
         settings = {"shared_hits_together": True} if policy != "aligned" else {}
         result = module.run_engine(model, policy, 0, SHARED, [PATTERN], primed, settings, variant)
-        return (*result[str(PATTERN)], result["layout"])
+        return (*result["rows"][str(PATTERN)], result["engine"])
 
     out = {
         "stock": run("aligned", primed=True),
@@ -60,8 +60,8 @@ def bound(runs) -> float:
 
 
 def test_the_plugin_starts_prompts_sharing_a_cached_prefix_in_fewer_steps(runs):
-    (stock, stock_steps, _, layout), (plugin, plugin_steps, _, _) = runs["stock"], runs["plugin"]
-    assert stock_steps >= len(stock), f"stock started them together: nothing to gain ({stock_steps} steps, {layout})"
+    (stock, stock_steps, _, engine), (plugin, plugin_steps, _, _) = runs["stock"], runs["plugin"]
+    assert stock_steps >= len(stock), f"stock started them together: nothing to gain ({stock_steps} steps, {engine})"
     assert plugin_steps < stock_steps, (plugin_steps, stock_steps)
     assert plugin == stock and all(cached > 0 for cached in plugin), (plugin, stock)
 
