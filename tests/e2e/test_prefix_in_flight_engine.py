@@ -37,9 +37,11 @@ def engines(tmp_path_factory):
 
 @pytest.mark.parametrize("pattern", [str(p) for p in PATTERNS])
 def test_a_prompt_arriving_beside_its_prefix_waits_for_it(engines, pattern):
-    stock, stock_steps, _ = engines["aligned"][pattern]
-    plugin, plugin_steps, _ = engines["request_boundaries"][pattern]
-    assert stock.count(0) > 1, f"stock ran only the first prompt cold: nothing to wait for ({stock})"
+    stock, stock_steps, _ = engines["aligned"]["rows"][pattern]
+    plugin, plugin_steps, _ = engines["request_boundaries"]["rows"][pattern]
+    assert stock.count(0) > 1, (
+        f"stock ran only the first prompt cold: nothing to wait for ({stock}; {engines['aligned']['engine']})"
+    )
     assert all(ours >= theirs for ours, theirs in zip(plugin, stock, strict=True)), (plugin, stock)
     assert sum(plugin) > sum(stock) and plugin.count(0) == 1, (plugin, stock)
     assert plugin_steps <= stock_steps, (plugin_steps, stock_steps)
