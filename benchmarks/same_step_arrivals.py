@@ -37,9 +37,10 @@ import json, random, sys
 sys.path.insert(0, sys.argv[5])
 model, policy, k, shared = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 patterns, primed, settings = json.loads(sys.argv[6]), sys.argv[7] == "1", json.loads(sys.argv[8])
-if len(sys.argv) > 9:  # a test's corrupted variant: "module:attribute" replacing the plugin's class
+own = int(sys.argv[9])  # tokens each prompt adds to the prefix; 0: one, after the prefix cut to whole blocks
+if len(sys.argv) > 10:  # a test's corrupted variant: "module:attribute" replacing the plugin's class
     import importlib
-    module, name = sys.argv[9].split(":")
+    module, name = sys.argv[10].split(":")
     target = importlib.import_module("boundary_checkpoints.core.shared_hits")
     target.SharedHits = getattr(importlib.import_module(module), name)
 if k:
@@ -63,7 +64,8 @@ rng = random.Random(0)
 rows = {}
 for p, pattern in enumerate(patterns):
     prefix = [rng.randrange(4, 1024) for _ in range(shared)]
-    prompts = [prefix + [rng.randrange(4, 1024) for _ in range(20)] for _ in range(sum(pattern))]
+    head = prefix if own else prefix[: shared // scheduler.block_size * scheduler.block_size]
+    prompts = [head + [rng.randrange(4, 1024) for _ in range(own or 1)] for _ in range(sum(pattern))]
     primer = prefix + [rng.randrange(4, 1024) for _ in range(20)]
     if primed:
         llm.generate([TokensPrompt(prompt_token_ids=primer)], params, use_tqdm=False)
@@ -91,17 +93,20 @@ print("RESULT " + json.dumps({"rows": rows, "engine": engine_facts}))
 
 
 def run_engine(model: Path, policy: str, k: int, shared: int, patterns=PATTERNS, primed: bool = False,
-               settings: dict | None = None, shared_hits_class: str | None = None) -> dict:  # fmt: skip
+               settings: dict | None = None, shared_hits_class: str | None = None, own: int = 20) -> dict:  # fmt: skip
     """One engine's run (a fresh process): under ``"rows"``, per arrival pattern, each request's
     cached tokens, the engine steps until every request had its first token, and each first
     token's logprob; under ``"engine"`` the scheduler's block and hash block sizes, whether it
     schedules asynchronously, and per pattern the step of each request's first token.
     ``settings``: more keys of the plugin's section; ``shared_hits_class`` ("module:Class"): a
-    replacement for the plugin's ``SharedHits`` (tests)."""
+    replacement for the plugin's ``SharedHits`` (tests). ``own``: tokens each prompt adds to the
+    shared prefix; 0: the prefix is cut to the scheduler's whole blocks and each prompt adds one
+    token, so a hit on the prefix ends at the prompt's last hash-block boundary whatever the
+    platform's block and hash block sizes (where vLLM starts such prompts a step apart)."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.pop("VLLM_BOUNDARY_CHECKPOINTS_POLICY", None)
     argv = [str(model), policy, str(k), str(shared), str(ROOT / "tests" / "helpers"), json.dumps(patterns),
-            "1" if primed else "0", json.dumps(settings or {}),
+            "1" if primed else "0", json.dumps(settings or {}), str(own),
             *([shared_hits_class] if shared_hits_class else [])]  # fmt: skip
     done = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT, *argv], env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -18,6 +18,11 @@ greedy) for every B of ``--batch``:
   rounds). Prompt ids are drawn from ``[4, vocab)`` with a generator seeded by (``--seed``, round,
   batch, mode): every configuration gets the same prompts and no call reuses another's, so nothing
   is cached (each call's ``cached_tokens`` is recorded: expect 0).
+* ``--next-turn N``: the timed calls are next turns instead. Each call's fresh prompts first run
+  untimed with ``--answer`` tokens (default 64); the timed call sends each prompt with its answer
+  and N fresh tokens, so all B rows resume at once a conversation whose turn just ended (what
+  conversations running in step send): the plugin restores each response boundary, stock its
+  block grid, and ``cached_tokens`` records both.
 * Each engine step is recorded by wrapping the engine core's ``scheduler.schedule`` /
   ``update_from_output`` (host times) and its executor's ``execute_model`` / ``sample_tokens``:
   scheduled tokens and rows, the plugin's in-step capture pairs (``boundary_in_step_captures``,
@@ -107,11 +112,12 @@ if BENCHMARKS_DIR not in sys.path:  # loaded by its path (tests): the package be
 from step_profiling.engine import (  # noqa: E402
     CONFIGS,
     StepRecorder,
+    call_len,
+    call_prompts,
     default_max_model_len,
     elapsed_s,
     engine_kwargs,
     engine_setup,
-    make_prompts,
     release_engine,
     run_rounds,
 )
@@ -152,6 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="one more configuration: LABEL with JSON as its boundary_checkpoints section")  # fmt: skip
     p.add_argument("--batch", type=parse_batches, default=[1, 8, 32], help="prompts per call (default 1,8,32)")
     p.add_argument("--prompt-len", type=int, default=2100)
+    p.add_argument("--next-turn", type=int, default=0, metavar="N",
+                   help="time next turns: each prompt answered untimed, then resent with N more tokens")  # fmt: skip
+    p.add_argument("--answer", type=int, default=64, help="answer tokens before a next turn (default 64)")
     p.add_argument("--repeat", type=int, default=5, help="rounds per configuration (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per batch size (default 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -184,8 +193,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("no configuration")
     if args.repeat < 1 or args.warmup < 0 or args.prompt_len < 2 or (args.profile_batch or 1) < 1:
         p.error("--repeat and --profile-batch must be >= 1, --warmup >= 0, --prompt-len >= 2")
-    if args.prompt_len + 1 > args.llm_kwargs.get("max_model_len", default_max_model_len(args.prompt_len)):
-        p.error("--prompt-len + 1 exceeds max_model_len")
+    if args.next_turn < 0 or args.answer < 1:
+        p.error("--next-turn must be >= 0 and --answer >= 1")
+    if call_len(args) + 1 > args.llm_kwargs.get("max_model_len", default_max_model_len(call_len(args))):
+        p.error("a timed call's prompt (--prompt-len, with --answer and --next-turn) + 1 exceeds max_model_len")
     return args
 
 
@@ -213,7 +224,7 @@ def run_configuration(
     run_rounds(llm, recorder, args, vocab_size, result["calls"], after_round)
     if args.torch_profile:
         batch = args.profile_batch or max(args.batch)
-        prompts = make_prompts(vocab_size, args.prompt_len, batch, f"{args.seed}/profile/{batch}")
+        prompts = call_prompts(llm, args, vocab_size, batch, f"{args.seed}/profile/{batch}")
         try:
             profiled = profile_call(llm, recorder, prompts, args.torch_profile, label, cuda)
             result["profile"] = {"batch": batch, **profiled}
@@ -250,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"argv": sys.argv, "command": " ".join(sys.argv), "started_utc": utc_now(), "machine": machine(cuda),
                  "sync_note": SYNC_NOTE},
         "settings": {"prompt_len": args.prompt_len, "batches": args.batch, "repeat": args.repeat,
-                     "warmup": args.warmup, "seed": args.seed, "max_tokens": 1, "sections": args.sections,
+                     "warmup": args.warmup, "seed": args.seed, "max_tokens": 1, "next_turn": args.next_turn,
+                     "answer": args.answer if args.next_turn else None, "sections": args.sections,
                      "additional_config": args.additional_config, "llm_kwargs": args.llm_kwargs, "model": args.model},
         "configs": {},
     }  # fmt: skip

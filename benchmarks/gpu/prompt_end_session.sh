@@ -69,7 +69,13 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
-stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmfresh|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24}
+#   prompt_end_session.sh nextturn24  the servers stop; what a step of next turns arriving at once costs, stock against
+#                                the plugin (benchmarks/step_profile.py --next-turn, in-process engines one after the
+#                                other, turns24's settings): 8,100-token prompts answered with 64 tokens, then resent
+#                                with 100 more, $NEXT24_BATCHES rows at once (1,8), 6 rounds, the profiled call at the
+#                                largest batch; $NEXT24_KWARGS: the engine's vllm.LLM arguments (turns24's: dummy
+#                                weights, max_model_len 16384, max_num_seqs 64, so CUDA graphs up to 128 tokens)
+stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmfresh|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24|nextturn24}
 mkdir -p /tmp/r/logs
 set -u
 source .gpu-bundle/install_on_host.sh || exit 1
@@ -268,6 +274,15 @@ case "$stage" in
     [[ $stage == aa24 ]] && pairing=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
     pair24 "${pairing[@]}" --turn1-only -N "${FRESH_N:-32}" -S "${FRESH_S:-8000}" -U 100 -A 128 --in-flight "${FRESH_LEVELS:-1,8,32}" \
       --time-budget "${FRESH_BUDGET:-500}" --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
+    ;;
+  nextturn24)
+    bc-bench --write-model /tmp/qwen3_next_80b_24l --arch qwen3_next_80b_24l > /dev/null || exit 1
+    engine='{"load_format": "dummy", "max_model_len": 16384, "max_num_seqs": 64}'
+    timeout 560 python3 benchmarks/step_profile.py --model /tmp/qwen3_next_80b_24l --configs aligned,in_step \
+      --batch "${NEXT24_BATCHES:-1,8}" --prompt-len 8100 --answer 64 --next-turn 100 --repeat 6 \
+      --llm-kwargs "${NEXT24_KWARGS:-$engine}" \
+      --additional-config '{"gdn_prefill_backend": "triton"}' --gpu-memory-utilization 0.6 \
+      --out /tmp/r/$stage.json --torch-profile /tmp/r/$stage-profile 2>&1 | grep -v -i warn | tee /tmp/r/$stage.log | tail -40
     ;;
   pressure24)
     # Issue 30 target 4 at real dims: the pressure stage's workload on turns24's pair, each server

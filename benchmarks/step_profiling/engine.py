@@ -126,8 +126,13 @@ def wrap_method(obj, name: str, around) -> None:
     setattr(obj, name, lambda *args, **kwargs: around(original, *args, **kwargs))
 
 
-def default_max_model_len(prompt_len: int) -> int:
-    return max(4096, prompt_len + 1)
+def default_max_model_len(call_len: int) -> int:
+    return max(4096, call_len + 1)
+
+
+def call_len(args: argparse.Namespace) -> int:
+    """Tokens of a timed call's prompt: ``--prompt-len``, plus the answer and follow-up of a next turn."""
+    return args.prompt_len + (args.answer + args.next_turn if args.next_turn else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +142,7 @@ def default_max_model_len(prompt_len: int) -> int:
 def engine_kwargs(args: argparse.Namespace, section: dict, on_cpu: bool) -> dict:
     """``vllm.LLM`` arguments: the package's usual engine settings, then ``--llm-kwargs``."""
     kwargs = dict(model=args.model, dtype="bfloat16", mamba_ssm_cache_dtype="float32",
-                  max_model_len=default_max_model_len(args.prompt_len), enable_prefix_caching=True, seed=0,
+                  max_model_len=default_max_model_len(call_len(args)), enable_prefix_caching=True, seed=0,
                   max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
     if on_cpu:
         kwargs.update(enforce_eager=True, distributed_executor_backend="uni")
@@ -192,8 +197,31 @@ def make_prompts(vocab_size: int, length: int, batch: int, tag: str) -> list:
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(tag)
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(FIRST_RANDOM_ID, vocab_size) for _ in range(length)])
-            for _ in range(batch)]  # fmt: skip
+    return [TokensPrompt(prompt_token_ids=random_ids(rng, vocab_size, length)) for _ in range(batch)]
+
+
+def random_ids(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    return [rng.randrange(FIRST_RANDOM_ID, vocab_size) for _ in range(length)]
+
+
+def call_prompts(llm, args: argparse.Namespace, vocab_size: int, batch: int, tag: str) -> list:
+    """The prompts of one timed call: ``batch`` fresh ones, or with ``--next-turn N`` their next
+    turns: each fresh prompt first runs untimed with ``--answer`` tokens (greedy, ``ignore_eos``),
+    then the timed prompt is that prompt, its answer and N fresh tokens, so every row of the timed
+    call resumes a conversation whose previous turn just ended (the plugin restores its response
+    boundary; stock its block grid)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = make_prompts(vocab_size, args.prompt_len, batch, tag)
+    if not args.next_turn:
+        return prompts
+    answering = SamplingParams(max_tokens=args.answer, ignore_eos=True, temperature=0.0)
+    outputs = llm.generate(prompts, answering, use_tqdm=False)
+    rng = random.Random(f"{tag}/next")
+    return [TokensPrompt(prompt_token_ids=[*prompt["prompt_token_ids"], *out.outputs[0].token_ids,
+                                           *random_ids(rng, vocab_size, args.next_turn)])
+            for prompt, out in zip(prompts, outputs, strict=True)]  # fmt: skip
 
 
 def timed_call(llm, recorder: StepRecorder, prompts: list, mode: str) -> dict:
@@ -225,12 +253,11 @@ def run_rounds(
     """Warm-up calls, then ``--repeat`` rounds appended to ``calls``; ``after_round(r)`` after each."""
     for batch in args.batch:
         for index in range(args.warmup):
-            timed_call(llm, recorder, make_prompts(vocab_size, args.prompt_len, batch, f"warmup/{index}/{batch}"),
-                       "async")  # fmt: skip
+            timed_call(llm, recorder, call_prompts(llm, args, vocab_size, batch, f"warmup/{index}/{batch}"), "async")
     for rep in range(args.repeat):
         for batch in round_order(args.batch, rep):
             for mode in round_order(MODES, rep):
-                prompts = make_prompts(vocab_size, args.prompt_len, batch, f"{args.seed}/{rep}/{batch}/{mode}")
+                prompts = call_prompts(llm, args, vocab_size, batch, f"{args.seed}/{rep}/{batch}/{mode}")
                 calls.append({"rep": rep, "batch": batch, **timed_call(llm, recorder, prompts, mode)})
         after_round(rep)
 

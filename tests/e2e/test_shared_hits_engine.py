@@ -3,9 +3,11 @@ steps under the plugin with ``shared_hits_together`` (``core/shared_hits.py``) t
 vLLM, which starts them a step apart.
 
 The engines are ``benchmarks/same_step_arrivals.py``'s (one fresh process each), no speculative
-decoding, eight prompts sharing a 700-token prefix sent at once. Checked: with the prefix cached
-first, stock takes a step or more per prompt (the case exists) and the plugin fewer steps; every
-request caches exactly stock's tokens; every first token's logprob differs from stock's by no
+decoding, eight prompts sent at once, each the whole blocks of a 700-token prefix and one token of
+its own (a hit on the prefix then ends at the prompt's last hash-block boundary on any platform's
+block layout: where vLLM defers). Checked: with the prefix cached first, stock takes a step or
+more per prompt (the case exists) and the plugin fewer steps; every request caches exactly stock's
+tokens; every first token's logprob differs from stock's by no
 more than stock's own first tokens differ between the prefix cached first and computed beside
 them (the bound, calibrated here, at least 0.001). Negative control: a corrupted release that
 also takes back the marks of states its own step computes (``shared_hits_variants.ReleasingEveryMark``),
@@ -21,7 +23,7 @@ from script_modules import load_script
 pytestmark = pytest.mark.slow
 
 PATTERN = [8]  # all eight prompts before the first engine step
-SHARED = 700  # tokens of the shared prefix (the tiny model's state block: 256)
+SHARED = 700  # tokens of the primer's prefix; the prompts take its whole blocks (CPU: 512 of block 256)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def runs(tmp_path_factory):
 
     def run(policy: str, primed: bool, variant: str | None = None):
         settings = {"shared_hits_together": True} if policy != "aligned" else {}
-        result = module.run_engine(model, policy, 0, SHARED, [PATTERN], primed, settings, variant)
+        result = module.run_engine(model, policy, 0, SHARED, [PATTERN], primed, settings, variant, own=0)
         return (*result["rows"][str(PATTERN)], result["engine"])
 
     out = {
