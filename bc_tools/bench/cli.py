@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         user_tokens=args.user_tokens, answer_tokens=args.answer_tokens,
                         concurrency=args.in_flight[0], vocab_size=vocab, seed=args.seed,
                         shared_system=not args.turn1_only or args.mode == "chat", mode=args.mode,
-                        turn_order=args.turn_order)  # fmt: skip
+                        turn_order=args.turn_order, think_time_s=args.think_time)  # fmt: skip
     words = chat_words.TINY_WORDS
     if args.mode == "chat":
         source = args.tokenizer or args.launch

@@ -233,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="each: a conversation's turns back to back; rounds: turn k of every conversation before "
         "any turn k + 1, so a conversation's next turn waits for all others (KV cache pressure)",
     )
+    wl.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                    help="mean seconds a user pauses before each next turn (exponential, seeded per conversation "
+                    "and turn, the same for every label; default 0: at once, so conversations that start "
+                    "together send their next turns together)")  # fmt: skip
     wl.add_argument("--repeat", type=int, default=5, help="rounds per in-flight level, alternating the labels")
     wl.add_argument(
         "--time-budget",
@@ -359,6 +363,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--time-budget must be > 0 seconds")
     if args.system_tokens < 0:
         p.error("--system-tokens must be >= 0")
+    if not args.think_time >= 0:
+        p.error("--think-time must be >= 0 seconds")
     for item in args.server_env:
         if "=" not in item or not item.split("=", 1)[0]:
             p.error(f"--server-env takes KEY=VALUE (got {item!r})")

@@ -2,7 +2,8 @@
 
 Contract: a :class:`Slot` drives ``max(N, C)`` conversations with C threads (C: the workload's
 concurrency), each conversation turn after turn (``workload.turn_order`` "each") or turn k of
-every conversation before any turn k + 1 ("rounds"), and keeps every request record and, per
+every conversation before any turn k + 1 ("rounds"), each next turn after its
+``workload.think_time`` pause, and keeps every request record and, per
 conversation, each turn's (prompt, boundary). In ``workload.mode == "chat"`` a turn goes through
 ``/v1/chat/completions`` as messages (``workload.chat_messages``: the slot's shared system message,
 the user messages, the earlier answers' text as assistant messages), streamed, greedy,
@@ -21,6 +22,7 @@ import concurrent.futures
 import functools
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +41,7 @@ from bc_tools.bench.workload import (
     first_prompt,
     floor_prompts,
     next_prompt,
+    think_time,
 )
 
 
@@ -96,6 +99,7 @@ class Slot:
         """Send turn ``turn`` of ``plan`` (tokens or chat), unless an earlier turn failed."""
         if state.stopped:
             return  # later turns need the failed turn's answer
+        time.sleep(think_time(self.workload, plan.index, turn))
         if isinstance(plan, ChatConversationPlan):
             rec, res = self._send_chat(chat_messages(plan, state.answers), phase="conversation",
                                        conversation=plan.index, turn=turn, boundary=state.boundary)  # fmt: skip

@@ -17,6 +17,9 @@ Contract (pure functions, no I/O):
   turn) and U words of user text per turn. ``chat_messages(plan, answers)`` is the request of turn
   ``len(answers) + 1``: the system message (none when S is 0), then per earlier turn its user
   message and its answer's text as an assistant message, then the turn's user message.
+- ``think_time(workload, conversation, turn)``: the seconds a user pauses before sending turn
+  ``turn`` >= 2, exponential with mean ``think_time_s``, seeded by (seed, conversation, turn): the
+  same for every label, so stock and the plugin see the same arrivals.
 - ``round_order(labels, r)`` rotates the labels by the round index, so that over rounds every
   label runs first equally often (two labels: they alternate).
 """
@@ -51,6 +54,7 @@ class Workload:
     shared_system: bool = True
     mode: str = "tokens"  # one of MODES
     turn_order: str = "each"  # one of TURN_ORDERS
+    think_time_s: float = 0.0  # mean pause before each next turn (think_time); 0: at once
 
     def max_prompt_tokens(self) -> int:
         """Length of the last turn's prompt (answers are exactly ``answer_tokens`` long; chat: plus
@@ -200,6 +204,13 @@ def chat_messages(plan: ChatConversationPlan, answers: Sequence[str]) -> list[di
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": plan.user_texts[turn - 1]})
     return messages
+
+
+def think_time(workload: Workload, conversation: int, turn: int) -> float:
+    """Seconds before turn ``turn`` of ``conversation`` is sent (0 for turn 1 and without think time)."""
+    if turn < 2 or workload.think_time_s <= 0:
+        return 0.0
+    return random.Random(f"think-{workload.seed}-{conversation}-{turn}").expovariate(1 / workload.think_time_s)
 
 
 def round_order(labels: Sequence[str], round_index: int) -> list[str]:

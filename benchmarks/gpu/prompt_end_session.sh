@@ -42,7 +42,8 @@
 #                                GLM_AA=1 (glm, glmfresh): two stock servers instead, the pairing's own spread;
 #                                TOGETHER=1 / TOGETHER=0 (glm, glmfresh and the 24-layer stages): the plugin with
 #                                shared_hits_together true / false (its default on a GPU: true), labelled
-#                                "together" / "apart" (prompts hitting one cached state start in one step or not)
+#                                "together" / "apart" (prompts hitting one cached state start in one step or not);
+#                                THINK=S (glm and the 24-layer stages): a mean pause of S seconds before each next turn
 #   prompt_end_session.sh glmunit  glm's workload under MTP k = 3 (unless GLM_ARCH / GLM_SPEC say otherwise): stock
 #                                against $GLM_UNIT_POLICY (aligned: stock again; request_boundaries: the plugin) with
 #                                '--prefix-match-unit 16': does stock run with vLLM's own in-chunk KDA checkpoint on
@@ -103,6 +104,10 @@ L="--server-log /tmp/r/logs/server-8100.log --server-log /tmp/r/logs/server-8102
 # TOGETHER=1 / TOGETHER=0: the plugin with shared_hits_together true / false (see the usage above)
 TOGETHER_VARIANT='together={"policy": "request_boundaries", "shared_hits_together": true}'
 [[ ${TOGETHER:-} == 0 ]] && TOGETHER_VARIANT='apart={"policy": "request_boundaries", "shared_hits_together": false}'
+# THINK=S (the serving stages): users pause S seconds on average before each next turn (bc-bench
+# --think-time; the same draws for every label), so conversations that start together do not stay in step
+THINK_ARGS=()
+[[ -n ${THINK:-} ]] && THINK_ARGS=(--think-time "$THINK")
 PAIR24=(--policies aligned,request_boundaries)
 [[ -n ${TOGETHER:-} ]] && PAIR24=(--policies aligned --variant "$TOGETHER_VARIANT")
 pair24() {
@@ -110,7 +115,7 @@ pair24() {
   sleep 10
   local arch=${ARCH24:-qwen3_next_80b_24l}
   timeout 560 bc-bench --write-model /tmp/$arch --arch $arch --launch /tmp/$arch \
-    "${PAIR24[@]}" --sleep-others "${KEEP[@]}" --server-arg='--load-format dummy' \
+    "${PAIR24[@]}" "${THINK_ARGS[@]}" --sleep-others "${KEEP[@]}" --server-arg='--load-format dummy' \
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
@@ -235,7 +240,7 @@ case "$stage" in
       ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       --server-arg='--max-model-len 20000' \
       --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
-      "${workload[@]}" --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
+      "${workload[@]}" "${THINK_ARGS[@]}" --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
       --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
   pressure)

@@ -10,6 +10,7 @@ message shorter than one block.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -448,6 +449,34 @@ def test_turn_order_rounds_sends_every_first_turn_before_any_second(tmp_path, tu
         assert turns == [1, 2, 3] * 4
     # Either way every turn k >= 2 extends its own conversation's previous prompt and answer.
     assert all(r["boundary"] > 0 for r in rows if r["turn"] > 1)
+
+
+def test_think_time_pauses_each_next_turn_by_the_same_seeded_draw_for_every_label(tmp_path):
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    out_json = tmp_path / "result.json"
+    with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
+        argv = ["--url", a, "--label", "aligned", "--url", b, "--label", "plugin", "--model", "m", "--vocab-size",
+                "1024", "-N", "2", "-T", "3", "-S", "40", "-U", "8", "-A", "4", "-C", "2", "--repeat", "1",
+                "--no-floor", "--think-time", "0.2", "--out-json", str(out_json)]  # fmt: skip
+        assert cli.main(argv) == 0
+    result = json.loads(out_json.read_text())
+    fields = {f.name for f in dataclasses.fields(wl.Workload)}
+    workload = wl.Workload(**{k: v for k, v in result["workload"].items() if k in fields})
+    assert workload.think_time_s == 0.2
+    rows = [r for r in result["records"] if r["phase"] == "conversation"]
+    for label in ("aligned", "plugin"):
+        for conversation in (0, 1):
+            turns = sorted((r for r in rows if r["policy"] == label and r["conversation"] == conversation),
+                           key=lambda r: r["turn"])  # fmt: skip
+            assert [r["turn"] for r in turns] == [1, 2, 3]
+            for before, after in zip(turns, turns[1:]):
+                pause = wl.think_time(workload, conversation, after["turn"])
+                assert after["start_s"] - before["end_s"] >= pause > 0, (label, conversation, after["turn"])
+    # The draws: seeded per (seed, conversation, turn), none before turn 1 or without think time, mean as set.
+    assert wl.think_time(workload, 0, 2) != wl.think_time(workload, 1, 2) and wl.think_time(workload, 0, 1) == 0
+    assert wl.think_time(dataclasses.replace(workload, think_time_s=0.0), 0, 2) == 0
+    draws = [wl.think_time(workload, c, 2) for c in range(4000)]
+    assert sum(draws) / len(draws) == pytest.approx(0.2, rel=0.1)
 
 
 class _JumpingClock(traffic.Clock):
