@@ -1,5 +1,6 @@
 """What the plugin's scheduler adds to an engine step: a decode-only step that captures and restores
-nothing, or (``--fresh``) a step that prefills fresh prompts.
+nothing, (``--fresh``) a step that prefills fresh prompts, or (``--next-turns``) the steps that
+start next turns sent at once.
 
 Contract
 --------
@@ -17,9 +18,17 @@ time (the next one arrives as one finishes), each answering ``--answer`` tokens,
 tokens per block and vLLM's default token budget of 8,192 per step; the time is per step that
 prefills (the steps where each prompt ends and the plugin plans its checkpoint among them).
 
+``--next-turns``: ``--running`` conversations of ``--prompt-len``-token prompts answer ``--answer``
+tokens, then all send their next turn at once (the prompt, its answer and ``--user`` new tokens);
+the time is per step from then until every next turn has its first token (the plugin restores
+each response boundary there, stock its block grid), and the next turns' cached tokens are
+printed per policy.
+
     .venv/bin/python benchmarks/scheduler_step_overhead.py --running 32 --steps 400 --rounds 6
     .venv/bin/python benchmarks/scheduler_step_overhead.py --fresh --running 8 --prompt-len 7900 \
         --block-size 1056 --prompts 16 --rounds 6
+    .venv/bin/python benchmarks/scheduler_step_overhead.py --next-turns --running 8 --prompt-len 8100 \
+        --answer 64 --user 100 --block-size 1056 --rounds 6
 """
 
 from __future__ import annotations
@@ -59,15 +68,20 @@ def decode_step_us(model_dir: Path, policy: str, running: int, prompt_len: int, 
     return spent / steps * 1e6
 
 
-def timed_step(scheduler, worker):
-    """(the step's ``SchedulerOutput``, host seconds of its ``schedule()`` + ``update_from_output()``)."""
+def timed_step(scheduler, worker, cached: dict[str, int] | None = None):
+    """(the step's ``SchedulerOutput``, host seconds of its ``schedule()`` + ``update_from_output()``);
+    ``cached`` gets each request's cached tokens as vLLM reports them, once it has its first token."""
     start = time.perf_counter()
     output = scheduler.schedule()
     scheduled = time.perf_counter()
     result = worker.execute(output)
     ran = time.perf_counter()
-    scheduler.update_from_output(output, result)
-    return output, (scheduled - start) + (time.perf_counter() - ran)
+    client_outputs = scheduler.update_from_output(output, result)
+    seconds = (scheduled - start) + (time.perf_counter() - ran)
+    for outputs in client_outputs.values() if cached is not None else ():
+        cached.update({out.request_id: out.prefill_stats.num_cached_tokens
+                       for out in outputs.outputs if out.prefill_stats is not None})  # fmt: skip
+    return output, seconds
 
 
 def prefill_step_us(
@@ -95,6 +109,32 @@ def prefill_step_us(
     return spent / steps * 1e6
 
 
+def next_turn_step_us(
+    model_dir: Path, policy: str, running: int, prompt_len: int, answer: int, user: int, block_size: int, seed: int
+) -> tuple[float, int]:
+    """(host microseconds per step that starts the next turns, their cached tokens in all)."""
+    max_len = prompt_len + 2 * answer + user
+    scheduler, worker = build_scheduler(
+        model_dir, policy=policy, block_size=block_size, num_blocks=2 * running * max_len // block_size + 64,
+        max_num_seqs=running, max_num_batched_tokens=8192, max_model_len=max_len, prompt_capture="auto",
+    )  # fmt: skip
+    rng = random.Random(seed)
+    first = [make_request(tokens(rng, prompt_len), max_tokens=answer) for _ in range(running)]
+    for request in first:
+        scheduler.add_request(request)
+    while not all(request.is_finished() for request in first):
+        timed_step(scheduler, worker)
+    follow_ups = [make_request([*r.prompt_token_ids, *r.output_token_ids, *tokens(rng, user)], max_tokens=answer)
+                  for r in first]  # fmt: skip
+    for request in follow_ups:
+        scheduler.add_request(request)
+    spent, steps, cached = 0.0, 0, {}
+    while not all(request.num_output_tokens > 0 for request in follow_ups):
+        spent += timed_step(scheduler, worker, cached)[1]
+        steps += 1
+    return spent / steps * 1e6, sum(cached[request.request_id] for request in follow_ups)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--running", type=int, default=32, help="requests decoding in every step (default 32)")
@@ -102,14 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400, help="timed decode steps per run (default 400)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, alternating the order (default 6)")
     parser.add_argument("--fresh", action="store_true", help="time the steps that prefill fresh prompts")
+    parser.add_argument("--next-turns", action="store_true", help="time the steps that start next turns sent at once")
+    parser.add_argument("--user", type=int, default=100, help="--next-turns: new tokens per next turn (default 100)")
     parser.add_argument("--prompts", type=int, default=16, help="--fresh: prompts per run (default 16)")
-    parser.add_argument("--answer", type=int, default=32, help="--fresh: answer tokens (default 32)")
-    parser.add_argument("--block-size", type=int, default=1056, help="--fresh: tokens per block (default 1056)")
+    parser.add_argument("--answer", type=int, default=32, help="--fresh, --next-turns: answer tokens (default 32)")
+    parser.add_argument("--block-size", type=int, default=1056,
+                        help="--fresh, --next-turns: tokens per block (default 1056)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the rounds and the summary here (JSON)")
     args = parser.parse_args(argv)
-    kind = "prefill" if args.fresh else "decode"
+    kind = "next-turn" if args.next_turns else "prefill" if args.fresh else "decode"
+    cached: dict[str, int] = {}
 
     def step_us(policy: str, seed: int) -> float:
+        if args.next_turns:
+            us, cached[policy] = next_turn_step_us(model_dir, policy, args.running, args.prompt_len, args.answer,
+                                                   args.user, args.block_size, seed)  # fmt: skip
+            return us
         if args.fresh:
             return prefill_step_us(model_dir, policy, args.running, args.prompt_len, args.prompts, args.answer,
                                    args.block_size, seed)  # fmt: skip
@@ -121,9 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         order = ("aligned", "request_boundaries") if r % 2 == 0 else ("request_boundaries", "aligned")
         times = {p: step_us(p, seed=r) for p in order}
         ratio = times["request_boundaries"] / times["aligned"]
-        rounds.append({"order": list(order), "us_per_step": times, "ratio": ratio})
+        rounds.append({"order": list(order), "us_per_step": times, "ratio": ratio, **({"cached": dict(cached)}
+                                                                                       if cached else {})})  # fmt: skip
         print(f"round {r} ({order[0]} first): stock {times['aligned']:.0f} us, plugin "
-              f"{times['request_boundaries']:.0f} us per {kind} step, ratio {ratio:.3f}", flush=True)  # fmt: skip
+              f"{times['request_boundaries']:.0f} us per {kind} step, ratio {ratio:.3f}"
+              + (f"; next turns cached {cached['aligned']} / {cached['request_boundaries']} tokens" if cached else ""),
+              flush=True)  # fmt: skip
     ratio = spread([r["ratio"] for r in rounds])  # bc-bench's median [p25..p75]
     med, p25, p75 = ratio["median"], ratio["p25"], ratio["p75"]
     print(f"plugin / stock host time per {kind} step: {med:.3f} [{p25:.3f}..{p75:.3f}] over {len(rounds)} rounds "
