@@ -21,8 +21,8 @@ prefills (the steps where each prompt ends and the plugin plans its checkpoint a
 ``--next-turns``: ``--running`` conversations of ``--prompt-len``-token prompts answer ``--answer``
 tokens, then all send their next turn at once (the prompt, its answer and ``--user`` new tokens);
 the time is per step from then until every next turn has its first token (the plugin restores
-each response boundary there, stock its block grid), and the next turns' cached tokens are
-printed per policy.
+each response boundary there, stock its block grid), over ``--cycles`` such batches one after
+another, and the next turns' cached tokens are printed per policy.
 
     .venv/bin/python benchmarks/scheduler_step_overhead.py --running 32 --steps 400 --rounds 6
     .venv/bin/python benchmarks/scheduler_step_overhead.py --fresh --running 8 --prompt-len 7900 \
@@ -110,28 +110,34 @@ def prefill_step_us(
 
 
 def next_turn_step_us(
-    model_dir: Path, policy: str, running: int, prompt_len: int, answer: int, user: int, block_size: int, seed: int
-) -> tuple[float, int]:
-    """(host microseconds per step that starts the next turns, their cached tokens in all)."""
-    max_len = prompt_len + 2 * answer + user
+    model_dir: Path, policy: str, running: int, prompt_len: int, answer: int, user: int, block_size: int, seed: int,
+    cycles: int = 1,
+) -> tuple[float, int]:  # fmt: skip
+    """(host microseconds per step that starts the next turns, their cached tokens in all), over
+    ``cycles`` batches of conversations one after another on the same scheduler."""
+    max_len = prompt_len + 2 * answer + user  # a pool of 8 conversations' worth per running one: no pressure
     scheduler, worker = build_scheduler(
-        model_dir, policy=policy, block_size=block_size, num_blocks=2 * running * max_len // block_size + 64,
+        model_dir, policy=policy, block_size=block_size, num_blocks=8 * running * max_len // block_size + 64,
         max_num_seqs=running, max_num_batched_tokens=8192, max_model_len=max_len, prompt_capture="auto",
     )  # fmt: skip
     rng = random.Random(seed)
-    first = [make_request(tokens(rng, prompt_len), max_tokens=answer) for _ in range(running)]
-    for request in first:
-        scheduler.add_request(request)
-    while not all(request.is_finished() for request in first):
-        timed_step(scheduler, worker)
-    follow_ups = [make_request([*r.prompt_token_ids, *r.output_token_ids, *tokens(rng, user)], max_tokens=answer)
-                  for r in first]  # fmt: skip
-    for request in follow_ups:
-        scheduler.add_request(request)
-    spent, steps, cached = 0.0, 0, {}
-    while not all(request.num_output_tokens > 0 for request in follow_ups):
-        spent += timed_step(scheduler, worker, cached)[1]
-        steps += 1
+    spent, steps, cached, follow_ups = 0.0, 0, {}, []
+    for _ in range(cycles):
+        first = [make_request(tokens(rng, prompt_len), max_tokens=answer) for _ in range(running)]
+        for request in first:
+            scheduler.add_request(request)
+        while not all(request.is_finished() for request in first):
+            timed_step(scheduler, worker)
+        batch = [make_request([*r.prompt_token_ids, *r.output_token_ids, *tokens(rng, user)], max_tokens=answer)
+                 for r in first]  # fmt: skip
+        for request in batch:
+            scheduler.add_request(request)
+        while not all(request.num_output_tokens > 0 for request in batch):
+            spent += timed_step(scheduler, worker, cached)[1]
+            steps += 1
+        while not all(request.is_finished() for request in batch):
+            timed_step(scheduler, worker)
+        follow_ups += batch
     return spent / steps * 1e6, sum(cached[request.request_id] for request in follow_ups)
 
 
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="time the steps that prefill fresh prompts")
     parser.add_argument("--next-turns", action="store_true", help="time the steps that start next turns sent at once")
     parser.add_argument("--user", type=int, default=100, help="--next-turns: new tokens per next turn (default 100)")
+    parser.add_argument("--cycles", type=int, default=5,
+                        help="--next-turns: batches of conversations per run, one by one (default 5)")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=16, help="--fresh: prompts per run (default 16)")
     parser.add_argument("--answer", type=int, default=32, help="--fresh, --next-turns: answer tokens (default 32)")
     parser.add_argument("--block-size", type=int, default=1056,
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     def step_us(policy: str, seed: int) -> float:
         if args.next_turns:
             us, cached[policy] = next_turn_step_us(model_dir, policy, args.running, args.prompt_len, args.answer,
-                                                   args.user, args.block_size, seed)  # fmt: skip
+                                                   args.user, args.block_size, seed, args.cycles)  # fmt: skip
             return us
         if args.fresh:
             return prefill_step_us(model_dir, policy, args.running, args.prompt_len, args.prompts, args.answer,
