@@ -27,8 +27,8 @@ another, and the next turns' cached tokens are printed per policy.
     .venv/bin/python benchmarks/scheduler_step_overhead.py --running 32 --steps 400 --rounds 6
     .venv/bin/python benchmarks/scheduler_step_overhead.py --fresh --running 8 --prompt-len 7900 \
         --block-size 1056 --prompts 16 --rounds 6
-    .venv/bin/python benchmarks/scheduler_step_overhead.py --next-turns --running 8 --prompt-len 8100 \
-        --answer 64 --user 100 --block-size 1056 --rounds 6
+    .venv/bin/python benchmarks/scheduler_step_overhead.py --next-turns --running 8 --prompt-len 7900 \
+        --answer 64 --user 100 --block-size 1056 --rounds 6 --cycles 8
 """
 
 from __future__ import annotations
