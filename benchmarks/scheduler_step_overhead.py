@@ -78,9 +78,10 @@ def timed_step(scheduler, worker, cached: dict[str, int] | None = None):
     ran = time.perf_counter()
     client_outputs = scheduler.update_from_output(output, result)
     seconds = (scheduled - start) + (time.perf_counter() - ran)
-    for outputs in client_outputs.values() if cached is not None else ():
-        cached.update({out.request_id: out.prefill_stats.num_cached_tokens
-                       for out in outputs.outputs if out.prefill_stats is not None})  # fmt: skip
+    if cached is not None:
+        for outputs in client_outputs.values():
+            cached.update({out.request_id: out.prefill_stats.num_cached_tokens
+                           for out in outputs.outputs if out.prefill_stats is not None})  # fmt: skip
     return output, seconds
 
 

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from bc_tools.bench.stats import PLUGIN_POLICY, STOCK_POLICY
-from bc_tools.bench.workload import FIRST_RANDOM_ID, round_order
+from bc_tools.bench.workload import draw_ids, round_order
 from boundary_checkpoints.core.step_copies import CAPTURE_COPIES_ATTR, IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 from boundary_checkpoints.prompt_capture import IN_STEP, STOP
 
@@ -197,11 +197,7 @@ def make_prompts(vocab_size: int, length: int, batch: int, tag: str) -> list:
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(tag)
-    return [TokensPrompt(prompt_token_ids=random_ids(rng, vocab_size, length)) for _ in range(batch)]
-
-
-def random_ids(rng: random.Random, vocab_size: int, length: int) -> list[int]:
-    return [rng.randrange(FIRST_RANDOM_ID, vocab_size) for _ in range(length)]
+    return [TokensPrompt(prompt_token_ids=draw_ids(rng, length, vocab_size)) for _ in range(batch)]
 
 
 def call_prompts(llm, args: argparse.Namespace, vocab_size: int, batch: int, tag: str) -> list:
@@ -220,7 +216,7 @@ def call_prompts(llm, args: argparse.Namespace, vocab_size: int, batch: int, tag
     outputs = llm.generate(prompts, answering, use_tqdm=False)
     rng = random.Random(f"{tag}/next")
     return [TokensPrompt(prompt_token_ids=[*prompt["prompt_token_ids"], *out.outputs[0].token_ids,
-                                           *random_ids(rng, vocab_size, args.next_turn)])
+                                           *draw_ids(rng, args.next_turn, vocab_size)])
             for prompt, out in zip(prompts, outputs, strict=True)]  # fmt: skip
 
 

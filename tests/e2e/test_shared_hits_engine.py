@@ -7,12 +7,11 @@ decoding, eight prompts sent at once, each the whole blocks of a 700-token prefi
 its own (a hit on the prefix then ends at the prompt's last hash-block boundary on any platform's
 block layout: where vLLM defers). Checked: with the prefix cached first, stock takes a step or
 more per prompt (the case exists) and the plugin fewer steps; every request caches exactly stock's
-tokens; every first token's logprob differs from stock's by no
-more than stock's own first tokens differ between the prefix cached first and computed beside
-them (the bound, calibrated here, at least 0.001). Negative control: a corrupted release that
-also takes back the marks of states its own step computes (``shared_hits_variants.ReleasingEveryMark``),
-with the prefix computed beside the prompts, starts them on unwritten states, and their first
-tokens move past the bound.
+tokens; every first token's logprob differs from stock's by no more than stock's own first tokens
+differ between the prefix cached first and computed beside them (the bound, calibrated here, at
+least 0.001). Negative control: a corrupted release that also takes back the marks of states its
+own step computes (``shared_hits_variants.ReleasingEveryMark``), with the prefix computed beside
+the prompts, starts them on unwritten states, and their first tokens move past the bound.
 """
 
 from __future__ import annotations
