@@ -1,5 +1,5 @@
 """The support matrix (``support.py``) is consistent with itself; the gate's tests
-(``tests/config/test_gate.py``) check what it decides from it."""
+(``tests/config/test_gate_policy.py``, ``test_gate_speculative.py``) check what it decides from it."""
 
 from boundary_checkpoints import support
 

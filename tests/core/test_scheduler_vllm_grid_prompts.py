@@ -5,7 +5,7 @@ save a state there (KDA on FlashKDA: ``num_prefill_checkpoint_blocks``), so the 
 prompt checkpoint and runs no pool-grid stop: a fresh prompt longer than a block prefills in one
 step, one within a block in vLLM's own two (as many as with the plugin's stop).
 
-The layout is ``test_scheduler_ring.py``'s under MTP (attention, two recurrent groups, the
+The layout is ``ring_engine.py``'s under MTP (attention, two recurrent groups, the
 lookahead ring; 16-token blocks, a pool of 4 tokens), with kernels that save an in-chunk state at
 the pool's alignment and a prefix match unit of one pool. The shadow worker writes that state
 where vLLM's rule puts it and checks every state, attention row, MTP draft row and ring a step
@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from ring_engine import ACCEPT, KPOOL, spec_ring_engine
 from shadow_engine import ShadowMismatch, make_request, tokens
-from test_scheduler_ring import ACCEPT, KPOOL, spec_ring_engine
 
 from boundary_checkpoints import support
 from boundary_checkpoints.prompt_capture import OFF, STOP

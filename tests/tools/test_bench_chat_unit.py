@@ -1,7 +1,7 @@
 """Fast tests of ``bc-bench``'s chat mode (``--mode chat``) and its lost-hits row: the shared word
 helpers, the message construction (pure functions), the lost-hits count on synthetic records, and
 whole runs against stand-in chat servers (no vLLM engine). The real-server run is in
-``test_multi_turn_bench.py``."""
+``test_multi_turn_bench_models.py``."""
 
 from __future__ import annotations
 
