@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
-from shadow_engine import build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
+from shadow_scheduler import build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
 
 from bc_tools.bench.stats import spread  # noqa: E402
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 
-from shadow_engine import Driver, build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens, write_model_dir  # noqa: E402
 
 
 def conversation_order(rng: random.Random, args) -> list[int]:

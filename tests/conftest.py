@@ -50,7 +50,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     """A config-only hybrid model directory for the scheduler tests on the shadow engine."""
-    from shadow_engine import write_model_dir
+    from shadow_scheduler import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("hybrid_cfg"))
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from shadow_engine import build_scheduler
+from shadow_scheduler import build_scheduler
 from vllm_layouts import grouped
 
 from boundary_checkpoints.core.group_kinds import GroupKind

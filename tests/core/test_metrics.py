@@ -220,7 +220,7 @@ def test_a_step_that_changed_nothing_sends_no_payload(model_dir, monkeypatch):
     step state frozen, the resend's hit would never reach ``/metrics``."""
     import random
 
-    from shadow_engine import Driver, build_scheduler, make_request, tokens
+    from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
     scheduler, worker = build_scheduler(model_dir)
     scheduler._step_counter_reporter = StepCounterReporter(enabled=True)

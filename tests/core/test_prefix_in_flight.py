@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import make_request, tokens
+from shadow_scheduler import make_request, tokens
 from spec_expectations import pattern
 from spec_shadow import SpecDriver, SpecShadowWorker
 
@@ -115,7 +115,7 @@ def cached_tokens(model_dir, policy: str, async_scheduling: bool):
     """Under MTP k = 2: eight prompts of a 150-token shared prefix and 5 tokens of their own (so the
     first prompt's state, 128 tokens, is where the others' lookups read), two added before the
     first step and six before the second: each request's cached tokens (as vLLM reports them), and the scheduler."""
-    from shadow_engine import build_scheduler
+    from shadow_scheduler import build_scheduler
 
     scheduler, worker = build_scheduler(
         model_dir,

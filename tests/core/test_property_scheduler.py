@@ -60,7 +60,7 @@ from property_ops import (
     random_tokens,
     reference_output,
 )
-from shadow_engine import Driver, build_scheduler, make_request
+from shadow_scheduler import Driver, build_scheduler, make_request
 
 pytestmark = pytest.mark.usefixtures("quiet_vllm")  # conftest: vLLM's INFO lines off
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, make_request, tokens
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.admission import MIN_EVIDENCE, SAMPLE_EVERY
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import ZERO, Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import ZERO, ShadowMismatch
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.checkpoint import Checkpoint
 

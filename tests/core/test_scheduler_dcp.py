@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, make_request, tokens, write_model_dir
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens, write_model_dir
 
 from boundary_checkpoints.worker.geometry import PageLayout
 

@@ -24,7 +24,8 @@ import random
 
 import pytest
 from dflash_shadow import BLOCK, LAYOUT, QUERY, WINDOW, dflash_engine, write_drafter_config
-from shadow_engine import ShadowMismatch, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import make_request, tokens
 from spec_expectations import (
     CASES,
     async_path,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, make_request, tokens
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 from chunk_recorder import record_chunk_ends
-from shadow_engine import Driver, build_scheduler, make_request, tokens
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.checkpoint import INSTRUCTION
 from boundary_checkpoints.core.instruction import INSTRUCTION_TOKENS_KEY

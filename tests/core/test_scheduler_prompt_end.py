@@ -14,7 +14,8 @@ import random
 
 import pytest
 from chunk_recorder import record_chunk_ends
-from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 BLOCK = 16
 

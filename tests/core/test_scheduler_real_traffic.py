@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, build_scheduler, free_blocks, make_request, tokens
+from shadow_scheduler import Driver, build_scheduler, free_blocks, make_request, tokens
 from vllm.v1.request import RequestStatus
 
 BLOCK = 16

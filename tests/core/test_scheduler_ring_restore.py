@@ -25,7 +25,8 @@ import random
 
 import pytest
 from ring_engine import ACCEPT, KPOOL, RING, recorded_steps, restore_rounds, ring_scheduler, spec_ring_engine
-from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core.group_kinds import GroupKind
 from boundary_checkpoints.core.hit_balance import SHARED_WINDOW

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 from dflash_shadow import write_drafter_config
 from ring_engine import ACCEPT, KPOOL, RING, SLOTS, recorded_steps, restore_rounds, ring_scheduler, spec_ring_engine
-from shadow_engine import ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import build_scheduler, make_request, tokens
 
 from boundary_checkpoints.core import layout
 from boundary_checkpoints.core.boundaries import restore_tail

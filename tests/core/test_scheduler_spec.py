@@ -15,7 +15,8 @@ import random
 import pytest
 from corrupt_restore import HeldPromptCopies
 from mtp_checks import UNSERVED_COUNTERS, unserved_responses
-from shadow_engine import ShadowMismatch, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import make_request, tokens
 from spec_expectations import (
     BLOCK,
     CASES,

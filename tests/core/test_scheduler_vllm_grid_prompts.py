@@ -18,7 +18,8 @@ import random
 
 import pytest
 from ring_engine import ACCEPT, KPOOL, spec_ring_engine
-from shadow_engine import ShadowMismatch, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import make_request, tokens
 
 from boundary_checkpoints import support
 from boundary_checkpoints.prompt_capture import OFF, STOP

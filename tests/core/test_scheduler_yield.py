@@ -31,7 +31,7 @@ import random
 
 import pytest
 from script_modules import load_script
-from shadow_engine import Driver, build_scheduler, make_request, tokens
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.compat import free_queue_order, get_block_hash
 from boundary_checkpoints.core.hit_balance import SHARED_WINDOW

@@ -14,7 +14,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from shadow_engine import Driver, ShadowMismatch, build_scheduler, make_request, tokens
+from shadow_engine import ShadowMismatch
+from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 from shared_hits_variants import ReleasingEveryMark
 
 from boundary_checkpoints.compat import same_step_marks, single_type_managers

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shadow_engine import MOD, ZERO, ShadowMismatch, build_scheduler
+from shadow_engine import MOD, ZERO, ShadowMismatch
+from shadow_scheduler import build_scheduler
 from spec_shadow import JUNK, SpecDriver, SpecShadowWorker
 
 QUERY = -3  # content of a draft row written by a query token (bonus or mask)

@@ -6,7 +6,7 @@ The layout: an attention group, two recurrent groups and a ``CircularBufferSpec`
 
 from __future__ import annotations
 
-from shadow_engine import build_scheduler, make_request, tokens
+from shadow_scheduler import build_scheduler, make_request, tokens
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 from boundary_checkpoints.core.boundaries import restore_tail

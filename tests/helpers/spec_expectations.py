@@ -4,7 +4,8 @@ where a response checkpoint must be, from the shadow's own record of the produce
 
 from __future__ import annotations
 
-from shadow_engine import EMPTY_STATE, advance, build_scheduler, make_request, sample
+from shadow_engine import EMPTY_STATE, advance, sample
+from shadow_scheduler import build_scheduler, make_request
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 BLOCK = 16

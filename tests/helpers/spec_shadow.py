@@ -71,7 +71,8 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from shadow_engine import MOD, ZERO, Driver, ShadowMismatch, ShadowRequest, ShadowWorker, advance, sample
+from shadow_engine import MOD, ZERO, ShadowMismatch, ShadowRequest, ShadowWorker, advance, sample
+from shadow_scheduler import Driver
 
 JUNK = -2  # content of a state column or draft row that depends on a rejected or padded draft
 
