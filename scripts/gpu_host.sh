@@ -6,7 +6,7 @@
 # Runs on the GPU host (through the device tool) once every bundle part sits in /tmp/gpu-parts:
 #   bash scripts/gpu_host.sh probes   kernel tests, copy-kernel benchmark, end-to-end probes
 #   bash scripts/gpu_host.sh tests [PYTEST ARGS]  every gpu-marked test (over 10 minutes as a whole: split it
-#                                     with -k, e.g. -k "not spec_families and not dflash", then the rest)
+#                                     with -k, e.g. -k "not gpu_families and not dflash", then the rest)
 #   bash scripts/gpu_host.sh all      every gpu-marked test, then the copy-kernel benchmark
 #   bash scripts/gpu_host.sh kernel   kernel tests and the copy-kernel benchmark without its sweep
 #   bash scripts/gpu_host.sh bench    multi-turn serving benchmark (bc-bench), stock vs plugin
@@ -14,7 +14,8 @@
 #                                     real layer, and the probes with no P - 1 stop (tests/worker/test_gdn_split.py,
 #                                     tests/gpu/test_gpu_in_step.py; gpu-marked tests only)
 #   bash scripts/gpu_host.sh families [PYTEST ARGS]  MTP (k = 1, 3) and the GLM / Kimi / Nemotron-H
-#                                     tiny families end to end (tests/gpu/test_gpu_spec_families.py only;
+#                                     tiny families end to end (tests/gpu/test_gpu_families.py, without
+#                                     speculative decoding, and tests/gpu/test_gpu_families_mtp.py only;
 #                                     e.g. -k qwen3_next_mtp, -k glm5_next_mtp (GLM under MTP: where vLLM's
 #                                     indexer needs uniform decode rows, the H200 among them, it checks the
 #                                     refusal, docs/notes/model-families.md §13) or -k "not mtp"
@@ -67,7 +68,7 @@ case "$stage" in
     ;;
   families)
     shift
-    python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_gpu_spec_families.py "$@" 2>&1 | tee "$out/gpu-spec-families.log" || rc=1
+    python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_gpu_families.py tests/gpu/test_gpu_families_mtp.py "$@" 2>&1 | tee "$out/gpu-spec-families.log" || rc=1
     ;;
   dflash)
     shift

@@ -8,7 +8,7 @@
 #                                through /v1/chat/completions (turn 1 only, 32 conversations at 8 in
 #                                flight); chat24: the same on a fresh pair of the 24-layer cut
 #   prompt_end_session.sh kimi   the servers stop; Kimi-Linear's GPU test
-#   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_spec_families.py)
+#   prompt_end_session.sh glmfix the GLM-5.3-Flash fixture's GPU exactness test (tests/gpu/test_gpu_families.py)
 #   prompt_end_session.sh nemotronmtp  Nemotron-H under MTP k = 1 and 3 on its planted tiny fixture (GPU test)
 #   prompt_end_session.sh glmmtp the GLM-5.3-Flash fixture under MTP k = 1, 2, checkpoints on the pool grid (GPU test)
 #   prompt_end_session.sh glmmtpunit  the same with the pool as vLLM's prefix match unit (FlashKDA; the plugin
@@ -141,29 +141,29 @@ case "$stage" in
     for pid in $(cat /tmp/bc-servers.pids); do kill -- -"$pid" 2> /dev/null; done
     sleep 15
     nvidia-smi --query-gpu=memory.used --format=csv >> /tmp/r/gpu-host.txt
-    VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py \
+    VLLM_KIMI_K3_GEMM_AR=0 timeout 330 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_families.py \
       -k "kimi and not mtp" 2>&1 | tee /tmp/r/kimi.log | tail -40
     ;;
   glmfix)
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5 and not mtp" \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_families.py -k "glm5 and not mtp" \
       2>&1 | tee /tmp/r/glmfix.log | tail -40
     ;;
   glmmtp)
-    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k "glm5_next_mtp and pool_grid_stop" \
+    timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_families_mtp.py -k "glm5_next_mtp and pool_grid_stop" \
       2>&1 | tee /tmp/r/glmmtp.log | tail -40
     ;;
   glmmtpunit)  # $GLM_MTP_KS: the k values to run (1 2 3)
-    ids=(); for k in ${GLM_MTP_KS:-1 2 3}; do ids+=("tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[$k-vllm_unit]"); done
+    ids=(); for k in ${GLM_MTP_KS:-1 2 3}; do ids+=("tests/gpu/test_gpu_families_mtp.py::test_glm5_next_mtp_boundaries[$k-vllm_unit]"); done
     timeout 560 python3 -m pytest -q -p no:cacheprovider -s "${ids[@]}" 2>&1 | tee /tmp/r/glmmtpunit.log | tail -40
     ;;
   glmmtp2)  # GLM + MTP at k = 2 alone, with the pool-grid stop (one case of glmmtp)
-    timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" \
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -s "tests/gpu/test_gpu_families_mtp.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" \
       2>&1 | tee /tmp/r/glmmtp2.log | tail -40
     ;;
   bounds)  # the tests whose first-token bound is one logit step above each length's references, once live
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s \
       tests/gpu/test_gpu_spec_prompt_end.py::test_prompt_checkpoint_at_p_under_mtp_on_the_gpu \
-      "tests/gpu/test_gpu_spec_families.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" 2>&1 | tee /tmp/r/bounds.log | tail -40
+      "tests/gpu/test_gpu_families_mtp.py::test_glm5_next_mtp_boundaries[2-pool_grid_stop]" 2>&1 | tee /tmp/r/bounds.log | tail -40
     ;;
   specend)
     timeout 540 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_prompt_end.py -k under_mtp_on_the_gpu \
@@ -208,7 +208,7 @@ case "$stage" in
     done
     ;;
   nemotronmtp)
-    timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_spec_families.py -k nemotron_h_mtp \
+    timeout 500 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_gpu_families_mtp.py -k nemotron_h_mtp \
       2>&1 | tee /tmp/r/nemotronmtp.log | tail -40
     ;;
   glm|glmfresh|glmunit)

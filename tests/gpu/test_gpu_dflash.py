@@ -7,7 +7,7 @@ its greedy answers follow a planted successor ~0.7 of the time; its MTP layer is
 planted drafter sized to it (``fixtures/dflash.py``, ``planted_seed=0``: one full-attention and one
 sliding-window draft layer, window 64, context from target layers 0 and 2; draft ``j`` is
 ``succ^j`` of the bonus token, ``tests/tools/test_planted_dflash.py``), then runs the three scenarios of
-``test_gpu_spec_families.py`` in one fresh process with vLLM's GPU defaults (Model Runner V2, CUDA
+``spec_families`` (tests/helpers/) in one fresh process with vLLM's GPU defaults (Model Runner V2, CUDA
 graphs, async scheduling) and ``speculative_config={"method": "dflash", "model": <drafter>,
 "num_speculative_tokens": 3}``:
 
@@ -16,7 +16,7 @@ graphs, async scheduling) and ``speculative_config={"method": "dflash", "model":
    of state off), the negative control;
 3. stock ``aligned`` on a second engine (calibrates the bounds).
 
-Prompt lengths of ``test_gpu_spec_families.py`` (1, B - 1, B, B + 1, 8193, 32768; ``B``: the
+Prompt lengths of ``spec_families`` (1, B - 1, B, B + 1, 8193, 32768; ``B``: the
 engine's block size) plus 65 (one past the window) and 150, 32 conversations, 16 answer tokens; a
 continuation's first new token is the successor of the answer's last (``planted_seed``, as MTP).
 Checked: the plugin was in force with a window group of the drafter's window among its KV
@@ -40,7 +40,7 @@ on ``glm5_next_mtp_planted`` (the tiny GLM with the same planted successor, seed
 is not loaded under DFlash) and the planted drafter sized to it (4 heads of 64, 4 KV heads: GLM's
 MLA has no heads to share), with the prompt lengths of the GLM MTP test (``GLM_EXTRA_LENGTHS``: 97,
 200, 2103 above ``index_topk``, and ``B - 8``) instead of 65 and 150. Judged as
-``test_gpu_spec_families.test_glm5_next_mtp_boundaries``: every checkpoint on the indexer's pool
+``test_gpu_families_mtp.test_glm5_next_mtp_boundaries``: every checkpoint on the indexer's pool
 grid (docs/design.md contract 13, ``grid=GLM_KPOOL``), each resend against the bounds of its own
 prompt length (``bounds_for``: rounding grows with the context), the ring group ``ring/8 p4`` and
 the drafter's window group among the plugin's groups, acceptance as above. Stock vLLM first runs
@@ -61,7 +61,7 @@ import pytest
 from engine_script import probe_rows
 from mtp_checks import check_acceptance
 from results_out import save_json
-from test_gpu_spec_families import (
+from spec_families import (
     GLM_EXTRA_LENGTHS,
     bounds_for,
     check_corrupted_run,

@@ -18,7 +18,7 @@ defaults (CUDA graphs, async scheduling): the scenario and judgement of
 
 The first-token bound is calibrated per prompt length, one ``LOGIT_STEP`` above the largest
 reference pair of that length (``LengthBounds.one_step_above``; ``SPEC_ROW_REFERENCE`` the least
-reference under MTP: ``tests/gpu/test_gpu_spec_families.py``; the resend restored at ``P - 1`` runs
+reference under MTP: ``tests/helpers/spec_families.py``; the resend restored at ``P - 1`` runs
 its last token alone, under MTP as a padded speculative row, a path no reference pair takes). The negative control keys
 each checkpoint at ``P`` as ``P - 1`` (``corrupt_restore.PromptKeyedOneShort``): every such restore
 that deviates from its cold control more than the largest reference pair by a logit step must fail
@@ -35,7 +35,7 @@ import pytest
 import spec_prompt_end
 from engine_script import HELPERS_DIR, run_engine_script
 from results_out import save_json
-from test_gpu_spec_families import (
+from spec_families import (
     CASE_TIMEOUT_S,
     LOGIT_STEP,
     MARGIN,
@@ -103,7 +103,7 @@ def test_prompt_checkpoint_at_p_under_mtp_on_the_gpu(k):
 
 @pytest.mark.parametrize("family", FAMILIES_AT_P)
 def test_prompt_checkpoint_at_p_on_other_families(family, monkeypatch):
-    # vLLM 0.32's Kimi model imports the CuTe DSL for a fusion one GPU does not use (test_gpu_spec_families)
+    # vLLM 0.32's Kimi model imports the CuTe DSL for a fusion one GPU does not use (test_gpu_families)
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
     longer, engine = LONGER.get(family, ((), {}))
     run_and_check(family, 0, FAMILY_LENGTHS + longer, f"gpu-prompt-end-{family}.json", engine)

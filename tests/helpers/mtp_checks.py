@@ -1,5 +1,5 @@
 """The acceptance check the MTP end-to-end tests share (CPU engine: ``test_spec_decode_cpu.py``,
-GPU host: ``test_gpu_spec_families.py``), on the ``qwen3_next_mtp_planted`` fixture, whose MTP
+GPU host: ``test_gpu_families_mtp.py``), on the ``qwen3_next_mtp_planted`` fixture, whose MTP
 layer predicts the target's greedy answers (``fixtures/qwen3_next_family.py``; ~0.7 of drafts accepted at
 ``k = 1``); and the plugin's own account of continuations that could not restore their producer's
 response bundle (:func:`unserved_responses`, also used by ``test_scheduler_spec.py``)."""

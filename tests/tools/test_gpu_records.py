@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 from pathlib import Path
 
 import pytest
+import spec_families
 import spec_prompt_end
 from engine_script import probe_rows
 from mtp_checks import check_acceptance
@@ -54,6 +54,7 @@ from bc_tools.bench.probes import (
     pairs_by_length,
     reference_pairs,
 )
+from bc_tools.fixtures.glm5_next_family import GLM_KPOOL
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs/results/gpu-glm-mtp-h200"
@@ -78,7 +79,8 @@ def gpu_module(name: str):
 
 
 def gpu_checks():
-    return gpu_module("test_gpu_spec_families")
+    """The GPU family tests' checks and constants (``tests/helpers/spec_families.py``)."""
+    return spec_families
 
 
 def load(path: Path) -> tuple[int, dict]:
@@ -94,9 +96,7 @@ def recorded(request):
     # The first record predates the row rule: its prompt checkpoints sat at the pool boundary at or
     # below P - 1, which the SCRIPT now records.
     setup = info["request_boundaries"]["setup"]
-    setup.setdefault(
-        "grid_targets", {str(n): (n - 1) // checks.GLM_KPOOL * checks.GLM_KPOOL for n in info["aligned"]["lengths"]}
-    )
+    setup.setdefault("grid_targets", {str(n): (n - 1) // GLM_KPOOL * GLM_KPOOL for n in info["aligned"]["lengths"]})
     return checks, k, info, probe_rows(info)
 
 
@@ -109,7 +109,7 @@ def dflash(request):
 
 def test_glm_mtp_record_passes_the_gpu_checks(recorded):
     checks, k, info, rows = recorded
-    grid = checks.GLM_KPOOL
+    grid = GLM_KPOOL
     bounds = checks.bounds_for(rows, k, grid)
     assert isinstance(bounds, LengthBounds)
     continuation = checks.continuation_bounds_for(rows, bounds, k, grid)
@@ -124,12 +124,12 @@ def test_glm_mtp_record_with_producer_pairs_lets_corrupted_resends_through(recor
     checks, k, info, rows = recorded
     loose = checks.bounds_for(rows, k)  # the producers' pairs in the resends' bound
     with pytest.raises(AssertionError, match="passed the bound"):
-        checks.check_corrupted_run(info, rows, loose, speculative=True, grid=checks.GLM_KPOOL)
+        checks.check_corrupted_run(info, rows, loose, speculative=True, grid=GLM_KPOOL)
 
 
 def test_glm_dflash2_record_passes_the_gpu_checks(dflash):
     checks, k, info, rows = dflash
-    grid = checks.GLM_KPOOL
+    grid = GLM_KPOOL
     bounds = checks.bounds_for(rows, k, grid)
     assert isinstance(bounds, LengthBounds)
     assert bounds.at(200).first_token < bounds.at(32768).first_token  # the long prompt's rounding stays its own
@@ -145,7 +145,7 @@ def test_glm_dflash2_record_with_one_bound_lets_corrupted_resends_through(dflash
     pairs = reference_pairs(rows["request_boundaries"], rows["aligned"])
     single = calibrate(pairs, margin=checks.MARGIN, reference_floor=checks.SPEC_ROW_REFERENCE)
     with pytest.raises(AssertionError, match="passed the bound"):
-        checks.check_corrupted_run(info, rows, single, speculative=True, grid=checks.GLM_KPOOL)
+        checks.check_corrupted_run(info, rows, single, speculative=True, grid=GLM_KPOOL)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -169,13 +169,12 @@ def test_glm_mtp_k2_record_with_a_margin_lets_corrupted_resends_through():
         reference_floor=checks.SPEC_ROW_REFERENCE,
     )
     with pytest.raises(AssertionError, match=r"passed the bound: P = \[32768, 32768\]"):
-        checks.check_corrupted_run(info, rows, with_margin, speculative=True, grid=checks.GLM_KPOOL)
+        checks.check_corrupted_run(info, rows, with_margin, speculative=True, grid=GLM_KPOOL)
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_spec_prompt_end_first_records_pass_the_exactness_checks(k, monkeypatch):
+def test_spec_prompt_end_first_records_pass_the_exactness_checks(k):
     checks = gpu_checks()
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)  # what the GPU test imports
     lengths = gpu_module("test_gpu_spec_prompt_end").LENGTHS
     record = json.loads(gzip.open(SPEC_END_RECORDS / f"gpu-spec-prompt-end-k{k}.json.gz").read())
     record.pop("bounds")  # calibrated again from the record's own pairs
@@ -213,8 +212,7 @@ END_RUNS = [
 
 
 @pytest.mark.parametrize(("directory", "name", "k", "lengths", "more"), END_RUNS)
-def test_prompt_end_records_pass_the_gpu_test(directory, name, k, lengths, more, monkeypatch):
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", gpu_checks())  # what the GPU test imports
+def test_prompt_end_records_pass_the_gpu_test(directory, name, k, lengths, more):
     module = gpu_module("test_gpu_spec_prompt_end")
     module.judge(end_record(directory, name), k, getattr(module, lengths) + more)
 
@@ -228,19 +226,17 @@ DRAFTER_END_RUNS = [
 
 
 @pytest.mark.parametrize(("name", "k", "lengths", "guard"), DRAFTER_END_RUNS)
-def test_drafter_prompt_end_records_pass_the_gpu_test(name, k, lengths, guard, monkeypatch):
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", gpu_checks())
+def test_drafter_prompt_end_records_pass_the_gpu_test(name, k, lengths, guard):
     module = gpu_module("test_gpu_spec_prompt_end")
     module.judge(end_record(DRAFTER_END_RECORDS, name), k, getattr(module, lengths), guard=guard)
 
 
-def test_nemotron_mtp_k3_prompt_end_record_cannot_tell_a_corrupted_restore(monkeypatch):
+def test_nemotron_mtp_k3_prompt_end_record_cannot_tell_a_corrupted_restore():
     """Nemotron-H under MTP k = 3: exact counts and bounds pass, but with the k + 2 tokens after P
     that keep the restored row a prefill row, the fixture forgets a one-token-off state: no
     corrupted restore deviates from its cold control beyond a reference pair, so the run proves
     nothing about the state and ``auto`` keeps the P - 1 stop there."""
     checks = gpu_checks()
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)
     module = gpu_module("test_gpu_spec_prompt_end")
     info = end_record(DRAFTER_END_RECORDS, "gpu-spec-prompt-end-nemotron-k3")
     lengths = module.FAMILY_LENGTHS
@@ -253,11 +249,10 @@ def test_nemotron_mtp_k3_prompt_end_record_cannot_tell_a_corrupted_restore(monke
         module.judge(end_record(DRAFTER_END_RECORDS, "gpu-spec-prompt-end-nemotron-k3"), 3, lengths)
 
 
-def test_prompt_end_k1_record_under_one_bound_lets_a_corrupted_restore_through(monkeypatch):
+def test_prompt_end_k1_record_under_one_bound_lets_a_corrupted_restore_through():
     """The judgement the run met on the GPU: one bound for every length, ``MARGIN`` above the
     largest reference (a split cold run of 23 tokens, 0.234)."""
     checks = gpu_checks()
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)
     lengths = gpu_module("test_gpu_spec_prompt_end").LENGTHS
     info = end_record(KEYED_END_RECORDS, "gpu-spec-prompt-end-k1")
     phases = {name: spec_prompt_end.answers(phase) for name, phase in info["plugin"].items()}
@@ -270,9 +265,8 @@ def test_prompt_end_k1_record_under_one_bound_lets_a_corrupted_restore_through(m
     assert 130 in spec_prompt_end.tellable_prompts(info, one_for_all, lengths, checks.LOGIT_STEP)
 
 
-def test_family_prompt_end_record_under_the_mtp_floor_lets_corrupted_restores_through(monkeypatch):
+def test_family_prompt_end_record_under_the_mtp_floor_lets_corrupted_restores_through():
     checks = gpu_checks()
-    monkeypatch.setitem(sys.modules, "test_gpu_spec_families", checks)
     lengths = gpu_module("test_gpu_spec_prompt_end").FAMILY_LENGTHS
     info = end_record(FAMILY_END_RECORDS, "gpu-prompt-end-nemotron_h")
     _, _, bounds = spec_prompt_end.end_result(info, lengths, reference_floor=checks.SPEC_ROW_REFERENCE)
@@ -325,7 +319,7 @@ def test_glm_mtp_unit_records_pass_the_gpu_checks(unit_record):
     setup = info["request_boundaries"]["setup"]
     assert setup["prefix_match_unit"] == 16 and setup["copies"][0] == 0 and setup["copies"][1] > 0
     assert checks.vllm_keeps_prompts(info)
-    grid = checks.GLM_KPOOL
+    grid = GLM_KPOOL
     bounds = checks.bounds_for(rows, k, grid)
     checks.check_plugin_run(info, rows, bounds, k, checks.continuation_bounds_for(rows, bounds, k, grid), grid=grid)
     checks.check_corrupted_run(info, rows, bounds, speculative=True, grid=grid)
@@ -336,7 +330,7 @@ def test_glm_mtp_unit_record_fails_the_checks_with_corrupted_restores_or_no_bund
     """Negative controls on the same records: the corrupted run's rows (response bundles keyed one
     token short) as the plugin's fail the counts, and a run that kept no bundle fails."""
     checks, k, info, rows = unit_record
-    grid = checks.GLM_KPOOL
+    grid = GLM_KPOOL
     bounds = checks.bounds_for(rows, k, grid)
     continuation = checks.continuation_bounds_for(rows, bounds, k, grid)
     corrupted = {**rows, "request_boundaries": rows["corrupt"]}

@@ -1,6 +1,6 @@
 """The ``glm5_next_mtp_planted`` fixture (``fixtures/glm5_next_family.py``): a tiny GLM-5.3-Flash whose one
 MTP layer predicts the target's greedy answers, so that speculative decoding accepts drafts (the
-GPU test of GLM under MTP, ``tests/gpu/test_gpu_spec_families.py``, then crosses boundaries with
+GPU test of GLM under MTP, ``tests/gpu/test_gpu_families_mtp.py``, then crosses boundaries with
 accepted drafts; the random ``glm5_next_mtp`` drafter has none accepted on a GPU).
 
 Checked without an engine, mirroring ``tests/tools/test_planted_mtp.py``: the target differs from

@@ -1,6 +1,6 @@
 """The ``nemotron_h_mtp_planted`` fixture (``fixtures/nemotron_h_family.py``): a tiny Nemotron-H whose
 one MTP layer predicts the target's greedy answers, so that speculative decoding accepts drafts
-(the GPU test of Nemotron-H under MTP, ``tests/gpu/test_gpu_spec_families.py``, judges acceptance
+(the GPU test of Nemotron-H under MTP, ``tests/gpu/test_gpu_families_mtp.py``, judges acceptance
 with it; the random ``nemotron_h_mtp`` drafter has none accepted).
 
 Checked without an engine, as ``test_planted_mtp.py`` checks the Qwen3-Next one: the target differs

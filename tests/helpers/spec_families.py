@@ -1,7 +1,11 @@
-"""GPU host: MTP speculative decoding and the GLM-5.3-Flash, Kimi-Linear and Nemotron-H layouts,
-end to end on the tiny fixtures (docs/notes/spec-decode.md §9-10, docs/notes/model-families.md §9).
+"""The GPU family tests' shared part: the engine script (``SCRIPT``) and its case, the runs, the
+bounds calibrated on each run and the checks of ``tests/gpu/test_gpu_families.py`` (the layouts
+without speculative decoding) and ``tests/gpu/test_gpu_families_mtp.py`` (MTP); also used by
+``test_gpu_dflash.py`` and ``test_gpu_spec_prompt_end.py``, and replayed on recorded runs on the
+CPU (``tests/tools/test_gpu_records.py``). docs/notes/spec-decode.md §9-10,
+docs/notes/model-families.md §9.
 
-Each test builds its tiny model (``make_tiny_model``) and runs, in one fresh process
+Each case builds its tiny model (``make_tiny_model``) and runs, in one fresh process
 (:func:`engine_script.try_engine_script`: engine core and worker in that process, vLLM's GPU
 defaults otherwise -- Model Runner V2, CUDA graphs, async scheduling), three probe scenarios of
 ``bench.probe_scenario.run_probes`` (cold producer, exact resend, continuation restored from the response,
@@ -33,24 +37,6 @@ block-grid state that the *decode* kernels built, a reference for the decode-ver
 rounding that a restored continuation's state also carries (the KDA families' continuations sit
 above their prefill-only references).
 
-MTP runs on ``qwen3_next_mtp_planted``, whose MTP layer predicts the target's greedy answers
-(``fixtures/qwen3_next_family.py``; ~0.7 of drafts accepted at ``k = 1`` offline and on the CPU engine), so
-that the accepted-draft paths run: response bundles of a last step that accepted drafts, and the
-in-flight capture of async scheduling (docs/notes/spec-decode.md §7, §10). (Its target differs
-from ``qwen3_next`` in the embedding and ``lm_head``; ``MARGIN`` and ``MIN_TELLABLE`` were
-measured on the random ``qwen3_next_mtp``; the planted fixture's GPU runs confirm them.)
-GLM-5.3-Flash under MTP runs on ``glm5_next_mtp_planted`` (the tiny GLM plus one MTP layer,
-``Glm5NextMTP``, with the same planted successor: ~0.77 of drafts accepted at ``k = 1`` offline,
-``tests/tools/test_planted_glm_mtp.py``; the random ``glm5_next_mtp`` drafter has none accepted on a
-GPU, 1.000 tokens per drafting step), with the plugin restoring GLM's
-indexer tail ring with speculative lookahead (vLLM sizes it for a pool plus the drafts: ``ring/8
-p4``, docs/notes/model-families.md §10); on a GPU the planted GLM passes at k = 1 (1.988 tokens
-per drafting step). At k = 3 the plugin's engine dies on a device-side index assert in the first
-batch, one stock vLLM meets too on batches with 2- and 3-token prefill rows of its own
-(``support.FAILED_ON_GPU``): where that table records a failure, stock runs the batch alone first
-and the test is an expected failure if stock dies (``stock_vllm_gets_through``), or if the
-plugin's engines die on such an assert (``run_case``'s ``known_failure``).
-
 Checked per case: exact cached counts -- resend ``P - 1``; continuation the committed length
 ``P + answer - 1`` (under MTP that is the response boundary when the producers accepted no draft;
 when some were accepted a response bundle may lie up to ``k`` tokens earlier -- §7 and §9 option B
@@ -67,9 +53,7 @@ with the setup.
 ``BC_RESULTS_DIR`` (if set) receives
 ``gpu-spec-<case>.json`` and the engines' log ``gpu-spec-<case>.log`` per case. Each case is two
 engine starts (torch.compile, CUDA graph capture) and three short scenarios: about 1 min on an
-H200-class GPU, less once vLLM's compile cache holds the model. ``bash scripts/gpu_host.sh families [-k
-EXPR]`` runs this file alone (``-k qwen3_next_mtp`` / ``-k glm5_next_mtp`` / ``-k "not mtp"`` split
-it under the 10-minute command limit).
+H200-class GPU, less once vLLM's compile cache holds the model.
 """
 
 from __future__ import annotations
@@ -78,44 +62,28 @@ import json
 
 import pytest
 from corrupt_restore import corrupted_pairs, corrupted_response_boundaries
-from decode_path_control import span_failures
 from engine_script import HELPERS_DIR, probe_rows, try_engine_script
-from mtp_checks import check_acceptance, unserved_responses
+from mtp_checks import unserved_responses
 from results_out import results_dir, save_json
 
 from bc_tools.bench.probes import (
     Bounds,
     LengthBounds,
-    ProbeRow,
     calibrate,
     calibrate_by_length,
     decode_path_pairs,
-    first_token_deviation,
     mtp_reference_pairs,
     pairs_by_length,
     probe_failures,
     reference_pairs,
     state_failures,
 )
-from bc_tools.bench.stats import percentile
-from bc_tools.fixtures.glm5_next_family import GLM_INDEX_TOPK, GLM_KPOOL
-from boundary_checkpoints.core.layout import tail_ring_slots
-from boundary_checkpoints.support import failures_on_gpu
-
-pytestmark = pytest.mark.gpu
 
 MAX_TOKENS = 16
 MTP_FAMILY = "qwen3_next_mtp_planted"  # its MTP layer predicts the target: drafts are accepted
-# Its MTP layer predicts the target (the planted successor of MTP_FAMILY, on GLM): drafts are
-# accepted. The random ``glm5_next_mtp`` drafter has none accepted on a GPU (1.000 tokens per
-# drafting step), so the boundaries of its runs never saw an accepted draft.
-GLM_MTP_FAMILY = "glm5_next_mtp_planted"
 # Nemotron-H plus one attention MTP layer that drafts the same planted successor (0.71 of drafts
 # accepted at k = 1 offline, tests/tools/test_planted_nemotron_mtp.py).
 NEMOTRON_MTP_FAMILY = "nemotron_h_mtp_planted"
-# Least mean tokens per drafting step (``1 + accepted / steps``) of GLM's restored and cold
-# continuations: drafts are really accepted at GLM's boundaries (1.000 means none ever was).
-GLM_MIN_TOKENS_PER_STEP = 1.2
 MAX_MODEL_LEN = 33_280  # a 32768-token prompt, its answer and the continuation's new ids
 CONVERSATIONS = 32
 BASE_LENGTHS = (1, "B-1", "B", "B+1", 8193, 32768)  # "B": the engine's block size, known once it runs
@@ -571,152 +539,3 @@ def value_range(values: list[float]) -> str:
     """``0.150``, or ``0.150-0.279`` where the values differ (the bounds of several prompt lengths)."""
     low, high = min(values), max(values)
     return f"{low:.3f}" if high - low < 5e-4 else f"{low:.3f}-{high:.3f}"
-
-
-def quartiles(values: list[float]) -> tuple[float, ...]:
-    """(min, lower quartile, median, upper quartile, max), by linear interpolation."""
-    return tuple(percentile(values, q) for q in (0, 25, 50, 75, 100))
-
-
-def decode_path_summary(rows: list[ProbeRow]) -> dict[str, tuple[float, ...]]:
-    """Quartiles (``quartiles``) of the plugin rows' first-token deviations from their decode-path
-    controls (restored and cold), and restored-vs-cold for reference."""
-    pairs = {
-        "restored_vs_decoded": lambda r: (r.restored, r.cold_decoded),
-        "cold_vs_decoded": lambda r: (r.cold, r.cold_decoded),
-        "restored_vs_cold": lambda r: (r.restored, r.cold),
-    }
-    return {name: quartiles([first_token_deviation(*pick(r)) for r in rows]) for name, pick in pairs.items()}
-
-
-def report_decode_path(name: str, info: dict, rows: dict) -> None:
-    """The decode-path controls (``decode_path_control``): each ran its span one token per step
-    (the only check); prints the quartiles of ``decode_path_summary`` for the GPU session to read
-    (the hypothesis: a restored continuation carries its producer's decode-kernel rounding, so it
-    lies much closer to its decode-path control than its chunk-path cold control does)."""
-    run = info["request_boundaries"]
-    spans = {salt: tuple(span) for salt, span in run["decode_spans"].items()}
-    assert len(spans) == len(rows["request_boundaries"]), len(spans)
-    assert span_failures(spans, run["decode_span_counts"]) == []
-    mixed = sum(c["one_token_mixed"] for c in run["decode_span_counts"].values())
-    total = sum(c["one_token"] for c in run["decode_span_counts"].values())
-    summary = decode_path_summary(rows["request_boundaries"])
-    print(f"{name} decode-path controls ({total} one-token span steps, {mixed} beside a longer row): "
-          + "; ".join(f"{key} min/q1/median/q3/max " + "/".join(f"{v:.4f}" for v in values)
-                      for key, values in summary.items()))  # fmt: skip
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_qwen3_next_mtp_under_gpu_defaults(k):
-    info, rows, bounds = run_case(f"{MTP_FAMILY}-k{k}", MTP_FAMILY, k=k)
-    setup = info["request_boundaries"]["setup"]
-    print(f"k={k} setup: {setup}")
-    assert setup["async_scheduling"] is True and setup["scheduler"] == "BoundaryAsyncScheduler", setup
-    assert "NONE" not in setup["cudagraph_mode"], setup
-    assert info["corrupt"]["scheduler"] == "CorruptAsyncScheduler"
-    check_plugin_run(info, rows, bounds, k)
-    check_corrupted_run(info, rows, bounds, speculative=True)
-    check_acceptance(info, k)
-
-
-@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
-def test_hybrid_family_boundaries(family, monkeypatch):
-    # vLLM 0.32's Kimi model imports the CuTe DSL (``cutlass``) for its GEMM + all-reduce fusion
-    # unless this is off; the GPU host bundle has no CuTe DSL, and one GPU has no all-reduce to fuse.
-    monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-    info, rows, bounds = run_case(family, family, extra_lengths=(DECODED_BLOCK_LENGTH,), decode_path=True)
-    print(f"{family} setup: {info['request_boundaries']['setup']}")
-    report_decode_path(family, info, rows)
-    check_plugin_run(info, rows, bounds, 0, continuation_bounds_for(rows, bounds))
-    check_corrupted_run(info, rows, bounds)
-
-
-def test_glm5_next_boundaries_above_index_topk():
-    info, rows, bounds = run_case("glm5_next", "glm5_next", extra_lengths=GLM_EXTRA_LENGTHS, decode_path=True)
-    print(f"glm5_next setup: {info['request_boundaries']['setup']}")
-    assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
-    report_decode_path("glm5_next", info, rows)
-    check_plugin_run(info, rows, bounds, 0, continuation_bounds_for(rows, bounds), pool=GLM_KPOOL)
-    assert info["request_boundaries"]["setup"]["boundary_stats"]["responses_on_pool_grid"] > 0
-    check_corrupted_run(info, rows, bounds)
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_nemotron_h_mtp_boundaries(k):
-    """Nemotron-H under MTP (``nemotron_h_mtp_planted``: the tiny Nemotron-H plus one attention MTP
-    layer, which vLLM builds as ``NemotronHMTP``, drafting the planted successor), as the Qwen MTP
-    test: exact counts, the first-token bound, the negative control, and drafts accepted after a
-    restore as often as cold (``check_acceptance``)."""
-    name = f"{NEMOTRON_MTP_FAMILY}-k{k}"
-    info, rows, bounds = run_case(name, NEMOTRON_MTP_FAMILY, k=k, extra_lengths=(DECODED_BLOCK_LENGTH,))
-    setup = info["request_boundaries"]["setup"]
-    print(f"{NEMOTRON_MTP_FAMILY} k={k} setup: {setup}")
-    assert setup["async_scheduling"] is True and setup["scheduler"] == "BoundaryAsyncScheduler", setup
-    check_plugin_run(info, rows, bounds, k)
-    check_corrupted_run(info, rows, bounds, speculative=True)
-    check_acceptance(info, k)
-
-
-# The prefix match unit under MTP: the plugin's pool-grid stop (vLLM's own unit, the block), or the
-# pool as vLLM's unit where FlashKDA saves states in the chunk (match_unit.py: the plugin sets it;
-# stock is given it, so that resends compare with the same vLLM states). The unit's case runs the
-# plugin at its defaults (``policy: auto``), as a user gets it: GLM + MTP at every k <= 3 is on
-# ``support.MATCH_UNIT_SPECULATIVE`` (k = 3 there only: ``support.MATCH_UNIT_ONLY_K``).
-GLM_UNITS = {
-    "pool_grid_stop": ({"prefix_match_unit": "vllm"}, None),
-    "vllm_unit": ({"policy": "auto", "prompt_capture": "auto"}, {"prefix_match_unit": 16}),
-}
-
-
-# k = 3 at vLLM's block unit is refused at startup (``gate.match_unit_reasons``; the CPU test
-# tests/core/test_scheduler_vllm_grid_prompts.py), as the device-side assert it hit there takes engines down.
-GLM_MTP_CASES = [(k, unit) for unit in GLM_UNITS for k in (1, 2, 3) if (k, unit) != (3, "pool_grid_stop")]
-
-
-@pytest.mark.parametrize(("k", "unit"), GLM_MTP_CASES, ids=[f"{k}-{unit}" for k, unit in GLM_MTP_CASES])
-def test_glm5_next_mtp_boundaries(k, unit):
-    """GLM-5.3-Flash under MTP (``glm5_next_mtp_planted``: the tiny GLM plus one planted MTP layer,
-    which vLLM builds as ``Glm5NextMTP``: one more sparse MLA layer with its own indexer and tail ring), as the
-    Qwen MTP test and the GLM test above (prompts of 2103, 8193 and 32768 tokens: above ``index_topk``).
-
-    Under MTP vLLM sizes each ring for a pool plus ``k`` drafts (8 slots for the pool of 4); the
-    plugin accepts it as one ring group over the pool (``ring/8 p4``). It keeps every checkpoint on
-    the pool grid (docs/design.md contract 13): where vLLM's indexer needs uniform decode rows
-    (Hopper) a one-token step that completes a pool beside verify rows would run the indexer's
-    prefill path (docs/notes/model-families.md §13), and no restore on the grid needs one. The
-    resends are judged against bounds calibrated per prompt length (``bounds_for``). The
-    planted drafter's drafts are accepted (~0.77 per draft offline), so acceptance is checked as
-    the Qwen MTP test's (``mtp_checks.MIN_ACCEPTED_SHARE``, restored vs cold) and the mean tokens
-    per drafting step of both phases must exceed ``GLM_MIN_TOKENS_PER_STEP``. At k = 3 stock runs
-    the first batch alone first (``stock_vllm_gets_through``).
-
-    ``unit`` (``GLM_UNITS``): ``pool_grid_stop`` keeps vLLM's unit (the block) and the plugin's
-    prompt checkpoint on the pool grid; ``vllm_unit`` runs the plugin at its defaults (``auto``),
-    which set the pool's multiple with FlashKDA's alignment (16) as vLLM's prefix match unit, and
-    gives stock the same unit: the
-    plugin then takes no prompt checkpoint (``grid_targets`` 0), a resend restores vLLM's own state
-    (stock's count), and a continuation a response bundle where the response ended on the grid,
-    else vLLM's state. Its pass (k = 1, 2, 3) put GLM + MTP on ``support.MATCH_UNIT_SPECULATIVE``
-    and k = 3 on ``support.MATCH_UNIT_ONLY_K``."""
-    name = f"{GLM_MTP_FAMILY}-k{k}-{unit}"
-    plugin, stock_engine = GLM_UNITS[unit]
-    known_failure = "; ".join(failures_on_gpu(["Glm5NextForCausalLM"], "mtp", k))
-    if known_failure:
-        stock_case = make_case(k, GLM_EXTRA_LENGTHS, stock_engine=stock_engine)
-        stock_vllm_gets_through(name, GLM_MTP_FAMILY, stock_case)
-    info, rows, bounds = run_case(
-        name, GLM_MTP_FAMILY, k=k, extra_lengths=GLM_EXTRA_LENGTHS, grid=GLM_KPOOL, known_failure=known_failure,
-        plugin=plugin, stock_engine=stock_engine,
-    )  # fmt: skip
-    setup = info["request_boundaries"]["setup"]
-    if stock_engine:
-        assert setup["prefix_match_unit"] == stock_engine["prefix_match_unit"], setup  # the plugin chose it
-        assert vllm_keeps_prompts(info), setup  # no prompt checkpoint of its own
-    print(f"{GLM_MTP_FAMILY} k={k} setup: {setup}")
-    assert f"ring/{tail_ring_slots(GLM_KPOOL, k)} p{GLM_KPOOL}" in setup["group_labels"], setup
-    assert max(row.prompt_len for row in rows["request_boundaries"]) > GLM_INDEX_TOPK  # sparse selection
-    check_plugin_run(info, rows, bounds, k, continuation_bounds_for(rows, bounds, k, GLM_KPOOL), grid=GLM_KPOOL)
-    check_corrupted_run(info, rows, bounds, speculative=True, grid=GLM_KPOOL)
-    stats = check_acceptance(info, k)
-    for phase in ("restored", "cold"):
-        assert stats[phase]["tokens_per_step"] > GLM_MIN_TOKENS_PER_STEP, (phase, stats)
