@@ -16,7 +16,8 @@ plugin. The criteria judge what the plugin controls (the resume point and the re
 
 The bounds are *calibrated on the same engine in the same run* (:func:`calibrate`) from reference
 pairs whose difference is rounding only: stock partial (block-grid) hits against their cold
-controls, and a cold control against a second cold control under another fresh ``cache_salt``.
+controls, and a cold control against a second cold control under another fresh ``cache_salt``
+(built by :mod:`bc_tools.bench.reference_pairs`).
 A restore that is wrong by one token of state must fail them (negative controls in the tests).
 Where rounding grows with the context length so much that the longest prompts' references would
 let a short prompt's one-token error through, each prompt length gets its own bounds
@@ -27,7 +28,7 @@ let a short prompt's one-token error through, each prompt length gets its own bo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 # Calibration constants (see :func:`calibrate`).
@@ -225,7 +226,8 @@ def calibrate(
     floor: float = BF16_STEP,
     reference_floor: float = 0.0,
 ) -> Bounds:
-    """Bounds from reference pairs whose difference is rounding only (see :func:`reference_pairs`).
+    """Bounds from reference pairs whose difference is rounding only (see
+    :func:`bc_tools.bench.reference_pairs.reference_pairs`).
 
     * ``first_token = max(floor, margin * max first-token deviation)``;
     * ``tie[i] = max(floor, 2 * margin * max deviation over the references' first i + 1
@@ -258,8 +260,9 @@ def calibrate_by_length(
     reference_floor: float = 0.0,
 ) -> LengthBounds:
     """The first-token bound of :func:`calibrate` once per prompt length, on that length's
-    reference pairs only (:func:`pairs_by_length`), with the same ``margin``, ``floor`` and
-    ``reference_floor``; the tie bounds of answers that part later come from all pairs together.
+    reference pairs only (:func:`bc_tools.bench.reference_pairs.pairs_by_length`), with the same
+    ``margin``, ``floor`` and ``reference_floor``; the tie bounds of answers that part later come
+    from all pairs together.
 
     Why: first-token rounding grows with the context length (the GLM runs on an H200: reference
     pairs within 0.1 up to 2103 tokens, 0.19 at 32768), so one bound set by the longest prompts
@@ -323,73 +326,6 @@ def count_failures(row: ProbeRow, pool: int = 0, resend_at: Mapping[int, int] | 
     ]
 
 
-def reference_pairs(rows: Sequence[ProbeRow], stock_rows: Sequence[ProbeRow] = ()) -> list[tuple[Answer, Answer]]:
-    """Pairs of runs of one prompt that differ by rounding only, from a plugin run and a stock run
-    of the same scenario (same prompts, row by row):
-
-    * cold vs second cold control, in both runs;
-    * the stock run's partial block-grid hits (cached > 0) vs their cold controls;
-    * the plugin run's cold controls vs the stock run's cold controls of the same continuation
-      (where both producers answered alike, so the continuations are equal). The plugin stops
-      every prefill at ``P - 1`` and stock on its block grid: these pairs carry the rounding of a
-      prefill split off the grid, which a restore at an exact boundary adds too. On the CPU engine
-      the first two kinds are bit-identical (grid splits are multiples of the GDN kernels' chunk
-      and round like one long prefill), so without these the bound would be the bf16 floor.
-
-    The producers (plugin vs stock) are left out: one such pair measured 0.74 on the CPU engine
-    (P = 255, in-process batch), as large as a one-token state error, which would make the bound
-    too loose to catch one (an open question: kernel path of a one-token step, or the P - 1 stop).
-    """
-    pairs = [(row.cold_again, row.cold) for row in (*rows, *stock_rows)]
-    for row in stock_rows:
-        pairs += [(run, cold) for _, run, cold in row.restored_pairs() if run.cached > 0]
-    if stock_rows:
-        for mine, stock in zip(rows, stock_rows, strict=True):
-            if mine.prompt_len != stock.prompt_len:
-                raise ValueError("plugin and stock rows must come from the same scenario, row by row")
-            if mine.producer.tokens == stock.producer.tokens:
-                pairs.append((mine.cold, stock.cold))
-    return pairs
-
-
-def mtp_reference_pairs(plugin: Sequence[ProbeRow], stock: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
-    """:func:`reference_pairs` plus the plugin's and stock's producers of each prompt (MTP runs).
-
-    Under MTP a restore at ``P - 1`` leaves one token, which vLLM runs as a padded speculative
-    row (``scheduler.py:1131-1153``: the speculative GDN kernels), while its cold control ran it
-    as a non-speculative row: a kernel-path difference that no pair of :func:`reference_pairs` has
-    on the CPU engine (every one of them is bit-identical there, and stock makes no partial hit on
-    prompts shorter than two blocks under MTP's block drop). The producers are two cold runs of
-    one prompt on different kernel paths (the plugin stops at ``P - 1`` and runs the last token
-    alone; stock prefills at once): rounding only, measured 0.07-0.26 on CPU. :func:`reference_pairs`
-    leaves them out where they make the bound too loose to catch a one-token state error; under
-    MTP the negative control in the same run (measured 1.44-1.47 on CPU) shows the bound still
-    catches it."""
-    return reference_pairs(plugin, stock) + [(a.producer, b.producer) for a, b in zip(plugin, stock, strict=True)]
-
-
-def pairs_by_length(
-    rows: Sequence[ProbeRow],
-    stock_rows: Sequence[ProbeRow] = (),
-    pairs: Callable[[Sequence[ProbeRow], Sequence[ProbeRow]], list[tuple[Answer, Answer]]] = reference_pairs,
-) -> dict[int, list[tuple[Answer, Answer]]]:
-    """``pairs(rows, stock_rows)`` (:func:`reference_pairs` by default) taken per prompt length,
-    on the rows of that length of both runs, for :func:`calibrate_by_length`."""
-    lengths = sorted({row.prompt_len for row in (*rows, *stock_rows)})
-    return {
-        n: pairs([r for r in rows if r.prompt_len == n], [r for r in stock_rows if r.prompt_len == n]) for n in lengths
-    }
-
-
-def decode_path_pairs(rows: Sequence[ProbeRow]) -> list[tuple[Answer, Answer]]:
-    """Each continuation's decode-path control against its cold control, where that phase ran:
-    two cold runs of one continuation whose only difference is the kernel path of
-    ``[P - 1, committed)`` (one token per step, as the producer ran it, against one prefill). A
-    restored continuation carries the producer's decode-kernel rounding, so these pairs are the
-    like-with-like reference for its first token; no restore is in either run."""
-    return [(row.cold_decoded, row.cold) for row in rows if row.cold_decoded is not None]
-
-
 def probe_failures(
     rows: Sequence[ProbeRow],
     bounds: Bounds | LengthBounds,
@@ -401,7 +337,8 @@ def probe_failures(
     and ``resend_at``), then per restore the state criteria against ``bounds`` (from
     :func:`calibrate`, or per prompt length from :func:`calibrate_by_length`: each row against its
     own length's); continuations against ``continuation_bounds`` where given (one :class:`Bounds`
-    for every length, e.g. calibrated with :func:`decode_path_pairs`)."""
+    for every length, e.g. calibrated with
+    :func:`bc_tools.bench.reference_pairs.decode_path_pairs`)."""
     failures = []
     for row in rows:
         failures += count_failures(row, pool, resend_at)

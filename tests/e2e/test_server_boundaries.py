@@ -32,9 +32,9 @@ from bc_tools.bench.probes import (
     count_failures,
     first_token_deviation,
     probe_failures,
-    reference_pairs,
     state_failures,
 )
+from bc_tools.bench.reference_pairs import reference_pairs
 
 pytestmark = pytest.mark.slow
 

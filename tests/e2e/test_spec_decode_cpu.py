@@ -16,7 +16,7 @@ Checked: exact cached counts at the prompt boundary (``P - 1``) and at the respo
 the first token of the producer's last step (docs/notes/spec-decode.md §7): the committed length
 when that step accepted no draft, one token earlier when it did (:func:`response_boundary` replays
 the steps; at least one row must end on an accepted draft); first-token logprobs within
-the bound calibrated in the same run (``bench.probes.mtp_reference_pairs``, with the padded-row
+the bound calibrated in the same run (``bench.reference_pairs.mtp_reference_pairs``, with the padded-row
 floor ``PADDED_ROW_REFERENCE``); the corrupted restores fail it; and the acceptance of restored
 continuations vs their cold controls (``mtp_checks.check_acceptance``: drafts accepted, and the
 two within noise).
@@ -43,10 +43,10 @@ from results_out import save_json
 
 from bc_tools.bench.probes import (
     calibrate,
-    mtp_reference_pairs,
     probe_failures,
     state_failures,
 )
+from bc_tools.bench.reference_pairs import mtp_reference_pairs
 from bc_tools.fixtures.qwen3_next_family import planted_successor
 
 pytestmark = pytest.mark.slow

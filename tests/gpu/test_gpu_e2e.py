@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from results_out import results_dir, save_json
 
-from bc_tools.bench.probes import calibrate, probe_failures, reference_pairs
+from bc_tools.bench.probes import calibrate, probe_failures
+from bc_tools.bench.reference_pairs import reference_pairs
 
 pytestmark = pytest.mark.gpu
 

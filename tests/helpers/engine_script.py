@@ -92,7 +92,8 @@ def calibrated(results_name: str) -> Callable[[dict, dict], tuple[dict, dict, ob
     def then(info: dict, rows: dict) -> tuple[dict, dict, object]:
         from results_out import save_json
 
-        from bc_tools.bench.probes import calibrate, reference_pairs
+        from bc_tools.bench.probes import calibrate
+        from bc_tools.bench.reference_pairs import reference_pairs
 
         bounds = calibrate(reference_pairs(rows["request_boundaries"], rows["aligned"]))
         save_json(results_name, {"bounds": bounds.as_dict(), **info})

@@ -71,13 +71,10 @@ from bc_tools.bench.probes import (
     LengthBounds,
     calibrate,
     calibrate_by_length,
-    decode_path_pairs,
-    mtp_reference_pairs,
-    pairs_by_length,
     probe_failures,
-    reference_pairs,
     state_failures,
 )
+from bc_tools.bench.reference_pairs import decode_path_pairs, mtp_reference_pairs, pairs_by_length, reference_pairs
 
 MAX_TOKENS = 16
 MTP_FAMILY = "qwen3_next_mtp_planted"  # its MTP layer predicts the target: drafts are accepted

@@ -93,7 +93,8 @@ def single_tie(pairs):
 
 
 def test_calibrate_by_length_keeps_a_long_prompts_rounding_out_of_a_short_prompts_bound():
-    from bc_tools.bench.probes import MARGIN, calibrate, calibrate_by_length, pairs_by_length, probe_failures
+    from bc_tools.bench.probes import MARGIN, calibrate, calibrate_by_length, probe_failures
+    from bc_tools.bench.reference_pairs import pairs_by_length
 
     short = _probe_row(prompt_len=145, noise=0.04)  # cold vs second cold control: 0.02 apart
     long = _probe_row(prompt_len=8193, resend_cached=8192, noise=0.4)  # 0.2 apart
@@ -122,7 +123,8 @@ def test_calibrate_by_length_keeps_a_long_prompts_rounding_out_of_a_short_prompt
 
 
 def test_calibrate_by_length_has_no_fallback_for_a_length_without_references():
-    from bc_tools.bench.probes import calibrate_by_length, decode_path_pairs, pairs_by_length
+    from bc_tools.bench.probes import calibrate_by_length
+    from bc_tools.bench.reference_pairs import decode_path_pairs, pairs_by_length
 
     rows = [_probe_row(prompt_len=145), _probe_row(prompt_len=257, resend_cached=256)]
     rows[0].cold_decoded = rows[0].cold
@@ -134,7 +136,7 @@ def test_calibrate_by_length_has_no_fallback_for_a_length_without_references():
 
 
 def test_pairs_by_length_pairs_plugin_and_stock_rows_of_one_length():
-    from bc_tools.bench.probes import pairs_by_length, reference_pairs
+    from bc_tools.bench.reference_pairs import pairs_by_length, reference_pairs
 
     plugin = [_probe_row(prompt_len=145), _probe_row(prompt_len=8193, resend_cached=8192)]
     stock = [_probe_row(prompt_len=145, resend_cached=0), _probe_row(prompt_len=8193, resend_cached=7936)]
@@ -206,7 +208,7 @@ def test_probe_failures_flags_cold_runs_that_hit_and_diverging_answers():
 
 
 def test_reference_pairs_take_cold_pairs_stock_partial_hits_and_cold_runs_across_engines():
-    from bc_tools.bench.probes import reference_pairs
+    from bc_tools.bench.reference_pairs import reference_pairs
 
     plugin = [_probe_row()]
     stock = [_probe_row(resend_cached=128, restored_cached=0)]
@@ -278,7 +280,8 @@ def test_kv_pool_bytes_reads_the_last_allotment():
 
 
 def test_continuations_are_judged_against_decode_path_rounding_resends_are_not():
-    from bc_tools.bench.probes import calibrate, decode_path_pairs, probe_failures, reference_pairs
+    from bc_tools.bench.probes import calibrate, probe_failures
+    from bc_tools.bench.reference_pairs import decode_path_pairs, reference_pairs
 
     row = _probe_row(noise=0.0, first=0.08)  # every restore 0.08 off its cold control's first token
     row.resend = _answer(row.producer.tokens, row.producer.logprobs, 144)  # an exact resend

@@ -51,9 +51,8 @@ from bc_tools.bench.probes import (
     calibrate,
     calibrate_by_length,
     first_token_deviation,
-    pairs_by_length,
-    reference_pairs,
 )
+from bc_tools.bench.reference_pairs import pairs_by_length, reference_pairs
 from bc_tools.fixtures.glm5_next_family import GLM_KPOOL
 
 ROOT = Path(__file__).resolve().parents[2]
