@@ -24,246 +24,52 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from prompts import word_ids
 from prompts import words as _words  # the tests name their answer texts' words ``words``
+from server_traffic import (
+    ABORTED_MAX_TOKENS,
+    abort_running,
+    call,
+    check_cache_emptied_then_working,
+    is_aborted,
+    is_whole,
+    join_all,
+    last_stats,
+    log_lines_about,
+    log_text,
+    pick_stop,
+    resets_logged,
+    retained_prompt,
+    send_together,
+    sorted_choices,
+    start_long_requests,
+    wait_for_counter,
+)
 from servers import cached_tokens, new_salt, resend_config, server_fixture
 
-from bc_tools.bench.client import build_request, complete, complete_json, iter_sse_events
+from bc_tools.bench.client import complete, complete_json
 from bc_tools.bench.server import is_healthy
 
 pytestmark = pytest.mark.slow
 
 CONFIG = resend_config("request_boundaries", stats_log_interval_s=1)
 MAX_MODEL_LEN = 40_960  # the tiny model's max_position_embeddings: room for 300 + ABORTED_MAX_TOKENS
-STATS_RE = re.compile(r"boundary_checkpoints: (hits=\d+.*)$")
-RESET_RE = re.compile(r"prefix cache reset dropped (\d+) checkpoints and (\d+) pending captures")
+RESUMED_TOKENS = 64  # what each long request must decode after the resets preempted it
 
 server = server_fixture(
     "server_traffic",
     additional_config=CONFIG,
     env={"VLLM_SERVER_DEV_MODE": "1"},
-    # "Added request" lines (see _send_together); room for ABORTED_MAX_TOKENS
+    # "Added request" lines (see send_together); room for ABORTED_MAX_TOKENS
     extra_args=["--enable-log-requests", "--max-model-len", str(MAX_MODEL_LEN)],
 )
 
 
-# ---- helpers -------------------------------------------------------------------------------------
-
-
-def _choices(payload: dict) -> list[dict]:
-    return sorted(payload["choices"], key=lambda c: c["index"])
-
-
-def _call(base_url: str, method: str, path: str, timeout: float = 300.0) -> tuple[int, str]:
-    """(HTTP status, body text) of a bodyless call to a dev endpoint."""
-    request = urllib.request.Request(f"{base_url}{path}", data=b"" if method == "POST" else None, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode("utf-8", errors="replace")
-
-
-def _log_text(server) -> str:
-    return server.log_path.read_text(errors="replace")
-
-
-def _log_lines_about(server, request_id: str | None) -> list[str]:
-    """The server log's lines that name ``request_id`` (vLLM logs it with suffixes), and the pause
-    and abort lines, in order: what a failed abort check needs to tell a late pause from a lost
-    abort."""
-    if not request_id:
-        return ["(no request id: the stream sent no event)"]
-    return [line for line in _log_text(server).splitlines()
-            if request_id in line or "pause" in line.lower() or "abort" in line.lower()][-40:]  # fmt: skip
-
-
-def _last_stats(server) -> dict[str, int]:
-    """The plugin's latest counters line in the server log, as a dict ({} if none yet)."""
-    lines = [m.group(1) for m in map(STATS_RE.search, _log_text(server).splitlines()) if m]
-    if not lines:
-        return {}
-    return {k: int(v) for k, v in (item.split("=") for item in lines[-1].split(", "))}
-
-
-def _wait_for_counter(server, name: str, minimum: int, rng: random.Random) -> dict[str, int]:
-    """The latest counters once ``name`` >= ``minimum`` (short requests keep the scheduler busy, so
-    the line is logged), or after 60 s; the caller asserts."""
-    deadline = time.monotonic() + 60
-    while _last_stats(server).get(name, 0) < minimum and time.monotonic() < deadline:
-        complete(server.base_url, word_ids(rng, 20), cache_salt=new_salt(), max_tokens=2)
-        time.sleep(0.5)
-    return _last_stats(server)
-
-
-def _resets_logged(server) -> list[tuple[int, int]]:
-    """(checkpoints, pending captures) dropped by every plugin reset so far."""
-    return [(int(a), int(b)) for a, b in RESET_RE.findall(_log_text(server))]
-
-
-def _send_together(server, requests: list[dict]) -> list:
-    """Send ``requests`` (``complete`` keyword arguments) so that the scheduler looks them all up in
-    one step: the engine is paused (``mode=keep`` keeps every cache) until the frontend has logged
-    each as added, then resumed. Sent merely from threads, a loaded machine can finish the first
-    before the second reaches the engine -- and a finished edit of a turn retires that turn
-    (lineage), so the late one would rightly miss."""
-    added = _log_text(server).count("Added request")
-    status, body = _call(server.base_url, "POST", "/pause?mode=keep&clear_cache=false")
-    assert status == 200, body
-    try:
-        with ThreadPoolExecutor(len(requests)) as pool:
-            futures = [pool.submit(complete, server.base_url, **kwargs) for kwargs in requests]
-            deadline = time.monotonic() + 60
-            while _log_text(server).count("Added request") < added + len(requests):
-                assert time.monotonic() < deadline, "the paused engine never received every request"
-                time.sleep(0.05)
-            status, body = _call(server.base_url, "POST", "/resume")
-            assert status == 200, body
-            return [future.result() for future in futures]
-    finally:
-        _call(server.base_url, "POST", "/resume")
-
-
-class StreamingRequest(threading.Thread):
-    """A streaming completion in a thread: ``started`` is set at the first token; ``token_ids``,
-    ``finish_reason`` and ``error`` once it ended; ``request_id`` is the server's id of it (the
-    events' ``id``, which the server log's request lines carry)."""
-
-    def __init__(self, base_url: str, prompt: list[int], **kwargs):
-        super().__init__(daemon=True)
-        self.body = build_request(prompt, stream=True, **kwargs)
-        self.url = f"{base_url}/v1/completions"
-        self.started = threading.Event()
-        self.token_ids: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        self.request_id: str | None = None
-
-    def run(self) -> None:
-        request = urllib.request.Request(
-            self.url, data=json.dumps(self.body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=300) as resp:
-                for event in iter_sse_events(resp):
-                    if "error" in event and "choices" not in event:
-                        self.error = str(event["error"])
-                    self.request_id = self.request_id or event.get("id")
-                    for choice in event.get("choices") or []:
-                        self.token_ids.extend(choice.get("token_ids") or [])
-                        if self.token_ids:
-                            self.started.set()
-                        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        except Exception as err:  # noqa: BLE001 - recorded for the test to assert on
-            self.error = repr(err)
-        finally:
-            self.started.set()
-
-
-# Requests an abort must catch: on an idle machine 200 tokens take about a second; these would take
-# minutes. The engine decodes on while a busy frontend (or client) falls behind with the streams it
-# serves, so a control call can reach the engine late: on a CI machine all three 3000-token requests
-# of the pause test once finished first, and a loaded machine delivers 200-token answers in one
-# burst. So the long requests stream in chunks (_start_long_requests), the abort tests retry with
-# fresh requests (_abort_running), and the reset test ends its long requests itself (a pause that
-# aborts them).
-ABORTED_MAX_TOKENS = 40_000
-RESUMED_TOKENS = 64  # what each long request must decode after the resets preempted it
-LONG_STREAM_INTERVAL = 50
-ATTEMPTS = 3  # tries at catching requests still decoding, each with fresh requests
-
-
-def _start_long_requests(
-    base_url: str, rng: random.Random, max_tokens: int = 200, count: int = 3
-) -> list[StreamingRequest]:
-    """``count`` long requests (``max_tokens``, ignore_eos), each generating before this returns.
-    They stream the first token at once and then every ``LONG_STREAM_INTERVAL`` tokens (the
-    request's ``stream_interval``), which keeps the frontend's work per engine step small, so that
-    control calls are not held up behind the streams."""
-    requests = [StreamingRequest(base_url, word_ids(rng, 300), max_tokens=max_tokens, cache_salt=new_salt(),
-                                 stream_interval=LONG_STREAM_INTERVAL)
-                for _ in range(count)]  # fmt: skip
-    for r in requests:
-        r.start()
-    for r in requests:
-        r.started.wait()  # its first token, or its end (the request's own socket timeout bounds it)
-        assert r.token_ids, f"a long request ended before its first token: {r.error}"
-    return requests
-
-
-def _aborted(r: StreamingRequest) -> bool:
-    return len(r.token_ids) < ABORTED_MAX_TOKENS and (r.finish_reason == "abort" or r.error is not None)
-
-
-def _whole(r: StreamingRequest) -> bool:
-    return (len(r.token_ids), r.finish_reason, r.error) == (ABORTED_MAX_TOKENS, "length", None)
-
-
-def _abort_running(server, rng: random.Random, abort: Callable[[], None]) -> tuple[list[StreamingRequest], int]:
-    """Start three ``ABORTED_MAX_TOKENS`` requests, then ``abort()`` (a call that aborts every
-    running request and leaves the engine serving again); repeated with fresh requests, at most
-    ``ATTEMPTS`` times, until the call caught at least one still decoding. Every request must end
-    either aborted (fewer tokens; finish reason "abort" or an error event) or whole (all tokens,
-    "length": it finished before the call reached the engine). Returns the aborted requests and
-    the number of attempts made (each ``abort()`` ran once per attempt)."""
-    seen = []
-    for attempt in range(1, ATTEMPTS + 1):
-        requests = _start_long_requests(server.base_url, rng, max_tokens=ABORTED_MAX_TOKENS)
-        tokens_at_call = [len(r.token_ids) for r in requests]
-        abort()
-        _join(requests)
-        for r in requests:
-            assert _aborted(r) or _whole(r), (
-                len(r.token_ids), r.finish_reason, r.error, _log_lines_about(server, r.request_id),
-            )  # fmt: skip
-        caught = [r for r in requests if _aborted(r)]
-        if caught:
-            return caught, attempt
-        seen.append(tokens_at_call)
-    pytest.fail(f"in {ATTEMPTS} attempts the abort never found a request still decoding; tokens each "
-                f"had received when the call was sent: {seen}")  # fmt: skip
-
-
-def _join(requests: list[StreamingRequest]) -> None:
-    for r in requests:
-        r.join(300)
-        assert not r.is_alive()
-
-
-def _retained_prompt(base_url: str, rng: random.Random) -> tuple[list[int], str]:
-    """A prompt whose P - 1 checkpoint is retained right now (its resend hit it)."""
-    prompt, salt = word_ids(rng, 300), new_salt()
-    assert complete(base_url, prompt, cache_salt=salt, max_tokens=2).cached_tokens == 0
-    assert complete(base_url, prompt, cache_salt=salt, max_tokens=2).cached_tokens == len(prompt) - 1
-    return prompt, salt
-
-
-def _check_cache_emptied_then_working(base_url: str, rng: random.Random, old: tuple[list[int], str]) -> None:
-    """The checkpoint retained before the reset is gone; a fresh prompt, then its resend, hits P - 1."""
-    assert is_healthy(base_url)
-    old_prompt, old_salt = old
-    assert complete(base_url, old_prompt, cache_salt=old_salt, max_tokens=2).cached_tokens == 0
-    _retained_prompt(base_url, rng)
-
-
 # ---- 1. branches -------------------------------------------------------------------------------
-
-
-def _pick_stop(early: list[int], other: list[int], lowest: int = 2) -> int | None:
-    """The first index i >= lowest whose token first occurs at i in ``early`` and never in ``other``."""
-    for i in range(lowest, len(early)):
-        if early[i] not in early[:i] and early[i] not in other:
-            return i
-    return None
 
 
 @pytest.mark.parametrize("early_child", [0, 1], ids=["child0-stops-first", "child1-stops-first"])
@@ -299,8 +105,8 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     # Probe under its own salt: the two seeded answers, and a stop token for the early child.
     for seed in range(7, 40):
         _, _, probe = conversation(new_salt(), seed=seed)
-        answers = [c["token_ids"] for c in _choices(probe)]
-        stop_at = _pick_stop(answers[early_child], answers[1 - early_child])
+        answers = [c["token_ids"] for c in sorted_choices(probe)]
+        stop_at = pick_stop(answers[early_child], answers[1 - early_child])
         if answers[0] != answers[1] and stop_at is not None:
             break
     else:
@@ -315,7 +121,7 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     # (Siblings admitted together, the case of the lineage fix, are checked on vLLM's scheduler by
     # test_scheduler_real_traffic.py::test_every_live_branch_keeps_its_latest_turn in both modes.)
     assert cached_tokens(payload) in (len(turn1) + len(answer1) - 1, len(turn2) - 1)
-    choices = _choices(payload)
+    choices = sorted_choices(payload)
     assert len(choices) == 2
     early, late = choices[early_child], choices[1 - early_child]
     assert early["token_ids"] == answers[early_child][: stop_at + 1]  # same seeded draws as the probe
@@ -336,7 +142,7 @@ def test_n2_branches_and_concurrent_edits_each_restore_their_own_boundary(server
     # Two edits of branch 0's turn 3, in flight together; each continues on its own.
     turn3, answer3 = turn3s[0]
     edits = [turn3 + answer3 + word_ids(rng, 20) for _ in range(2)]
-    replies = _send_together(server, [dict(prompt_ids=p, cache_salt=salt, max_tokens=8) for p in edits])
+    replies = send_together(server, [dict(prompt_ids=p, cache_salt=salt, max_tokens=8) for p in edits])
     for reply in replies:
         assert reply.cached_tokens == len(turn3) + len(answer3) - 1
     for edit, reply in zip(edits, replies):
@@ -420,7 +226,7 @@ def test_stop_string_answer_is_aborted_and_next_turn_restores_the_prompt_boundar
     assert cost == 4
 
     # The plugin counted the aborted response (counters line, logged every second while busy).
-    stats = _wait_for_counter(server, "responses_aborted", 1, rng)
+    stats = wait_for_counter(server, "responses_aborted", 1, rng)
     assert stats.get("responses_aborted", 0) >= 1, stats
     print(
         f"[stop string] stop word {stop_word!r}; answer tokens returned {len(choice['token_ids'])}; "
@@ -445,8 +251,8 @@ def test_reset_prefix_cache_while_requests_run(server):
     hits P - 1 again."""
     base = server.base_url
     rng = random.Random(4000)
-    old = _retained_prompt(base, rng)
-    resets_before = len(_resets_logged(server))
+    old = retained_prompt(base, rng)
+    resets_before = len(resets_logged(server))
 
     stop_churn = threading.Event()
     churn_errors: list[str] = []
@@ -459,14 +265,14 @@ def test_reset_prefix_cache_while_requests_run(server):
             except Exception as err:  # noqa: BLE001
                 churn_errors.append(repr(err))
 
-    long_requests = _start_long_requests(base, rng, max_tokens=ABORTED_MAX_TOKENS)
+    long_requests = start_long_requests(base, rng, max_tokens=ABORTED_MAX_TOKENS)
     churners = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
     for t in churners:
         t.start()
     unfinished_at_first_reset = [r.is_alive() for r in long_requests]
     answers = []
     for _ in range(3):  # several resets, spread over the long requests' decoding
-        status, body = _call(base, "POST", "/reset_prefix_cache?reset_running_requests=true")
+        status, body = call(base, "POST", "/reset_prefix_cache?reset_running_requests=true")
         answers.append((status, body))
         assert status == 200 and json.loads(body) == {"success": True}, body
         assert is_healthy(base)
@@ -478,25 +284,25 @@ def test_reset_prefix_cache_while_requests_run(server):
     ):  # the preempted requests are scheduled again and decode on
         time.sleep(0.1)
     resumed = [len(r.token_ids) - n for r, n in zip(long_requests, after_resets)]
-    status, body = _call(base, "POST", "/pause?mode=abort&clear_cache=false")
+    status, body = call(base, "POST", "/pause?mode=abort&clear_cache=false")
     assert status == 200, body
-    assert _call(base, "POST", "/resume")[0] == 200
-    _join(long_requests)
+    assert call(base, "POST", "/resume")[0] == 200
+    join_all(long_requests)
     stop_churn.set()
     for t in churners:
         t.join(120)
     assert not churn_errors, churn_errors[:3]
     assert all(unfinished_at_first_reset), unfinished_at_first_reset
     for r in long_requests:
-        assert _aborted(r) or _whole(r), (
-            len(r.token_ids), r.finish_reason, r.error, _log_lines_about(server, r.request_id),
+        assert is_aborted(r) or is_whole(r), (
+            len(r.token_ids), r.finish_reason, r.error, log_lines_about(server, r.request_id),
         )  # fmt: skip
     assert min(resumed) >= RESUMED_TOKENS, resumed
 
-    resets = _resets_logged(server)[resets_before:]
+    resets = resets_logged(server)[resets_before:]
     assert len(resets) == 3, resets
     assert resets[0][0] >= 1  # the first reset dropped the checkpoint retained before
-    _check_cache_emptied_then_working(base, rng, old)
+    check_cache_emptied_then_working(base, rng, old)
     print(f"[reset] answers={answers} plugin drops (checkpoints, pending)={resets} tokens after the last "
           f"reset {after_resets}, then {resumed} more before the abort")  # fmt: skip
 
@@ -505,42 +311,42 @@ def test_reset_prefix_cache_while_requests_run(server):
 def test_pause_with_clear_cache_then_resume(server, mode):
     """``POST /pause?mode=<mode>&clear_cache=true`` while three long requests run, then
     ``POST /resume``. ``wait`` lets them finish (all 200 tokens, their response captures published)
-    and then clears the caches; ``abort`` aborts them (``_abort_running``: 40,000-token requests,
+    and then clears the caches; ``abort`` aborts them (``abort_running``: 40,000-token requests,
     retried until the abort caught some still decoding; counted as ``responses_aborted``) and then
     clears. Either way the server stays healthy, the checkpoint retained before is gone, and after
     resuming a fresh prompt's resend hits P - 1."""
     base = server.base_url
     rng = random.Random(5000 + len(mode))
-    old = _retained_prompt(base, rng)
-    resets_before = len(_resets_logged(server))
-    aborted_before = _last_stats(server).get("responses_aborted", 0)
+    old = retained_prompt(base, rng)
+    resets_before = len(resets_logged(server))
+    aborted_before = last_stats(server).get("responses_aborted", 0)
 
     def pause_then_resume() -> None:
-        status, body = _call(base, "POST", f"/pause?mode={mode}&clear_cache=true")
+        status, body = call(base, "POST", f"/pause?mode={mode}&clear_cache=true")
         assert status == 200 and json.loads(body) == {"status": "paused"}, body
-        assert json.loads(_call(base, "GET", "/is_paused")[1]) == {"is_paused": True}
+        assert json.loads(call(base, "GET", "/is_paused")[1]) == {"is_paused": True}
         assert is_healthy(base)
         if mode == "wait":
             for r in long_requests:  # drained before the pause returned
                 r.join(30)
                 assert r.error is None, r.error
                 assert (len(r.token_ids), r.finish_reason) == (200, "length")
-        status, body = _call(base, "POST", "/resume")
+        status, body = call(base, "POST", "/resume")
         assert status == 200 and json.loads(body) == {"status": "resumed"}, body
-        assert json.loads(_call(base, "GET", "/is_paused")[1]) == {"is_paused": False}
+        assert json.loads(call(base, "GET", "/is_paused")[1]) == {"is_paused": False}
 
     if mode == "wait":
-        long_requests = _start_long_requests(base, rng)
+        long_requests = start_long_requests(base, rng)
         pause_then_resume()
-        _join(long_requests)
+        join_all(long_requests)
         attempts = 1
     else:
-        long_requests, attempts = _abort_running(server, rng, pause_then_resume)
-    resets = _resets_logged(server)[resets_before:]
+        long_requests, attempts = abort_running(server, rng, pause_then_resume)
+    resets = resets_logged(server)[resets_before:]
     assert len(resets) == attempts and resets[0][0] >= 1, resets
-    _check_cache_emptied_then_working(base, rng, old)
+    check_cache_emptied_then_working(base, rng, old)
     if mode == "abort":  # the aborted long requests are counted
-        stats = _wait_for_counter(server, "responses_aborted", aborted_before + len(long_requests), rng)
+        stats = wait_for_counter(server, "responses_aborted", aborted_before + len(long_requests), rng)
         assert stats.get("responses_aborted", 0) >= aborted_before + len(long_requests), stats
     outcomes = [(len(r.token_ids), r.finish_reason, r.error) for r in long_requests]
     print(f"[pause {mode}] attempts={attempts} plugin drops={resets} long requests={outcomes}")
@@ -553,30 +359,30 @@ def test_sleep_level1_then_wake_up(server):
     CPU, ignore it." and keeps its weights, so the endpoint itself succeeds (``--enable-sleep-mode``
     is refused at startup on CPU, but the dev endpoint does not need it). If the engine refuses the
     call instead, the case is skipped with the engine's answer. The aborted requests are
-    ``_abort_running``'s (retried until the sleep caught some still decoding)."""
+    ``abort_running``'s (retried until the sleep caught some still decoding)."""
     base = server.base_url
     rng = random.Random(6000)
-    old = _retained_prompt(base, rng)
-    resets_before = len(_resets_logged(server))
-    aborted_before = _last_stats(server).get("responses_aborted", 0)
+    old = retained_prompt(base, rng)
+    resets_before = len(resets_logged(server))
+    aborted_before = last_stats(server).get("responses_aborted", 0)
 
     def sleep_then_wake_up() -> None:
-        status, body = _call(base, "POST", "/sleep?level=1")
+        status, body = call(base, "POST", "/sleep?level=1")
         if status != 200:
             assert is_healthy(base)
             pytest.skip(f"the engine refused POST /sleep?level=1: HTTP {status}: {body[:500]}")
         assert json.loads(body) == {"status": "sleeping", "level": 1}
-        assert json.loads(_call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": True}
-        status, body = _call(base, "POST", "/wake_up")
+        assert json.loads(call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": True}
+        status, body = call(base, "POST", "/wake_up")
         assert status == 200 and json.loads(body)["status"] == "awake", body
-        assert json.loads(_call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": False}
+        assert json.loads(call(base, "GET", "/is_sleeping")[1]) == {"is_sleeping": False}
 
-    long_requests, attempts = _abort_running(server, rng, sleep_then_wake_up)
-    resets = _resets_logged(server)[resets_before:]
+    long_requests, attempts = abort_running(server, rng, sleep_then_wake_up)
+    resets = resets_logged(server)[resets_before:]
     assert len(resets) == attempts and resets[0][0] >= 1, resets
-    cpu_answer = "sleep mode is not supported on CPU, ignore it." in _log_text(server)
-    _check_cache_emptied_then_working(base, rng, old)
-    stats = _wait_for_counter(server, "responses_aborted", aborted_before + len(long_requests), rng)
+    cpu_answer = "sleep mode is not supported on CPU, ignore it." in log_text(server)
+    check_cache_emptied_then_working(base, rng, old)
+    stats = wait_for_counter(server, "responses_aborted", aborted_before + len(long_requests), rng)
     assert stats.get("responses_aborted", 0) >= aborted_before + len(long_requests), stats
     outcomes = [(len(r.token_ids), r.finish_reason, r.error) for r in long_requests]
     print(f"[sleep] attempts={attempts} plugin drops={resets} CPU worker warning logged={cpu_answer} "
