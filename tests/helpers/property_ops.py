@@ -1,7 +1,7 @@
 """What the property tests share (``test_property_scheduler.py``, ``test_property_spec.py``): the
 shadow model's cold output, token helpers, and the operations a random stream is built from. Each
-test file draws its own strategies over these operations and plays them its own way (the spec test
-through ``spec_property_checks.py``)."""
+test file draws its own strategies over these operations and plays them its own way (through
+``property_stream.py`` and ``spec_property_checks.py``)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ same salt and ``P - 1``, the retention budget holds and, with ``exact``, every r
 where :func:`contract_boundary` puts it with the token after it; :meth:`SpecStream.finish` asserts
 no leak. :func:`play_conversation` plays one request at a time on :data:`ROOMY` and asserts exact
 cached counts. A failure raises ``AssertionError`` (or ``ShadowMismatch``); :class:`Totals` counts
-what an example exercised, for the tests to require. Not shared with ``test_property_scheduler.py``:
-its ``Stream`` and ``Totals`` look alike but play and count otherwise.
+what an example exercised, for the tests to require. Not shared with ``property_stream.py`` (the
+player of ``test_property_scheduler.py``): its ``Stream`` and ``Totals`` look alike but play and
+count otherwise.
 """
 
 from __future__ import annotations
