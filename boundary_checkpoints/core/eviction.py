@@ -13,7 +13,7 @@ replacement.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from boundary_checkpoints.core.checkpoint import Checkpoint
 
@@ -51,9 +51,10 @@ class LruEvictionPolicy:
         return len(self._order)
 
     def victim(self) -> Checkpoint | None:
-        return next(iter(self.in_order()), None)
+        return next(self.in_order(), None)
 
-    def in_order(self) -> list[Checkpoint]:
-        """Every bundle, the next victim first."""
-        ordered = list(self._order.values())
-        return [c for c in ordered if not c.lasting] + [c for c in ordered if c.lasting]
+    def in_order(self) -> Iterator[Checkpoint]:
+        """Every bundle, the next victim first, produced as the caller asks (an eviction usually
+        stops at the first few). Iterate again after dropping or touching a bundle."""
+        yield from (c for c in self._order.values() if not c.lasting)
+        yield from (c for c in self._order.values() if c.lasting)

@@ -122,7 +122,7 @@ def test_pressure_relief_evicts_only_bundles_that_free_blocks(model_dir):
     scheduler, rng = _fill_store(model_dir, 4)
     store, pool = scheduler.checkpoint_store, scheduler.kv_cache_manager.block_pool
     retained = len(store)
-    oldest = store.policy.in_order()[0]
+    oldest = next(store.policy.in_order())
     pool.touch(oldest.distinct_blocks())  # as if running requests shared all of its blocks
     hog = pool.get_new_blocks(pool.get_num_free_blocks())
     request = make_request(tokens(rng, 20), salt="new")

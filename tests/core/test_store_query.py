@@ -67,7 +67,7 @@ def test_one_scan_finds_the_shorter_hit_and_the_longer_refused_bundle(scans, sam
     answer = query(store)
     assert (answer.hit, answer.refused, answer.miss_reason) == (shorter, refused, None)
     assert len(scans) == 1
-    assert store.policy.in_order()[-1] is shorter
+    assert list(store.policy.in_order())[-1] is shorter
     assert query(store, with_refusal=False).refused is None
 
 
