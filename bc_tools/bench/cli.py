@@ -5,7 +5,8 @@ Contract: parses the command line (``cli_args``), resolves it into ``run_setting
 ``server_sets.ServerSet`` (``--launch MODEL_DIR``: vLLM servers it starts and stops itself; ``--url``
 (repeatable, with ``--label``): servers that already run), runs ``runner.run_benchmark``, prints
 ``report.level_text`` for every in-flight level, and writes ``--out-json`` (the result plus
-``meta``: argv, UTC start and end, salt, machine) and ``--plot``. With ``--time-budget`` only the
+``meta``: argv, UTC start and end, salt, machine; rewritten after every round, so a run killed from
+outside leaves the rounds it finished, with ``complete`` false) and ``--plot``. With ``--time-budget`` only the
 rounds expected to end within it run, and a server still starting when it ends is stopped
 (``run_settings``' contract). ``--sleep-others`` keeps only the slot's server awake (``server_sets``'
 contract) and prints the median seconds to wake and to put to sleep. Exit code 0; 1 if a
@@ -112,6 +113,14 @@ def _servers(args: argparse.Namespace, settings: Settings) -> ServerSet:
     return UrlServers(settings, targets)
 
 
+def write_json(path: Path, result: dict) -> None:
+    """Write ``result`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(result, indent=1) + "\n")
+    partial.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_model:
@@ -160,24 +169,35 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max_len}: pass --server-arg='--max-model-len N'", file=sys.stderr)  # fmt: skip
             return 2
     servers = _servers(args, settings)
-    started = _dt.datetime.now(_dt.timezone.utc)
+    meta = {
+        "argv": ["bc-bench", *(sys.argv[1:] if argv is None else argv)],
+        "started_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "run_salt": settings.run_salt,
+        "machine": machine_info(),
+    }
+
+    def finish(result: dict) -> dict:
+        result["workload"]["turn1_only"] = args.turn1_only
+        result["meta"] = dict(meta, finished_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        return result
+
+    rounds_written: list[int] = []
+
+    def write_rounds_so_far(result: dict) -> None:
+        write_json(Path(args.out_json), finish(result))
+        rounds_written.append(sum(len(level["rounds"]) for level in result["levels"]))
+
     try:
         with interrupt_on_termination():
-            result = run_benchmark(settings, servers)
+            result = run_benchmark(settings, servers, on_round=write_rounds_so_far if args.out_json else None)
     except KeyboardInterrupt:
-        print("\ninterrupted; servers stopped", file=sys.stderr)
+        kept = f"; {rounds_written[-1]} rounds done are in {args.out_json}" if rounds_written else ""
+        print(f"\ninterrupted; servers stopped{kept}", file=sys.stderr)
         return 130
     except SleepModeError as err:
         print(f"error: --sleep-others: {err}", file=sys.stderr)
         return 1
-    result["workload"]["turn1_only"] = args.turn1_only
-    result["meta"] = {
-        "argv": ["bc-bench", *(sys.argv[1:] if argv is None else argv)],
-        "started_utc": started.isoformat(timespec="seconds"),
-        "finished_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "run_salt": settings.run_salt,
-        "machine": machine_info(),
-    }
+    finish(result)
     for level in result["levels"]:
         print()
         print(report.level_text(result, level, markdown=args.markdown))
@@ -188,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         done = ", ".join(f"{len(lv['rounds'])} at {lv['in_flight']} in flight" for lv in result["levels"]) or "none"
         print(f"stopped by --time-budget {args.time_budget:g} s; rounds done: {done} (of {args.repeat} per level)")
     if args.out_json:
-        Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out_json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(Path(args.out_json), result)
         print(f"result: {args.out_json}")
     if args.plot and result["levels"] and report.plot_result(result, Path(args.plot)):
         print(f"plot: {args.plot}")

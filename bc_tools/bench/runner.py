@@ -26,10 +26,14 @@ Contract:
   ``servers`` is the server set's ``info`` (with ``sleep_others``, each slot's wake, sleep and
   warm-up seconds: ``server_sets``' contract). Every server the run started is stopped before it
   returns, also on errors and interrupts.
+- ``on_round``: called after every round with the result so far (the same layout, ``complete``
+  False), so a run killed from outside keeps the rounds it finished; the returned result has
+  ``complete`` True.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -100,14 +104,14 @@ def answer_variety(records: list[RequestRecord], label: str) -> float | None:
     )
 
 
-def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress,
-              budget: RoundBudget) -> dict[str, Any] | None:  # fmt: skip
+def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress, budget: RoundBudget,
+              after_round: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:  # fmt: skip
     """The rounds at one in-flight level that ``budget`` lets start: the level's part of the result,
-    with its records (None if no round started)."""
+    with its records (None if no round started). ``after_round`` gets that part after each round."""
     s = servers.settings
     plans = make_chat_plans(workload, s.chat_words) if workload.mode == "chat" else make_plans(workload)
     records: list[RequestRecord] = []
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     for r in range(s.repeat):
         if not budget.allows(workload.concurrency, r):
             progress.write(f"time budget: round {r + 1} of {s.repeat} at {workload.concurrency} in flight would end "
@@ -127,33 +131,39 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
                        "lost_hits": stats.lost_hits(round_records, s.labels)})  # fmt: skip
         records += round_records
         budget.finished(workload.concurrency, clock.now() - started)
-    if not rounds:
-        return None
-    ratio_labels = [p for p in s.labels if p != STOCK_POLICY] if STOCK_POLICY in s.labels else []
+        after_round(level_result(workload, s.labels, rounds, records))
+    return level_result(workload, s.labels, rounds, records) if rounds else None
+
+
+def level_result(workload: Workload, labels: list[str], rounds: list[dict[str, Any]],
+                 records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
+    """One level's part of the result from its rounds so far (see the module docstring)."""
+    ratio_labels = [p for p in labels if p != STOCK_POLICY] if STOCK_POLICY in labels else []
     ratios = {p: stats.aggregate([rd["ratios"][p] for rd in rounds]) for p in ratio_labels}
     floor_rounds = [rd["floor"] for rd in rounds]
     return {
         "in_flight": workload.concurrency,
         "conversations": workload.conversations,
-        "rounds": rounds,
+        "rounds": list(rounds),
         "summary": {
-            "policies": {p: stats.aggregate([rd["policies"][p] for rd in rounds]) for p in s.labels},
+            "policies": {p: stats.aggregate([rd["policies"][p] for rd in rounds]) for p in labels},
             "floor": stats.aggregate(floor_rounds) if any(floor_rounds) else None,
             "ratios": ratios,
             "targets": stats.targets(ratios[judged]) if (judged := stats.plugin_label(ratios)) else None,
             "targets_policy": judged,
-            "same_answers": same_answers(records, s.labels),
-            "answer_variety": answer_variety(records, s.labels[0]),
-            "per_turn": {p: stats.per_turn([r for r in records if r.policy == p]) for p in s.labels},
+            "same_answers": same_answers(records, labels),
+            "answer_variety": answer_variety(records, labels[0]),
+            "per_turn": {p: stats.per_turn([r for r in records if r.policy == p]) for p in labels},
             "floor_per_turn": stats.per_turn(records, "floor") or None,
-            "lost_hits": stats.lost_hits(records, s.labels),
-            "turn1_cached_median": {p: stats.turn1_cached_median(records, p) for p in s.labels},
+            "lost_hits": stats.lost_hits(records, labels),
+            "turn1_cached_median": {p: stats.turn1_cached_median(records, p) for p in labels},
         },
-        "records": records,
+        "records": list(records),
     }
 
 
-def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
+def run_benchmark(settings: Settings, servers: ServerSet,
+                  on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Every level, every round; returns the JSON-serialisable result (see the module docstring)."""
     s = settings
     floor = s.floor_label is not None
@@ -161,7 +171,12 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
     progress = Progress(total)
     clock = Clock()
     budget = RoundBudget(clock, s.time_budget_s)
-    levels = []
+    levels: list[dict[str, Any]] = []
+
+    def after_round(level: dict[str, Any]) -> None:
+        if on_round is not None:
+            on_round(benchmark_result(s, [*levels, level], budget, servers.info, complete=False))
+
     try:
         if isinstance(servers, LaunchedServers):
             servers.budget = budget
@@ -169,7 +184,7 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
         if floor and s.block_size is None:
             progress.write("warning: block size unknown (no log line, no --block-size): floor skipped")
         for c in s.in_flight:
-            level = run_level(servers, s.workload.at_in_flight(c), clock, progress, budget)
+            level = run_level(servers, s.workload.at_in_flight(c), clock, progress, budget, after_round)
             if level is not None:
                 levels.append(level)
             if budget.stop is not None:
@@ -183,7 +198,13 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
     for info in servers.info.values():
         if "boundary_stats" not in info and info.get("log_path"):
             info["boundary_stats"] = logs.parse_boundary_stats(logs.read_text(info["log_path"]))
-    records = [r for level in levels for r in level.pop("records")]
+    return benchmark_result(s, levels, budget, servers.info, complete=True)
+
+
+def benchmark_result(s: Settings, levels: list[dict[str, Any]], budget: RoundBudget, servers_info: dict[str, Any],
+                     complete: bool) -> dict[str, Any]:  # fmt: skip
+    """The result of the levels so far, their records pooled at the end (see the module docstring)."""
+    records = [r for level in levels for r in level["records"]]
     return {
         "workload": asdict(s.workload),
         "policies": list(s.labels),
@@ -196,7 +217,8 @@ def run_benchmark(settings: Settings, servers: ServerSet) -> dict[str, Any]:
         "time_budget_s": s.time_budget_s,
         "sleep_others": s.sleep_others,
         "stopped_early": budget.stop,
-        "servers": servers.info,
-        "levels": levels,
+        "complete": complete,
+        "servers": servers_info,
+        "levels": [{k: v for k, v in level.items() if k != "records"} for level in levels],
         "records": [dict(asdict(r), prefill_tokens=r.prefill_tokens, tpot_s=r.tpot_s) for r in records],
     }

@@ -1,7 +1,8 @@
 """Tests of whole ``bc-bench`` runs (``bc_tools/bench/``: ``runner``, ``slot``, ``traffic``,
 ``run_settings``, ``server_sets``, ``cli``) against stand-in servers, no vLLM engine: interleaved
 rounds and their order, ``--turn-order``, ``--think-time``, ``--time-budget`` (rounds that fit, a
-server still starting), the launch modes, the warm-up and the ``--turn1-only`` report.
+server still starting), a run killed mid-round, the launch modes, the warm-up and the
+``--turn1-only`` report.
 """
 
 from __future__ import annotations
@@ -182,6 +183,38 @@ def test_time_budget_keeps_the_rounds_that_fit(tmp_path, capsys, monkeypatch, la
     assert (stop["in_flight"], stop["round"]) == (1, 2) and stop["at_s"] + stop["expected_round_s"] > 50
     assert result["levels"][0]["summary"]["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]["n"] == 2
     assert {r["round"] for r in result["records"]} == {0, 1}
+
+
+def test_a_run_killed_mid_round_leaves_the_rounds_it_finished(tmp_path, capsys, monkeypatch):
+    """A SIGTERM (``interrupt_on_termination`` turns it into ``KeyboardInterrupt``) in round 3's
+    first slot: ``--out-json`` holds rounds 1 and 2, summarized, marked incomplete, and no record of
+    round 3; a run that finishes writes ``complete`` true."""
+    real_slot = runner.run_slot
+
+    def slot_killed_in_round_three(servers, label, workload, plans, round_index, *args):
+        if round_index == 2:
+            raise KeyboardInterrupt("signal 15")
+        return real_slot(servers, label, workload, plans, round_index, *args)
+
+    monkeypatch.setattr(runner, "run_slot", slot_killed_in_round_three)
+    CompletionsStub.seen, CompletionsStub.requests = {}, []
+    out_json = tmp_path / "result.json"
+    with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
+        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
+                "--vocab-size", "1024", "-N", "2", "-T", "2", "-S", "40", "-U", "8", "-A", "4", "-C", "1",
+                "--repeat", "3", "--out-json", str(out_json)]  # fmt: skip
+        assert cli.main(argv) == 130
+        assert "2 rounds done are in" in capsys.readouterr().err
+        killed = json.loads(out_json.read_text())
+        assert killed["complete"] is False and killed["meta"]["argv"][0] == "bc-bench"
+        assert [len(lv["rounds"]) for lv in killed["levels"]] == [2]
+        assert killed["levels"][0]["summary"]["ratios"]["request_boundaries"]["turn1_ttft_vs_stock"]["n"] == 2
+        assert {r["round"] for r in killed["records"]} == {0, 1}
+        monkeypatch.setattr(runner, "run_slot", real_slot)
+        assert cli.main(argv) == 0
+    finished = json.loads(out_json.read_text())
+    assert finished["complete"] is True and {r["round"] for r in finished["records"]} == {0, 1, 2}
+    assert not out_json.with_name(out_json.name + ".tmp").exists()
 
 
 @pytest.mark.parametrize("mode", ["together", "one_by_one", "relaunch"])
