@@ -36,8 +36,8 @@ Size: a small default for CI. ``BC_PROPERTY_OPS=N`` runs at least ``N`` operatio
 
 ``BC_PROPERTY_SEED`` replaces the fixed seed (the streams are reproducible for a given seed).
 
-The player (``Stream``) and these checks are in ``tests/helpers/property_stream.py``; this module
-draws the examples and runs them.
+The player (``Stream``) and these checks are in ``tests/helpers/property_stream.py`` and, shared with
+the MTP property tests, ``tests/helpers/property_player.py``; this module draws the examples and runs them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 from property_ops import Abort, Branch, Continue, Fresh, Resend, Reset, Steps, random_tokens, reference_output
-from property_stream import PoolConfig, Stream, Totals, Tracked
+from property_player import Tracked
+from property_stream import PoolConfig, Stream, Totals
 
 pytestmark = pytest.mark.usefixtures("quiet_vllm")  # conftest: vLLM's INFO lines off
 
@@ -129,11 +130,7 @@ def test_operation_streams_keep_every_contract(model_dir, mode):
     @given(config=pool_configs, ops=streams)
     def play(config, ops):
         note(f"{mode}: {config}")
-        stream = Stream(model_dir, lag, config)
-        for op in ops:
-            stream.apply(op)
-        stream.finish()
-        totals.add(stream.totals)
+        totals.add(Stream(model_dir, lag, config).play(ops))
 
     play()
     totals.seconds = time.monotonic() - started
@@ -177,7 +174,7 @@ def test_boundaries_hit_exactly_on_a_roomy_pool(
         next request is looked up before that step returned, while the turn's response bundle
         is still pending, and must restore it all the same (scheduler contract 6)."""
         stream.apply(op)
-        stream._step_until(stream.tracked[-1].request.is_finished)
+        stream.step_until(stream.tracked[-1].request.is_finished)
         if drain:
             stream.driver.drain()
         return stream.tracked[-1]

@@ -32,7 +32,8 @@ longer stock block hit (a multiple of the block). In particular a resend caches 
 ``P - 1`` and a next turn at least its producer's response boundary.
 
 The player (``SpecStream``, ``play_conversation``) and these checks are in
-``tests/helpers/spec_property_checks.py``; this module draws the examples and runs them.
+``tests/helpers/spec_property_checks.py`` and, shared with the scheduler property tests,
+``tests/helpers/property_player.py``; this module draws the examples and runs them.
 
 Negative controls: the committed-count response rule (``test_scheduler_spec``) makes the
 conversation property raise :class:`ShadowMismatch`; a scheduler that drops every response
@@ -161,11 +162,7 @@ def test_spec_streams_keep_every_contract(model_dir, k):
     @example(script=[0], pool=Pool(24, 32, 0.25, False), ops=DRAFTS_CUT_BY_THE_BUDGET)
     def play(script, pool, ops):
         note(f"k={k} script={script} {pool}")
-        stream = SpecStream(model_dir, k, script, pool)
-        for op in ops:
-            stream.apply(op)
-        stream.finish()
-        totals.add(stream.totals)
+        totals.add(SpecStream(model_dir, k, script, pool).play(ops))
 
     play()
     totals.seconds = time.monotonic() - started

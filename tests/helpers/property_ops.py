@@ -1,14 +1,13 @@
 """What the property tests share (``test_property_scheduler.py``, ``test_property_spec.py``): the
 shadow model's cold output, token helpers, and the operations a random stream is built from. Each
-test file draws its own strategies over these operations and plays them its own way (through
-``property_stream.py`` and ``spec_property_checks.py``)."""
+test file draws its own strategies over these operations and plays them through its player
+(``property_stream.py``, ``spec_property_checks.py``; what the players share is in ``property_player.py``)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
-from prompts import common_prefix  # noqa: F401 (re-exported: the property tests import it from here)
 from shadow_engine import EMPTY_STATE, advance, sample
 
 

@@ -3,32 +3,20 @@
 :class:`Stream` plays one example's operations (``property_ops``) on vLLM's real scheduler with the
 plugin (sync, or async with one step in flight) against ``shadow_engine.ShadowWorker``, checks the
 invariants after every operation and, in :meth:`Stream.finish`, that nothing leaked;
-:class:`PoolConfig` is the pool an example runs on, :class:`Totals` counts what it exercised. Not
-shared with ``spec_property_checks.py`` (MTP): its player looks alike but plays and counts otherwise.
+:class:`PoolConfig` is the pool an example runs on, :class:`Totals` counts what it exercised. The
+operations, the output and cached-token checks are ``property_player.OperationPlayer``'s, shared with
+the MTP player (``spec_property_checks.SpecStream``); the other checks and the totals are this one's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prompts import common_prefix
-from property_ops import (
-    Abort,
-    Branch,
-    Continue,
-    Fresh,
-    Resend,
-    Reset,
-    Steps,
-    pick_tracked,
-    random_tokens,
-    reference_output,
-)
-from shadow_scheduler import Driver, build_scheduler, make_request
+from property_player import OperationPlayer
+from shadow_scheduler import Driver, build_scheduler
 
 BLOCK = 16
 MAX_PROMPT = 240  # a continuation chain stops growing here, so one request always fits the pool
-STEP_LIMIT = 3000  # steps to wait for requests to finish before calling the scheduler stuck
 
 
 @dataclass(frozen=True)
@@ -44,17 +32,6 @@ class PoolConfig:
     def max_prompt(self) -> int:
         """Longest continuation prompt: its pages, states and capture copies must fit the pool."""
         return min(MAX_PROMPT, (self.num_blocks - 8) * BLOCK - BLOCK)
-
-
-@dataclass
-class Tracked:
-    request: object
-    prompt: list[int]
-    salt: str | None
-    expected: list[int]  # cold greedy output
-    earlier_same_salt: list[object]  # requests of the same salt added before this one
-    aborted: bool = False
-    checked_cached: bool = False
 
 
 @dataclass
@@ -82,11 +59,11 @@ class Totals:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-class Stream:
+class Stream(OperationPlayer):
     """One scheduler + shadow worker playing one example's operations, checking as it goes."""
 
     def __init__(self, model_dir, lag: int, config: PoolConfig) -> None:
-        self.scheduler, self.worker = build_scheduler(
+        scheduler, worker = build_scheduler(
             model_dir,
             num_blocks=config.num_blocks,
             max_num_seqs=config.max_num_seqs,
@@ -96,92 +73,16 @@ class Stream:
             scheduler_reserve_full_isl=config.reserve_full_prompt,
             prompt_capture=config.prompt_capture,
         )
-        self.driver = Driver(self.scheduler, self.worker, lag=lag)
-        self.pool = self.scheduler.kv_cache_manager.block_pool
-        self.budget = int(self.pool.num_gpu_blocks * config.max_retained_fraction)
+        driver = Driver(scheduler, worker, lag=lag)
+        super().__init__(driver, config.max_retained_fraction, config.max_prompt, Totals(examples=1))
         assert self.scheduler.checkpoint_store.max_blocks == self.budget
-        self.free_before = self.pool.get_num_free_blocks()
-        self.max_prompt = config.max_prompt
-        self.tracked: list[Tracked] = []
-        self.totals = Totals(examples=1)
 
-    # -- operations --
     def apply(self, op) -> None:
-        handler = getattr(self, f"_op_{type(op).__name__.lower()}")
-        if handler(op) is False:
+        if self.handle(op) is False:
             self.totals.noops += 1  # nothing left to abort, or a next turn too long for the pool
         else:
             self.totals.operations += 1
         self.check()
-
-    def _add(self, prompt, salt, max_tokens, stop_at=None) -> None:
-        stop_ids: tuple[int, ...] = ()
-        if stop_at is not None:
-            plain = reference_output(prompt, max_tokens)
-            stop_ids = (plain[min(stop_at, len(plain) - 1)],)
-        request = make_request(prompt, max_tokens=max_tokens, salt=salt, stop_token_ids=list(stop_ids) or None)
-        earlier = [t.request for t in self.tracked if t.salt == salt]
-        expected = reference_output(prompt, max_tokens, stop_ids)
-        self.tracked.append(Tracked(request, list(prompt), salt, expected, earlier))
-        self.scheduler.add_request(request)
-        self.totals.requests += 1
-
-    def _op_fresh(self, op: Fresh) -> None:
-        self._add(random_tokens(op.seed, op.length), op.salt, op.max_tokens, op.stop_at)
-
-    def _op_resend(self, op: Resend):
-        original = pick_tracked(self.tracked, op.which)
-        if original is None:
-            return False
-        salt = original.salt if op.other_salt is False else op.other_salt
-        self._add(original.prompt, salt, op.max_tokens)
-
-    def _op_branch(self, op: Branch):
-        original = pick_tracked(self.tracked, op.which)
-        if original is None:
-            return False
-        prompt = original.prompt[: op.keep] + random_tokens(op.seed, op.extra)
-        self._add(prompt, original.salt, op.max_tokens)
-
-    def _op_continue(self, op: Continue):
-        previous = pick_tracked(self.tracked, op.which)
-        if previous is None:
-            return False
-        self._step_until(previous.request.is_finished)  # the client waits for the last turn
-        prompt = list(previous.request.all_token_ids) + random_tokens(op.seed, op.extra)
-        if len(prompt) > self.max_prompt:
-            return False
-        self._add(prompt, previous.salt, op.max_tokens, op.stop_at)
-
-    def _op_abort(self, op: Abort):
-        from vllm.v1.request import RequestStatus
-
-        live = [t for t in self.tracked if not t.request.is_finished()]
-        if not live:
-            return False
-        victim = live[op.which % len(live)]
-        victim.aborted = True
-        self.scheduler.finish_requests([victim.request.request_id], RequestStatus.FINISHED_ABORTED)
-        self.totals.aborts += 1
-
-    def _op_steps(self, op: Steps) -> None:
-        for _ in range(op.k):
-            self.driver.step()
-            self.totals.steps += 1
-
-    def _op_reset(self, op: Reset) -> None:
-        assert self.scheduler.reset_prefix_cache(reset_running_requests=True), "vLLM's reset failed"
-        assert len(self.scheduler.checkpoint_store) == 0 and not self.scheduler._pending
-        self.totals.resets += 1
-
-    def _step_until(self, done) -> None:
-        for _ in range(STEP_LIMIT):
-            if done():
-                return
-            self.driver.step()
-            self.totals.steps += 1
-        live = [(t.request.request_id, t.request.status) for t in self.tracked if not t.request.is_finished()]
-        raise AssertionError(f"requests did not finish: {live}")
 
     # -- invariants --
     def check(self) -> None:
@@ -192,23 +93,7 @@ class Stream:
         sizes = {block_id: size for c in bundles for block_id, (_, size) in c.held_sized_blocks().items()}
         assert (stats["checkpoints_retained"], stats["bytes_retained"]) == (len(bundles), sum(sizes.values())), stats
         self.check_provenance()
-        for t in self.tracked:
-            rid = t.request.request_id
-            out = list(t.request.output_token_ids)
-            if t.request.is_finished() and not t.aborted:
-                assert out == t.expected, f"{rid}: output {out} != cold output {t.expected}"
-            else:
-                assert out == t.expected[: len(out)], f"{rid}: output {out} diverges from cold output {t.expected}"
-            if rid in self.driver.cached_tokens and not t.checked_cached:
-                t.checked_cached = True
-                cached = self.driver.cached_tokens[rid]
-                bound = max([common_prefix(t.prompt, r.all_token_ids) for r in t.earlier_same_salt], default=0)
-                bound = min(bound, len(t.prompt) - 1)
-                assert 0 <= cached <= bound, (
-                    f"{rid} (salt {t.salt!r}, prompt {len(t.prompt)}) reports {cached} cached tokens; "
-                    f"longest same-salt common prefix allows {bound}"
-                )
-                self.totals.requests_with_cached_tokens += cached > 0
+        self.totals.requests_with_cached_tokens += sum(cached > 0 for cached in self.check_requests())
 
     def check_provenance(self) -> None:
         """Every retained checkpoint is a boundary some request really reached: ``P - 1`` of a
@@ -233,9 +118,9 @@ class Stream:
     def finish(self) -> None:
         # Like vLLM's engine loop: keep stepping while the scheduler has requests, including
         # finished ones whose ids the next SchedulerOutput still has to carry to the workers.
-        self._step_until(lambda: not self.scheduler.has_requests())
+        self.step_until(lambda: not self.scheduler.has_requests())
         self.driver.drain()
-        self._step_until(lambda: not self.scheduler.has_requests())  # the drain may finish some
+        self.step_until(lambda: not self.scheduler.has_requests())  # the drain may finish some
         assert all(t.request.is_finished() for t in self.tracked)
         self.check()
         for t in self.tracked:

@@ -8,37 +8,24 @@ same salt and ``P - 1``, the retention budget holds and, with ``exact``, every r
 where :func:`contract_boundary` puts it with the token after it; :meth:`SpecStream.finish` asserts
 no leak. :func:`play_conversation` plays one request at a time on :data:`ROOMY` and asserts exact
 cached counts. A failure raises ``AssertionError`` (or ``ShadowMismatch``); :class:`Totals` counts
-what an example exercised, for the tests to require. Not shared with ``property_stream.py`` (the
-player of ``test_property_scheduler.py``): its ``Stream`` and ``Totals`` look alike but play and
-count otherwise.
+what an example exercised, for the tests to require. The operations, the output and cached-token
+checks are ``property_player.OperationPlayer``'s, shared with ``property_stream.Stream`` (the player
+of ``test_property_scheduler.py``); the MTP checks and the totals are this one's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from property_ops import (
-    Abort,
-    Branch,
-    Continue,
-    Fresh,
-    Resend,
-    Reset,
-    Steps,
-    common_prefix,
-    pick_tracked,
-    random_tokens,
-    reference_output,
-)
+from property_ops import Continue, Resend, Reset
+from property_player import OperationPlayer, Tracked
 from shadow_scheduler import build_scheduler
-from shadow_scheduler import make_request as _make_request
 from spec_shadow import SpecDriver, SpecShadowWorker
 
 from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.keys import make_key, root_discriminator
 
 BLOCK = 16
-STEP_LIMIT = 3000
 
 
 # ---- the contract's boundary ------------------------------------------------------------------
@@ -85,17 +72,6 @@ ROOMY = Pool(400, 64, 1.0, True)  # no pressure: the conversations' pool
 
 # ---- playing ----------------------------------------------------------------------------------
 @dataclass
-class Tracked:
-    request: object
-    prompt: list[int]
-    salt: str | None
-    expected: list[int]
-    earlier_same_salt: list[object]
-    aborted: bool = False
-    checked: bool = False
-
-
-@dataclass
 class Totals:
     examples: int = 0
     operations: int = 0
@@ -127,11 +103,13 @@ class Totals:
                 setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-class SpecStream:
+class SpecStream(OperationPlayer):
     """One scheduler with MTP ``k`` drafts + the spec shadow playing one example."""
 
+    resends_under_other_salts = False
+
     def __init__(self, model_dir, k: int, script: list[int], pool: Pool, scheduler_cls=None) -> None:
-        self.scheduler, self.worker = build_scheduler(
+        scheduler, worker = build_scheduler(
             model_dir,
             num_blocks=pool.num_blocks,
             max_num_seqs=4,
@@ -143,118 +121,48 @@ class SpecStream:
             worker_cls=SpecShadowWorker,
         )
         if scheduler_cls is not None:
-            self.scheduler.__class__ = scheduler_cls
+            scheduler.__class__ = scheduler_cls
         self.k, self.script = k, [min(a, k) for a in script]
         self.index: dict[str, int] = {}  # request id -> position in the stream
-        self.worker.num_spec, self.worker.accept = k, self._accept
-        self.driver = SpecDriver(self.scheduler, self.worker)
-        self.pool = self.scheduler.kv_cache_manager.block_pool
-        self.budget = int(self.pool.num_gpu_blocks * pool.max_retained_fraction)
-        self.free_before = self.pool.get_num_free_blocks()
-        self.max_prompt = min(240, (pool.num_blocks - 8 - 4 * k) * BLOCK - BLOCK, pool.max_model_len - 1)
+        worker.num_spec, worker.accept = k, self._accept
+        max_prompt = min(240, (pool.num_blocks - 8 - 4 * k) * BLOCK - BLOCK, pool.max_model_len - 1)
+        super().__init__(SpecDriver(scheduler, worker), pool.max_retained_fraction, max_prompt, Totals(examples=1))
         self.max_model_len = pool.max_model_len
-        self.tracked: list[Tracked] = []
-        self.totals = Totals(examples=1)
         self.exact = True  # check provenance (False: only the shadow and the outputs)
 
     def _accept(self, request_id: str, step: int) -> int:
         return self.script[(self.index[request_id] * 5 + step) % len(self.script)]
 
-    # -- operations --
     def apply(self, op) -> Tracked | None:
-        result = getattr(self, f"_op_{type(op).__name__.lower()}")(op)
+        """Plays ``op`` and checks; returns the request it added, if any."""
+        result = self.handle(op)
         self.totals.operations += 1
         self.check()
-        return result
-
-    def _add(self, prompt, salt, max_tokens, stop_at=None) -> Tracked | None:
-        if len(prompt) > self.max_prompt:
-            return None
-        max_tokens = min(max_tokens, self.max_model_len - len(prompt))  # vLLM caps there
-        stop_ids: tuple[int, ...] = ()
-        if stop_at is not None:
-            plain = reference_output(prompt, max_tokens)
-            stop_ids = (plain[min(stop_at, len(plain) - 1)],)
-        request = _make_request(prompt, max_tokens=max_tokens, salt=salt, stop_token_ids=list(stop_ids) or None)
-        self.index[request.request_id] = len(self.tracked)
-        earlier = [t.request for t in self.tracked if t.salt == salt]
-        tracked = Tracked(request, list(prompt), salt, reference_output(prompt, max_tokens, stop_ids), earlier)
-        self.tracked.append(tracked)
-        self.scheduler.add_request(request)
-        self.totals.requests += 1
-        return tracked
-
-    def _op_fresh(self, op: Fresh):
-        return self._add(random_tokens(op.seed, op.length), op.salt, op.max_tokens, op.stop_at)
+        return result if isinstance(result, Tracked) else None
 
     # A stream's first fresh prompt may exceed max_prompt (k = 3 on the smallest pools: 48 tokens),
     # so the operations that pick an earlier request may find none: they do nothing.
-    def _op_resend(self, op: Resend):
-        original = pick_tracked(self.tracked, op.which)
-        if original is None:
+    def admitted_max_tokens(self, prompt: list[int], max_tokens: int) -> int | None:
+        if len(prompt) > self.max_prompt:
             return None
-        return self._add(original.prompt, original.salt, op.max_tokens)
+        return min(max_tokens, self.max_model_len - len(prompt))  # vLLM caps there
 
-    def _op_branch(self, op: Branch):
-        original = pick_tracked(self.tracked, op.which)
-        if original is None:
-            return None
-        return self._add(original.prompt[: op.keep] + random_tokens(op.seed, op.extra), original.salt, op.max_tokens)
+    def _add(self, prompt, salt, max_tokens, stop_at=None) -> Tracked | bool:
+        added = super()._add(prompt, salt, max_tokens, stop_at)
+        if isinstance(added, Tracked):
+            self.index[added.request.request_id] = len(self.tracked) - 1
+        return added
 
-    def _op_continue(self, op: Continue):
-        previous = pick_tracked(self.tracked, op.which)
-        if previous is None:
-            return None
-        self.step_until(previous.request.is_finished)
-        prompt = list(previous.request.all_token_ids) + random_tokens(op.seed, op.extra)
-        return self._add(prompt, previous.salt, op.max_tokens, op.stop_at)
-
-    def _op_abort(self, op: Abort):
-        from vllm.v1.request import RequestStatus
-
-        live = [t for t in self.tracked if not t.request.is_finished()]
-        if live:
-            victim = live[op.which % len(live)]
-            victim.aborted = True
-            self.scheduler.finish_requests([victim.request.request_id], RequestStatus.FINISHED_ABORTED)
-            self.totals.aborts += 1
-
-    def _op_steps(self, op: Steps):
-        for _ in range(op.k):
-            self.step()
-
-    def _op_reset(self, op: Reset):
-        assert self.scheduler.reset_prefix_cache(reset_running_requests=True), "vLLM's reset failed"
-        assert len(self.scheduler.checkpoint_store) == 0 and not self.scheduler._pending
+    def _op_reset(self, op: Reset) -> bool:
+        done = super()._op_reset(op)
         # Every running request was preempted and every bundle dropped: the whole pool is free.
         assert self.pool.get_num_free_blocks() == self.free_before, "blocks leaked across a reset"
-        self.totals.resets += 1
-
-    def step(self) -> None:
-        self.driver.step()
-        self.totals.steps += 1
-
-    def step_until(self, done) -> None:
-        for _ in range(STEP_LIMIT):
-            if done():
-                return
-            self.step()
-        raise AssertionError("requests did not finish")
+        return done
 
     # -- invariants --
     def check(self) -> None:
         assert self.scheduler.checkpoint_store.budgeted_blocks <= self.budget
-        for t in self.tracked:
-            rid, out = t.request.request_id, list(t.request.output_token_ids)
-            if t.request.is_finished() and not t.aborted:
-                assert out == t.expected, f"{rid}: output {out} != cold output {t.expected}"
-            else:
-                assert out == t.expected[: len(out)], f"{rid}: output {out} diverges from {t.expected}"
-            if rid in self.driver.cached_tokens and not t.checked:
-                t.checked = True
-                cached = self.driver.cached_tokens[rid]
-                bound = max([common_prefix(t.prompt, r.all_token_ids) for r in t.earlier_same_salt], default=0)
-                assert 0 <= cached <= min(bound, len(t.prompt) - 1), (rid, cached, bound, len(t.prompt))
+        self.check_requests()
         if self.exact:
             self.check_provenance()
 
