@@ -21,15 +21,21 @@ from bc_tools.bench import cli, run_settings, runner, server_sets, slot, stats, 
 from bc_tools.bench import workload as wl
 
 
+def stand_in_argv(a: str, b: str, *options: str, plugin: str = "request_boundaries") -> list[str]:
+    """``bc-bench``'s arguments against the stand-in servers at ``a`` (label ``aligned``) and ``b``
+    (label ``plugin``): 40-token shared prefixes, 8-token user turns, then ``options``."""
+    return ["--url", a, "--url", b, "--label", "aligned", "--label", plugin, "--model", "m", "--vocab-size", "1024",
+            "-S", "40", "-U", "8", *options]  # fmt: skip
+
+
 @pytest.mark.parametrize("plugin", ["request_boundaries", "auto"])
 def test_interleaved_rounds_against_stand_in_servers(tmp_path, capsys, plugin):
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "result.json"
     with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
-        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", plugin, "--model", "m",
-                "--vocab-size", "1024", "-N", "2", "-T", "3", "-S", "40", "-U", "8", "-A", "4", "-C", "1,2",
-                "--repeat", "3", "--floor", "--block-size", "16", "--out-json", str(out_json),
-                "--plot", str(tmp_path / "plot.png")]  # fmt: skip
+        argv = stand_in_argv(a, b, "-N", "2", "-T", "3", "-A", "4", "-C", "1,2", "--repeat", "3", "--floor",
+                             "--block-size", "16", "--out-json", str(out_json), "--plot", str(tmp_path / "plot.png"),
+                             plugin=plugin)  # fmt: skip
         assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "## in flight 1" in printed and "## in flight 2" in printed
@@ -164,10 +170,9 @@ def test_time_budget_keeps_the_rounds_that_fit(tmp_path, capsys, monkeypatch, la
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "result.json"
     with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
-        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
-                "--vocab-size", "1024", "-N", "2", "-T", "2", "-S", "40", "-U", "8", "-A", "4", "-C", "1,2",
-                "--repeat", "3", "--time-budget", "50", "--out-json", str(out_json),
-                "--plot", str(tmp_path / "plot.png")]  # fmt: skip
+        argv = stand_in_argv(a, b, "-N", "2", "-T", "2", "-A", "4", "-C", "1,2", "--repeat", "3",
+                             "--time-budget", "50", "--out-json", str(out_json),
+                             "--plot", str(tmp_path / "plot.png"))  # fmt: skip
         assert cli.main(argv) == (1 if late_start else 0)
     _JumpingClock.offset = 0.0
     printed = capsys.readouterr().out
@@ -200,9 +205,8 @@ def test_a_run_killed_mid_round_leaves_the_rounds_it_finished(tmp_path, capsys, 
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "result.json"
     with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
-        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
-                "--vocab-size", "1024", "-N", "2", "-T", "2", "-S", "40", "-U", "8", "-A", "4", "-C", "1",
-                "--repeat", "3", "--out-json", str(out_json)]  # fmt: skip
+        argv = stand_in_argv(a, b, "-N", "2", "-T", "2", "-A", "4", "-C", "1", "--repeat", "3",
+                             "--out-json", str(out_json))  # fmt: skip
         assert cli.main(argv) == 130
         assert "2 rounds done are in" in capsys.readouterr().err
         killed = json.loads(out_json.read_text())
@@ -309,10 +313,8 @@ def test_turn1_only_run_reports_the_first_turn_tax_only(tmp_path, capsys):
     CompletionsStub.seen, CompletionsStub.requests = {}, []
     out_json = tmp_path / "turn1.json"
     with serve(CompletionsStub) as a, serve(CompletionsStub) as b:
-        argv = ["--url", a, "--url", b, "--label", "aligned", "--label", "request_boundaries", "--model", "m",
-                "--vocab-size", "1024", "--turn1-only", "-N", "3", "-S", "40", "-U", "8", "-A", "2", "-C", "1",
-                "--repeat", "2", "--floor", "--block-size", "16", "--markdown",
-                "--out-json", str(out_json)]  # fmt: skip
+        argv = stand_in_argv(a, b, "--turn1-only", "-N", "3", "-A", "2", "-C", "1", "--repeat", "2", "--floor",
+                             "--block-size", "16", "--markdown", "--out-json", str(out_json))  # fmt: skip
         assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| TTFT p50 turn 1 (fresh prompt) / stock |" in printed and "| TTFT p50 ms, turn 1 |" in printed
