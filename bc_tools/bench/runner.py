@@ -105,9 +105,10 @@ def answer_variety(records: list[RequestRecord], label: str) -> float | None:
 
 
 def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Progress, budget: RoundBudget,
-              after_round: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:  # fmt: skip
+              after_round: Callable[[dict[str, Any]], None] | None) -> dict[str, Any] | None:  # fmt: skip
     """The rounds at one in-flight level that ``budget`` lets start: the level's part of the result,
-    with its records (None if no round started). ``after_round`` gets that part after each round."""
+    with its records (None if no round started). ``after_round``, if given, gets that part after each
+    round."""
     s = servers.settings
     plans = make_chat_plans(workload, s.chat_words) if workload.mode == "chat" else make_plans(workload)
     records: list[RequestRecord] = []
@@ -131,7 +132,8 @@ def run_level(servers: ServerSet, workload: Workload, clock: Clock, progress: Pr
                        "lost_hits": stats.lost_hits(round_records, s.labels)})  # fmt: skip
         records += round_records
         budget.finished(workload.concurrency, clock.now() - started)
-        after_round(level_result(workload, s.labels, rounds, records))
+        if after_round is not None:
+            after_round(level_result(workload, s.labels, rounds, records))
     return level_result(workload, s.labels, rounds, records) if rounds else None
 
 
@@ -144,7 +146,7 @@ def level_result(workload: Workload, labels: list[str], rounds: list[dict[str, A
     return {
         "in_flight": workload.concurrency,
         "conversations": workload.conversations,
-        "rounds": list(rounds),
+        "rounds": rounds,
         "summary": {
             "policies": {p: stats.aggregate([rd["policies"][p] for rd in rounds]) for p in labels},
             "floor": stats.aggregate(floor_rounds) if any(floor_rounds) else None,
@@ -158,7 +160,7 @@ def level_result(workload: Workload, labels: list[str], rounds: list[dict[str, A
             "lost_hits": stats.lost_hits(records, labels),
             "turn1_cached_median": {p: stats.turn1_cached_median(records, p) for p in labels},
         },
-        "records": list(records),
+        "records": records,
     }
 
 
@@ -172,9 +174,10 @@ def run_benchmark(settings: Settings, servers: ServerSet,
     clock = Clock()
     budget = RoundBudget(clock, s.time_budget_s)
     levels: list[dict[str, Any]] = []
+    after_round = None
+    if on_round is not None:
 
-    def after_round(level: dict[str, Any]) -> None:
-        if on_round is not None:
+        def after_round(level: dict[str, Any]) -> None:
             on_round(benchmark_result(s, [*levels, level], budget, servers.info, complete=False))
 
     try:
