@@ -7,8 +7,11 @@ shadow runner of ``tests/helpers/shadow_engine.py`` (no model; deterministic), o
 and once with the plugin (``request_boundaries``), on a small pool (``--blocks`` blocks of 16
 tokens) so that retention competes with vLLM's own cached blocks. ``--conversations``
 conversations share a ``--system``-token prefix; each of ``--turns`` turns adds 20-120 user
-tokens; turns run one request at a time in a seeded order (so both schedulers see the same
-requests in the same order and nothing depends on timing), each answering 8 tokens. For each pool
+tokens (``--user-tokens``); turns run one request at a time in a seeded order (so both schedulers
+see the same requests in the same order and nothing depends on timing), each answering 8 tokens.
+``--in-flight K`` keeps K requests running at once instead, the next one added as one finishes
+(still deterministic: the same steps for the same scheduler decisions); ``--recurrent-groups``
+sets the layout's recurrent KV groups (Qwen3-Next-80B's 24-layer cut has 3). For each pool
 size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
 tokens fell below stock's for the same request. ``--prompt-capture`` sets the plugin's
 ``prompt_capture`` (default ``auto``), ``--prompt-admission`` its ``prompt_admission`` (default
@@ -61,25 +64,38 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
         max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
+        num_recurrent_groups=args.recurrent_groups, max_num_seqs=max(8, args.in_flight),
         retention=args.retention, prompt_admission=args.prompt_admission, ring_kpool=args.ring_kpool,
     )  # fmt: skip
     driver = Driver(scheduler, worker)
+    low, high = (int(n) for n in args.user_tokens.split(","))
     system = tokens(rng, args.system)
-    history = {c: system + tokens(rng, rng.randint(20, 120)) for c in range(args.conversations)}
+    history = {c: system + tokens(rng, rng.randint(low, high)) for c in range(args.conversations)}
     order = conversation_order(rng, args)
-    cached = []
-    for conversation in order:
-        request = make_request(history[conversation], max_tokens=8)
-        [answer] = driver.run([request])
-        cached.append(driver.cached_tokens.get(request.request_id, 0))
-        history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(20, 120))
+    cached = [0] * len(order)
+    running: dict[int, tuple[int, object]] = {}  # conversation -> (its index in ``order``, request)
+    next_index = 0
+    while next_index < len(order) or running:
+        while next_index < len(order) and len(running) < args.in_flight and order[next_index] not in running:
+            request = make_request(history[order[next_index]], max_tokens=8)
+            scheduler.add_request(request)
+            running[order[next_index]] = (next_index, request)
+            next_index += 1
+        driver.step()
+        driver.drain()
+        for conversation, (index, request) in list(running.items()):
+            if request.is_finished():
+                cached[index] = driver.cached_tokens.get(request.request_id, 0)
+                answer = list(request.output_token_ids)
+                history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(low, high))
+                del running[conversation]
     store = getattr(scheduler, "checkpoint_store", None)
     if store is None:
         return cached, {}
     return cached, {name: getattr(store.counters, name) for name in ("capture_copies", "stock_tokens_lost")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--blocks", default="80,120,200,400", help="pool sizes in 16-token blocks")
     parser.add_argument("--seeds", type=int, default=6, help="workloads per pool size (default 6)")
@@ -87,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
     parser.add_argument("--active", type=int, default=0, help="conversations at once (default 0: all, in rounds)")
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
+    parser.add_argument("--user-tokens", default="20,120", help="MIN,MAX tokens a turn adds (default 20,120)")
+    parser.add_argument("--in-flight", type=int, default=1, help="requests running at once (default 1)")
+    parser.add_argument("--recurrent-groups", type=int, default=2, help="recurrent KV groups (default 2)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
     parser.add_argument("--prompt-capture", default="auto", help="the plugin's prompt_capture (default auto)")
     parser.add_argument("--retention", default="borrow", help="the plugin's retention (default borrow)")
@@ -95,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ring-kpool", type=int, default=None,
                         help="GLM-5.3-Flash's layout: an indexer tail ring on this pool grid (tokens)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.without_grid_blocks:
         from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 

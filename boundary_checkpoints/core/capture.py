@@ -288,11 +288,10 @@ class CaptureMixin:
         """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
         vLLM's prefix cache (more than yielding every bundle gives back) while bundles yield to
         every cached block (:meth:`_yields_to_every_cached`: before any reuse was seen, while
-        bundles wait longer for their next use than the cache keeps its blocks, or while they
-        cost more cached tokens than they served). Such a bundle would lose its borrowed pages
-        before its use, or is a bet on a reuse not yet seen, and its private blocks would cost
-        stock those cached blocks. The store remembers a refused key, so reuse is learned all the
-        same."""
+        those blocks are within the bundles' reuse horizon, or while bundles cost more cached
+        tokens than they served). Such a bundle is a bet on a reuse not yet seen, or would cost
+        stock cached blocks as likely to be read again as itself, or loses on balance. The store
+        remembers a refused key, so reuse is learned all the same."""
         store = self.checkpoint_store
         if not store.borrow:
             return False

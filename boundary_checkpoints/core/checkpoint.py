@@ -178,10 +178,10 @@ class StoreCounters:
     refused_oversize: int = exported("Checkpoints not retained: alone larger than the budget.")
     # a newcomer refused: the bundle it would evict is likely reused soon
     refused_protected: int = exported("Checkpoints not retained: the bundle they would evict is likely reused sooner.")
-    # retention borrow: its private blocks would evict cached blocks while bundles outwait the cache
+    # retention borrow: its private blocks would evict cached blocks likely read again
     refused_thrashing: int = exported(
-        "Checkpoints not taken: their private blocks would evict blocks of vLLM's prefix cache, which keeps "
-        "blocks for less time than checkpoints wait for their next use."
+        "Checkpoints not taken: their private blocks would evict blocks of vLLM's prefix cache freed within "
+        "checkpoints' reuse horizon, or before any reuse was seen."
     )
     superseded: int = 0
     captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")

@@ -18,9 +18,9 @@ module lets the store keep a stable subset instead:
   (:meth:`ReuseTracker.protects`). Older bundles (their conversation is late or gone) are evicted
   as before. With no distance observed yet, nothing is protected: plain LRU.
 
-Only the budget's choice between a newcomer and an older bundle uses this; pressure relief and
-lineage do not. It decides what is kept, never what a restore reads, so it cannot make an output
-wrong.
+The same horizon (:meth:`ReuseTracker.reuse_horizon`) tells the scheduler which of vLLM's cached
+blocks every bundle gives way to (``core/yielding.py``). Pressure relief and lineage do not use
+it. It decides what is kept, never what a restore reads, so it cannot make an output wrong.
 """
 
 from __future__ import annotations
@@ -111,9 +111,15 @@ class ReuseTracker:
         """Median of the recent reuse distances, or None before any was observed."""
         return statistics.median(self._distances) if self._distances else None
 
+    def reuse_horizon(self) -> float | None:
+        """How many publications after its last use a bundle, or a block of vLLM's cache, is still
+        likely to be read again: ``PROTECTION_FACTOR`` median reuse distances (half of all reuses
+        come later than the median). None before any distance was observed."""
+        distance = self.reuse_distance()
+        return None if distance is None else PROTECTION_FACTOR * max(distance, 1)
+
     def protects(self, published_at: int, publications_ahead: int = 0) -> bool:
         """Whether a bundle published at ``published_at`` is still likely to be reused, now or
         after ``publications_ahead`` more publications."""
-        distance = self.reuse_distance()
-        age = self.clock + publications_ahead - published_at
-        return distance is not None and age < PROTECTION_FACTOR * max(distance, 1)
+        horizon = self.reuse_horizon()
+        return horizon is not None and self.clock + publications_ahead - published_at < horizon

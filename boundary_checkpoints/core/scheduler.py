@@ -157,8 +157,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self.hash_block_size,
             max_blocks,
             block_pool.num_gpu_blocks,
-            "private blocks only, the cache's pages borrowed; yielding to cached blocks by age once reuse is seen, "
-            "to every cached block while they cost its cache more tokens than they add"
+            "private blocks only, the cache's pages borrowed; yielding to cached blocks freed within twice their "
+            "median reuse distance, to older ones by age, to every one before reuse is seen or while they cost "
+            "the cache more tokens than they add"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(

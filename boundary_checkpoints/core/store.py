@@ -107,12 +107,13 @@ class CheckpointStore:
         """The store's clock: bundles published so far (``core/reuse.py``)."""
         return self.reuse.clock
 
-    def outwaits_cache(self, freed_at: int) -> bool:
-        """Whether bundles wait longer for their next use (the median reuse distance) than vLLM's
-        prefix cache kept the block it freed at ``freed_at`` (:meth:`now` then), or no reuse was
-        seen yet: then a bundle would lose its borrowed pages before its next use."""
-        distance = self.reuse.reuse_distance()
-        return distance is None or self.now() - freed_at < distance
+    def within_reuse_horizon(self, freed_at: int) -> bool:
+        """Whether vLLM's prefix cache freed a block at ``freed_at`` (:meth:`now` then) recently
+        enough that it is as likely to be read again as a protected bundle (``ReuseTracker.
+        reuse_horizon``), or no reuse was seen yet. Such a block serves stock's own hit, so
+        bundles give way to it."""
+        horizon = self.reuse.reuse_horizon()
+        return horizon is None or self.now() - freed_at < horizon
 
     def checkpoints(self) -> list[Checkpoint]:
         return [ckpt for tails in self._by_parent.values() for ckpt in tails.values()]

@@ -37,12 +37,13 @@ class YieldingMixin:
     def _yield_to_cache(self, num_blocks: int) -> None:
         """Before vLLM hands out ``num_blocks`` new blocks, while they would include blocks of its
         prefix cache: evict the least recently used bundle whose release gives back a block no
-        cache entry names (freed to the free queue's head, so handed out first). Once bundles are
-        seen reused within the time vLLM's cache keeps its blocks, and while they cost no more
-        cached tokens than they serve (``_yields_to_every_cached``), only a
-        bundle last used no later than the newest of those cached blocks was freed goes: bundles
-        and cached blocks then leave in one least-recently-used order (a bundle is last used no
-        earlier than the pages it borrows were freed, so it never outlives them). Among those
+        cache entry names (freed to the free queue's head, so handed out first). Every bundle
+        gives way to those cached blocks while ``_yields_to_every_cached``: before any reuse is
+        seen, while the newest of them is within the bundles' reuse horizon, or while bundles cost
+        more cached tokens than they serve. Otherwise only a bundle last used no later than the
+        newest of those cached blocks was freed goes: older cached blocks and bundles leave in
+        one least-recently-used order (a bundle is last used no earlier than the pages it borrows
+        were freed, so it never outlives them). Among those
         cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
         shared prefix) outranks every bundle, whatever its age."""
         while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
@@ -65,7 +66,8 @@ class YieldingMixin:
     def _yields_to_every_cached(self, freed_at: int) -> bool:
         """Under retention ``borrow``: whether bundles give way to any cached block rather than
         only to those freed after their last use, given the newest block about to go was freed
-        at ``freed_at``: before any reuse is seen or while the cache thrashes
-        (``outwaits_cache``), and while bundles cost more cached tokens than they served
+        at ``freed_at``: before any reuse is seen, while that block is within the bundles' reuse
+        horizon (``within_reuse_horizon``: as likely to be read again as a protected bundle, and
+        it serves stock's hit), and while bundles cost more cached tokens than they served
         (``core/hit_balance.py``)."""
-        return self._hit_balance.losing() or self.checkpoint_store.outwaits_cache(freed_at)
+        return self._hit_balance.losing() or self.checkpoint_store.within_reuse_horizon(freed_at)

@@ -7,10 +7,12 @@ in vLLM's free queue. New blocks that would take one of those cached blocks evic
 (``evictions_cached``): the bundle's private blocks are handed out instead, and every cached
 block stays. The negative control turns the hook off: the same allocation takes a cached block.
 
-Once reuse was seen and the cache keeps blocks at least as long as bundles wait for their next
-use, a bundle yields only to cached blocks freed no earlier than its last use: a conversation
-newer than the cached blocks about to go keeps its bundle (the same allocation with the
-conversations in the other order is its control).
+Once reuse was seen, a bundle yields to cached blocks freed within its reuse horizon (twice the
+median reuse distance: as likely to be read again as a protected bundle); past it, only to cached
+blocks freed no earlier than its last use: a conversation newer than the cached blocks about to go
+keeps its bundle (the same allocation with the conversations in the other order, or with no
+publication since, is its control). With 8 requests in flight and every turn k before any turn
+k + 1, this keeps stock's cached tokens where the horizon at one median distance did not.
 
 While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle
 yields to every cached block, however recently it was used; so it does to a cached block two of
@@ -18,8 +20,8 @@ the last ``SHARED_WINDOW`` first lookups read (a shared prefix), and to every ca
 that many lookups were seen. The pool tells the balance which
 cached blocks it evicted, by the hashes requests name them with and their KV group.
 
-A capture whose private blocks would evict cached blocks is not taken while bundles are seen to
-wait longer for reuse than the cache keeps blocks, or before any reuse was seen
+A capture whose private blocks would evict cached blocks within the reuse horizon is not taken,
+nor before any reuse was seen
 (``refused_thrashing``); with a short reuse distance the same capture is taken. A refused key is
 remembered: the request it would have served records its reuse distance (a regret), so a server
 whose pool filled before its first reuse still learns one.
@@ -35,6 +37,9 @@ from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.compat import free_queue_order, get_block_hash
 from boundary_checkpoints.core.hit_balance import SHARED_WINDOW
+from boundary_checkpoints.core.reuse import PROTECTION_FACTOR
+
+HORIZON_AT_DISTANCE_0 = PROTECTION_FACTOR  # publications: a median reuse distance of 0 counts as 1
 
 
 def cached_blocks(pool) -> int:
@@ -78,18 +83,22 @@ def allocation_past_the_uncached_blocks(model_dir, yielding: bool) -> tuple[int,
 
 def allocation_by_age(
     model_dir, a_first: bool, reuse_distance: int, past_the_bundle: bool, losing: bool = False,
-    lookups_seen: int = SHARED_WINDOW, shared_reads: int = 0,
+    lookups_seen: int = SHARED_WINDOW, shared_reads: int = 0, elapsed: int = HORIZON_AT_DISTANCE_0,
 ) -> tuple[bool, int, int]:  # fmt: skip
     """(A's bundle still retained, bundles evicted to spare the cache, cached blocks lost) after an
     allocation of the free queue's blocks freed before A's bundle was last used, or
     (``past_the_bundle``) through the first one freed after it, once the store has seen bundles
     reused after ``reuse_distance`` publications and the balance ``lookups_seen`` first lookups
     that read nothing; ``losing``: after one lookup whose hit a recently evicted block would have
-    extended; ``shared_reads``: then that many lookups read the first cached block about to go."""
+    extended; ``shared_reads``: then that many lookups read the first cached block about to go.
+    ``elapsed`` publications pass before the allocation (by default the cached blocks are then
+    past the reuse horizon of ``reuse_distance`` 0)."""
     scheduler, store, pool = two_conversations(model_dir, a_first)
     [bundle] = store.checkpoints()
     used = store.policy.used_at(bundle)
     store.reuse.record_hit(store.reuse.clock - reuse_distance)
+    for _ in range(elapsed):
+        store.reuse.stamp()
     balance = scheduler._hit_balance
     for _ in range(lookups_seen):
         balance.observe([], 16, stock_hit=0, served=0, max_tokens=0, horizon=0)
@@ -138,6 +147,16 @@ def test_negative_control_without_yielding_a_cached_block_goes(model_dir):
 def test_a_bundle_used_after_every_cached_block_about_to_go_stays(model_dir):
     kept, yielded, lost = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False)
     assert kept and yielded == 0 and lost > 0
+
+
+def test_a_bundle_yields_to_cached_blocks_within_its_reuse_horizon(model_dir):
+    """The allocation of the test above (its control), with no publication since: the cached
+    blocks about to go were freed 1-2 publications ago, within twice the median reuse distance
+    (0, counted as 1). Half of all reuses come later than the median, so such a block is as
+    likely to be read again as a protected bundle, and it serves stock's hit."""
+    kept, yielded, _ = allocation_by_age(model_dir, a_first=False, reuse_distance=0, past_the_bundle=False,
+                                         elapsed=0)  # fmt: skip
+    assert not kept and yielded >= 1
 
 
 def test_a_bundle_yields_to_a_cached_block_two_recent_lookups_read(model_dir):
@@ -240,14 +259,16 @@ def test_nothing_yields_while_only_uncached_blocks_are_taken(model_dir, free):
 
 
 def capture_on_a_pool_of_cached_blocks(
-    model_dir, reuse_distance: int | None, resend: str | None = None
+    model_dir, reuse_distance: int | None, resend: str | None = None, elapsed: int = HORIZON_AT_DISTANCE_0
 ) -> tuple[int, int, int]:
     """(captures refused as thrashing, bundles published, ticks of the store's clock) after
     conversation C ran with every free block the pool hands out first a block of B's, cached (the
     uncached ones taken and held). C's prompt checkpoint (at P, the default) copies into new
     blocks; its response bundle adopts C's own blocks and takes none. ``resend``: C's prompt is
     then sent again, ``"longer"`` with other tokens after it (its prompt checkpoint would serve
-    it) or ``"same"`` as it was, and the reuse distance must be known after it."""
+    it) or ``"same"`` as it was, and the reuse distance must be known after it. ``elapsed``
+    publications pass before C (by default B's blocks are then past the reuse horizon of
+    ``reuse_distance`` 0)."""
     scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="end")
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
@@ -256,9 +277,11 @@ def capture_on_a_pool_of_cached_blocks(
     store = scheduler.checkpoint_store
     store.retire(b.request_id)
     assert len(store) == 0
-    published, clock = store.counters.published, store.now()
     if reuse_distance is not None:
         store.reuse.record_hit(store.reuse.clock - reuse_distance)
+    for _ in range(elapsed):
+        store.reuse.stamp()
+    published, clock = store.counters.published, store.now()
     pool = scheduler.kv_cache_manager.block_pool
     pool.get_new_blocks(sum(1 for block in free_queue_order(pool) if block.block_hash is None))  # held
     assert all(block.block_hash is not None for block in free_queue_order(pool))
@@ -301,12 +324,39 @@ def shared_prompt_workload(model_dir) -> tuple[list[int], list[int]]:
     the system prompt's state gone on the plugin's pool: one bundle's private blocks had pushed it
     out, being used more recently."""
     check = superset_check()
-    args = check.argparse.Namespace(conversations=16, turns=3, active=0, system=200, retained_fraction=0.25,
-                                    prompt_capture="auto", retention="borrow", prompt_admission="auto",
-                                    ring_kpool=None)  # fmt: skip
+    args = check.parse_args(["--conversations", "16", "--system", "200"])
     stock, _ = check.cached_per_request(model_dir, "aligned", 5, 60, args)
     plugin, _ = check.cached_per_request(model_dir, "request_boundaries", 5, 60, args)
     return stock, plugin
+
+
+def concurrent_rounds_workload(model_dir) -> tuple[list[int], list[int]]:
+    """Cached tokens per request, stock and plugin: 16 conversations of 3 turns after a 30-token
+    system prompt, 8 requests in flight, every turn k before any turn k + 1, 3 recurrent groups,
+    a 220-block pool (``cpu-pressure-in-flight.md``'s workload, seed 1): the pressure stage's
+    traffic at 24 layers of Qwen3-Next-80B dims on the GPU, scaled to 16-token blocks. Its third
+    turns read chains freed more than one median reuse distance earlier."""
+    check = superset_check()
+    args = check.parse_args(["--conversations", "16", "--system", "30", "--user-tokens", "23,35",
+                             "--in-flight", "8", "--recurrent-groups", "3"])  # fmt: skip
+    stock, _ = check.cached_per_request(model_dir, "aligned", 1, 220, args)
+    plugin, _ = check.cached_per_request(model_dir, "request_boundaries", 1, 220, args)
+    return stock, plugin
+
+
+def test_with_requests_in_flight_bundles_cost_no_cached_tokens(model_dir):
+    stock, plugin = concurrent_rounds_workload(model_dir)
+    assert sum(plugin) >= sum(stock)
+
+
+def test_negative_control_with_the_reuse_horizon_at_one_median_distance_cached_tokens_fall_below_stock(
+    model_dir, monkeypatch
+):
+    from boundary_checkpoints.core.reuse import ReuseTracker
+
+    monkeypatch.setattr(ReuseTracker, "reuse_horizon", ReuseTracker.reuse_distance)
+    stock, plugin = concurrent_rounds_workload(model_dir)
+    assert sum(plugin) < sum(stock)
 
 
 def test_bundles_leave_a_shared_system_prompt_cached(model_dir):
@@ -314,10 +364,23 @@ def test_bundles_leave_a_shared_system_prompt_cached(model_dir):
     assert all(mine >= theirs for mine, theirs in zip(plugin, stock, strict=True))
 
 
-def test_negative_control_without_the_shared_prefix_rule_a_request_loses_the_system_prompt(model_dir, monkeypatch):
+def test_the_reuse_horizon_alone_also_leaves_the_system_prompt_cached(model_dir, monkeypatch):
     from boundary_checkpoints.core.hit_balance import HitBalance
 
     monkeypatch.setattr(HitBalance, "shared_prefix", lambda self, block_hash: False)
+    stock, plugin = shared_prompt_workload(model_dir)
+    assert all(mine >= theirs for mine, theirs in zip(plugin, stock, strict=True))
+
+
+def test_negative_control_without_the_shared_prefix_rule_a_request_loses_the_system_prompt(model_dir, monkeypatch):
+    """Without the shared-prefix rule, and with the reuse horizon at one median reuse distance
+    (the system prompt's state was freed longer ago than that, so that rule alone no longer
+    spares it)."""
+    from boundary_checkpoints.core.hit_balance import HitBalance
+    from boundary_checkpoints.core.reuse import ReuseTracker
+
+    monkeypatch.setattr(HitBalance, "shared_prefix", lambda self, block_hash: False)
+    monkeypatch.setattr(ReuseTracker, "reuse_horizon", ReuseTracker.reuse_distance)
     stock, plugin = shared_prompt_workload(model_dir)
     assert [(i, theirs) for i, (mine, theirs) in enumerate(zip(plugin, stock, strict=True)) if mine < theirs] == [
         (19, 192)
