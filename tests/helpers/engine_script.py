@@ -24,6 +24,26 @@ import pytest
 RESULT_PREFIX = "RESULT "
 HELPERS_DIR = str(Path(__file__).resolve().parent)  # a script's argument: it puts tests/helpers/ on sys.path
 
+# The opening of a script that builds a drafter on the CPU (argv[1]: HELPERS_DIR; ``--cpu-shims``
+# for a GLM target): the Triton stand-in, vLLM's V2 model runner, and the imports every such
+# script uses.
+DRAFTER_SCRIPT_OPENING = r"""
+import json, math, os, sys
+sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
+import fake_triton_cpu
+fake_triton_cpu.install()
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1
+if "--cpu-shims" in sys.argv:  # a GLM target: vLLM inspects Glm5Next on CPU only behind these
+    import family_weights
+    shims = family_weights.cpu_shims()
+    shims.__enter__()  # for the whole process (the reference keeps the context open)
+import torch
+from safetensors.torch import load_file
+from vllm.config import set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.engine.arg_utils import EngineArgs
+"""
+
 
 def run_engine_script(script: str, *argv: str, timeout: float = 900) -> tuple[dict, str]:
     """(the script's RESULT object, its stdout + stderr); fails the test if it did not print one."""

@@ -35,7 +35,7 @@ import json
 from pathlib import Path
 
 import pytest
-from engine_script import HELPERS_DIR, run_engine_script
+from engine_script import DRAFTER_SCRIPT_OPENING, HELPERS_DIR, run_engine_script
 
 from bc_tools.fixtures.dflash import dflash_drafter_config, dflash_drafter_weights, write_dflash_drafter
 from bc_tools.fixtures.families import FAMILIES
@@ -57,21 +57,9 @@ GLM_DRAFTERS = {
 # MLA GLM target hidden 256 / 64 heads of 64, as many KV heads.
 DRAFT_HEADS = {"qwen3_next": (4, 2, 64), GLM_TARGET: (4, 4, 64)}
 
-SCRIPT = r"""
-import json, math, os, sys
-sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
-import fake_triton_cpu
-fake_triton_cpu.install()
-os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1
-if "--cpu-shims" in sys.argv:  # a GLM target: vLLM inspects Glm5Next on CPU only behind these
-    import family_weights
-    shims = family_weights.cpu_shims()
-    shims.__enter__()  # for the whole process (the reference keeps the context open)
-import torch
-from safetensors.torch import load_file
-from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
+SCRIPT = (
+    DRAFTER_SCRIPT_OPENING
+    + r"""
 from vllm.model_executor.models.registry import ModelRegistry
 from boundary_checkpoints.gate import unsupported_reasons, unvalidated_reasons
 
@@ -111,6 +99,7 @@ for position, (name, drafter) in enumerate(sorted(drafters.items())):
     }
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 @pytest.fixture(scope="module")

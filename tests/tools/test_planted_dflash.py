@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from engine_script import HELPERS_DIR, run_engine_script
+from engine_script import DRAFTER_SCRIPT_OPENING, HELPERS_DIR, run_engine_script
 
 from bc_tools.fixtures import tiny_models as tm
 from bc_tools.fixtures.dflash import MASK_TOKEN_ID, PLANTED_DRAFTS, write_dflash_drafter
@@ -53,21 +53,9 @@ WINDOW = 64
 CONTEXTS = (70, 32000)  # bonus-token positions p: context rows at max(0, p - 70) .. p - 1
 CONTEXT_ROWS = 70
 
-SCRIPT = r"""
-import json, math, os, sys
-sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
-import fake_triton_cpu
-fake_triton_cpu.install()
-os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1
-if "--cpu-shims" in sys.argv:  # a GLM target: vLLM inspects Glm5Next on CPU only behind these
-    import family_weights
-    shims = family_weights.cpu_shims()
-    shims.__enter__()  # for the whole process (the reference keeps the context open)
-import torch
-from safetensors.torch import load_file
-from vllm.config import set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
-from vllm.engine.arg_utils import EngineArgs
+SCRIPT = (
+    DRAFTER_SCRIPT_OPENING
+    + r"""
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.qwen3_dflash2 import _score_edges
@@ -167,6 +155,7 @@ for position, (name, drafter) in enumerate(sorted(drafters.items())):
         out[name] = {"own": own, "unwritten": unwritten, "drafts": {str(p): draft(model, p).tolist() for p in contexts}}
 print("RESULT " + json.dumps(out))
 """
+)
 
 
 def run_drafts(root, family: str, drafters: dict, *flags: str) -> dict:
