@@ -75,7 +75,9 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     cached = [0] * len(order)
     running: dict[int, tuple[int, object]] = {}  # conversation -> (its index in ``order``, request)
     next_index = 0
-    while next_index < len(order) or running:
+    for _ in range(10_000 * len(order)):  # ``Driver.finish``'s bound, per request
+        if next_index == len(order) and not running:
+            break
         while next_index < len(order) and len(running) < args.in_flight and order[next_index] not in running:
             request = make_request(history[order[next_index]], max_tokens=8)
             scheduler.add_request(request)
@@ -89,6 +91,8 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
                 answer = list(request.output_token_ids)
                 history[conversation] = history[conversation] + answer + tokens(rng, rng.randint(low, high))
                 del running[conversation]
+    else:
+        raise AssertionError("requests did not finish")
     store = getattr(scheduler, "checkpoint_store", None)
     if store is None:
         return cached, {}

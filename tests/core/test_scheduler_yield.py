@@ -318,16 +318,22 @@ def superset_check():
     return load_script("benchmarks/superset_check.py", "superset_check_under_test")
 
 
+def stock_and_plugin(model_dir, argv: list[str], seed: int, blocks: int) -> tuple[list[int], list[int]]:
+    """Cached tokens per request, stock and plugin, on ``superset_check``'s workload ``argv`` with
+    ``seed`` on a pool of ``blocks``."""
+    check = superset_check()
+    args = check.parse_args(argv)
+    stock, _ = check.cached_per_request(model_dir, "aligned", seed, blocks, args)
+    plugin, _ = check.cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
+    return stock, plugin
+
+
 def shared_prompt_workload(model_dir) -> tuple[list[int], list[int]]:
     """Cached tokens per request, stock and plugin: 16 conversations of 3 turns after a 200-token
     system prompt on a 60-block pool (``cpu-hit-balance.md``'s W4, seed 5). Its 20th request found
     the system prompt's state gone on the plugin's pool: one bundle's private blocks had pushed it
     out, being used more recently."""
-    check = superset_check()
-    args = check.parse_args(["--conversations", "16", "--system", "200"])
-    stock, _ = check.cached_per_request(model_dir, "aligned", 5, 60, args)
-    plugin, _ = check.cached_per_request(model_dir, "request_boundaries", 5, 60, args)
-    return stock, plugin
+    return stock_and_plugin(model_dir, ["--conversations", "16", "--system", "200"], seed=5, blocks=60)
 
 
 def concurrent_rounds_workload(model_dir) -> tuple[list[int], list[int]]:
@@ -336,12 +342,9 @@ def concurrent_rounds_workload(model_dir) -> tuple[list[int], list[int]]:
     a 220-block pool (``cpu-pressure-in-flight.md``'s workload, seed 1): the pressure stage's
     traffic at 24 layers of Qwen3-Next-80B dims on the GPU, scaled to 16-token blocks. Its third
     turns read chains freed more than one median reuse distance earlier."""
-    check = superset_check()
-    args = check.parse_args(["--conversations", "16", "--system", "30", "--user-tokens", "23,35",
-                             "--in-flight", "8", "--recurrent-groups", "3"])  # fmt: skip
-    stock, _ = check.cached_per_request(model_dir, "aligned", 1, 220, args)
-    plugin, _ = check.cached_per_request(model_dir, "request_boundaries", 1, 220, args)
-    return stock, plugin
+    argv = ["--conversations", "16", "--system", "30", "--user-tokens", "23,35", "--in-flight", "8",
+            "--recurrent-groups", "3"]  # fmt: skip
+    return stock_and_plugin(model_dir, argv, seed=1, blocks=220)
 
 
 def test_with_requests_in_flight_bundles_cost_no_cached_tokens(model_dir):
