@@ -11,7 +11,10 @@ tokens (``--user-tokens``); turns run one request at a time in a seeded order (s
 see the same requests in the same order and nothing depends on timing), each answering 8 tokens.
 ``--in-flight K`` keeps K requests running at once instead, the next one added as one finishes
 (still deterministic: the same steps for the same scheduler decisions); ``--recurrent-groups``
-sets the layout's recurrent KV groups (Qwen3-Next-80B's 24-layer cut has 3). For each pool
+sets the layout's recurrent KV groups (Qwen3-Next-80B's 24-layer cut has 3), ``--answer-tokens``
+each answer's length (default 8), ``--together`` the plugin's ``shared_hits_together`` (default
+``auto``: apart on a CPU; the GPU's default is together) and ``--async-scheduling`` vLLM's async
+scheduler with one step in flight, as a GPU server runs. For each pool
 size and seed it reports the cached tokens of both, their ratio, and the requests whose cached
 tokens fell below stock's for the same request. ``--prompt-capture`` sets the plugin's
 ``prompt_capture`` (default ``auto``), ``--prompt-admission`` its ``prompt_admission`` (default
@@ -59,15 +62,18 @@ def conversation_order(rng: random.Random, args) -> list[int]:
 
 def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> tuple[list[int], dict]:
     """Cached tokens of each request of the seeded workload, in the order they ran, and the plugin's
-    counters (``capture_copies``, and the hit balance's ``stock_tokens_lost``; empty for stock)."""
+    counters (``capture_copies``, ``captures_yielded`` and the hit balance's ``stock_tokens_lost``;
+    empty for stock)."""
     rng = random.Random(seed)
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
         max_num_batched_tokens=256, max_model_len=4096, prompt_capture=args.prompt_capture,
         num_recurrent_groups=args.recurrent_groups, max_num_seqs=max(8, args.in_flight),
         retention=args.retention, prompt_admission=args.prompt_admission, ring_kpool=args.ring_kpool,
+        shared_hits_together={"true": True, "false": False}.get(args.together, args.together),
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
-    driver = Driver(scheduler, worker)
+    driver = Driver(scheduler, worker, lag=1 if args.async_scheduling else 0)
     low, high = (int(n) for n in args.user_tokens.split(","))
     system = tokens(rng, args.system)
     history = {c: system + tokens(rng, rng.randint(low, high)) for c in range(args.conversations)}
@@ -79,7 +85,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
         if next_index == len(order) and not running:
             break
         while next_index < len(order) and len(running) < args.in_flight and order[next_index] not in running:
-            request = make_request(history[order[next_index]], max_tokens=8)
+            request = make_request(history[order[next_index]], max_tokens=args.answer_tokens)
             scheduler.add_request(request)
             running[order[next_index]] = (next_index, request)
             next_index += 1
@@ -96,7 +102,8 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
     store = getattr(scheduler, "checkpoint_store", None)
     if store is None:
         return cached, {}
-    return cached, {name: getattr(store.counters, name) for name in ("capture_copies", "stock_tokens_lost")}
+    names = ("capture_copies", "stock_tokens_lost", "captures_yielded")
+    return cached, {name: getattr(store.counters, name) for name in names}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--active", type=int, default=0, help="conversations at once (default 0: all, in rounds)")
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
     parser.add_argument("--user-tokens", default="20,120", help="MIN,MAX tokens a turn adds (default 20,120)")
+    parser.add_argument("--answer-tokens", type=int, default=8, help="tokens each answer has (default 8)")
+    parser.add_argument("--together", default="auto", choices=("auto", "true", "false"),
+                        help="the plugin's shared_hits_together (default auto: apart on a CPU)")
+    parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduler, one step in flight")
     parser.add_argument("--in-flight", type=int, default=1, help="requests running at once (default 1)")
     parser.add_argument("--recurrent-groups", type=int, default=2, help="recurrent KV groups (default 2)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")

@@ -185,6 +185,10 @@ class StoreCounters:
     )
     superseded: int = 0
     captures_dropped: int = exported("Planned captures dropped (no free blocks, no plan).")
+    # retention borrow: a prompt capture whose copies had not run gave its private blocks back
+    captures_yielded: int = exported(
+        "Prompt captures given up before their copies ran: their private blocks went back to vLLM's allocation."
+    )
     # finished aborted after generating: no response checkpoint
     responses_aborted: int = exported("Responses aborted after generating: no checkpoint.")
     responses_spec_in_flight: int = exported(

@@ -3,17 +3,19 @@ pressure and of retention ``borrow``).
 
 Contract: :class:`YieldingMixin`, a base of the boundary scheduler, answers two calls of the
 plugin's KV cache manager and block pool. ``_relieve_pressure(shortfall)``, before vLLM would
-preempt for want of ``shortfall`` blocks: a pool-grid snapshot goes first, else one bundle whose
-release frees blocks, unless releasing all of them would still leave the shortfall. ``_yield_to_cache(n)``,
-before vLLM hands out ``n`` blocks that would include blocks of its prefix cache: bundles go in
-the order its docstring gives. It reads the scheduler's ``checkpoint_store``, ``_hit_balance`` and
-``_block_pool`` and the pool-grid and capture mixins' ``_release_snapshot``, ``_snapshot_blocks`` and
-``_cached_ahead``.
+preempt for want of ``shortfall`` blocks: a pool-grid snapshot goes first, then a prompt capture
+whose copies have not run, else one bundle whose release frees blocks, unless releasing all of
+them would still leave the shortfall. ``_yield_to_cache(n)``, before vLLM hands out ``n`` blocks
+that would include blocks of its prefix cache: prompt captures whose copies have not run, then
+bundles, go in the order its docstring gives. It reads the scheduler's ``checkpoint_store``,
+``_hit_balance``, ``_block_pool`` and ``_pending`` and the pool-grid and capture mixins'
+``_release_snapshot``, ``_snapshot_blocks``, ``_cached_ahead`` and ``_discard``.
 """
 
 from __future__ import annotations
 
 from boundary_checkpoints.compat import get_block_hash
+from boundary_checkpoints.core.boundaries import PROMPT
 from boundary_checkpoints.core.capture import frees_uncached
 
 
@@ -21,9 +23,10 @@ class YieldingMixin:
     """Bundles and snapshots that yield to vLLM's allocations (module docstring)."""
 
     def _relieve_pressure(self, shortfall: int) -> bool:
-        """Evict one retained bundle that gives blocks back to the pool, unless evicting every
-        such bundle would still leave ``shortfall`` unmet; False when nothing was evicted."""
-        if self._release_snapshot():
+        """Release a pool-grid snapshot, else give up a prompt capture whose copies have not run,
+        else evict one retained bundle that gives blocks back to the pool, unless evicting every
+        such bundle would still leave ``shortfall`` unmet; False when nothing was released."""
+        if self._release_snapshot() or self._yield_prompt_capture():
             return True
         store = self.checkpoint_store
 
@@ -45,11 +48,14 @@ class YieldingMixin:
         one least-recently-used order (a bundle is last used no earlier than the pages it borrows
         were freed, so it never outlives them). Among those
         cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
-        shared prefix) outranks every bundle, whatever its age."""
+        shared prefix) outranks every bundle, whatever its age. Where every bundle gives way, a
+        prompt capture whose copies have not run goes before them (``_yield_prompt_capture``):
+        it holds its private blocks from the step that computes the prompt's end until the
+        next step's copies, while that step's allocations run."""
         while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
             self._release_snapshot()
         store = self.checkpoint_store
-        if not len(store):
+        if not len(store) and not self._pending:
             return
         while True:
             cached = self._cached_ahead(num_blocks)
@@ -59,9 +65,28 @@ class YieldingMixin:
             yields_to_all = self._yields_to_every_cached(newest) or any(
                 self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached
             )
+            if yields_to_all and self._yield_prompt_capture():
+                continue
             used_by = None if yields_to_all else newest
-            if not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
+            if not len(store) or not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return
+
+    def _yield_prompt_capture(self) -> bool:
+        """Give up the newest planned prompt capture whose copies have not run and that took
+        private blocks (not one taken inside its step, nor one adopting its request's blocks):
+        its blocks go back, its key is remembered as refused (``captures_yielded``). False when
+        there is none."""
+        for pending in reversed(self._pending):
+            if pending.kind != PROMPT or pending.ready_seq is not None or pending.in_step:
+                continue
+            if all(d is s for s, d in zip(pending.plan.sources, pending.destinations, strict=True)):
+                continue  # adopted: no private block to give back
+            self._pending.remove(pending)
+            self._block_pool.free_blocks(pending.plan.copy_sources())
+            self._discard(pending, dropped=False)
+            self.checkpoint_store.refuse_thrashing(pending.key, counter="captures_yielded")
+            return True
+        return False
 
     def _yields_to_every_cached(self, freed_at: int) -> bool:
         """Under retention ``borrow``: whether bundles give way to any cached block rather than

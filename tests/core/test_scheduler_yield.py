@@ -13,6 +13,9 @@ blocks freed no earlier than its last use: a conversation newer than the cached 
 keeps its bundle (the same allocation with the conversations in the other order, or with no
 publication since, is its control). With 8 requests in flight and every turn k before any turn
 k + 1, this keeps stock's cached tokens where the horizon at one median distance did not.
+Where bundles give way, a prompt capture whose copies have not run yet gives way first
+(``captures_yielded``): with 8 prompts ending in one step, their captures' private blocks would
+otherwise stay taken through the next step's allocations.
 
 While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle
 yields to every cached block, however recently it was used; so it does to a cached block two of
@@ -359,6 +362,30 @@ def test_negative_control_with_the_reuse_horizon_at_one_median_distance_cached_t
 
     monkeypatch.setattr(ReuseTracker, "reuse_horizon", ReuseTracker.reuse_distance)
     stock, plugin = concurrent_rounds_workload(model_dir)
+    assert sum(plugin) < sum(stock)
+
+
+def arriving_together_workload(model_dir) -> tuple[list[int], list[int]]:
+    """Cached tokens per request, stock and plugin: the pressure stage's traffic as a GPU server
+    runs it (async scheduling, prompts on a cached prefix started together, 1-token answers, equal
+    user turns, so each turn's requests arrive 8 at once), 210 blocks, seed 1. Eight prompts ending
+    in one step plan 8 prompt captures, whose private blocks stay taken until the next step's
+    copies: that step's allocations evicted the chains of third turns stock still served."""
+    argv = ["--conversations", "16", "--system", "30", "--user-tokens", "23,23", "--answer-tokens", "1",
+            "--in-flight", "8", "--recurrent-groups", "3", "--together", "true", "--async-scheduling"]  # fmt: skip
+    return stock_and_plugin(model_dir, argv, seed=1, blocks=210)
+
+
+def test_prompt_captures_whose_copies_have_not_run_give_way_to_cached_blocks(model_dir):
+    stock, plugin = arriving_together_workload(model_dir)
+    assert sum(plugin) >= sum(stock)
+
+
+def test_negative_control_prompt_captures_that_keep_their_blocks_cost_cached_tokens(model_dir, monkeypatch):
+    from boundary_checkpoints.core.yielding import YieldingMixin
+
+    monkeypatch.setattr(YieldingMixin, "_yield_prompt_capture", lambda self: False)
+    stock, plugin = arriving_together_workload(model_dir)
     assert sum(plugin) < sum(stock)
 
 
