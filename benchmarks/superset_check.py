@@ -116,8 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system", type=int, default=40, help="tokens of the shared prefix (default 40)")
     parser.add_argument("--user-tokens", default="20,120", help="MIN,MAX tokens a turn adds (default 20,120)")
     parser.add_argument("--answer-tokens", type=int, default=8, help="tokens each answer has (default 8)")
-    parser.add_argument("--together", default="auto", choices=("auto", "true", "false"),
-                        help="the plugin's shared_hits_together (default auto: apart on a CPU)")
+    parser.add_argument(
+        "--together",
+        default="auto",
+        choices=("auto", "true", "false"),
+        help="the plugin's shared_hits_together (default auto: apart on a CPU)",
+    )
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduler, one step in flight")
     parser.add_argument("--in-flight", type=int, default=1, help="requests running at once (default 1)")
     parser.add_argument("--recurrent-groups", type=int, default=2, help="recurrent KV groups (default 2)")
