@@ -159,7 +159,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             block_pool.num_gpu_blocks,
             "private blocks only, the cache's pages borrowed; yielding to cached blocks freed within twice their "
             "median reuse distance, to older ones by age, to every one before reuse is seen or while they cost "
-            "the cache more tokens than they add"
+            "the cache more tokens than they add; prompt captures not yet copied first"
             if self.checkpoint_store.borrow
             else "every block held until evicted",
             self._prompt_capture.startup_phrase(
