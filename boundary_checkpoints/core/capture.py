@@ -397,9 +397,11 @@ class CaptureMixin:
         self._pending = still_pending
         self._ledgers.settle({p.request_id for p in self._pending})
 
-    def _discard(self, pending: PendingCapture, dropped: bool = True) -> None:
-        """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``."""
-        self._ledgers.take_restored_from(pending.request_id)  # no lineage to follow from it
+    def _discard(self, pending: PendingCapture, dropped: bool = True, keep_lineage: bool = False) -> None:
+        """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``;
+        ``keep_lineage``: the request's response, captured later, still follows what it restored."""
+        if not keep_lineage:
+            self._ledgers.take_restored_from(pending.request_id)  # no lineage to follow from it
         blocks = [b for group in pending.plan.shared for b in group if not b.is_null]
         blocks += [b for group in pending.checkpoint.grid_blocks for b in group]
         blocks += [d for d in pending.destinations if d is not None]

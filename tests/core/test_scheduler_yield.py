@@ -13,9 +13,10 @@ blocks freed no earlier than its last use: a conversation newer than the cached 
 keeps its bundle (the same allocation with the conversations in the other order, or with no
 publication since, is its control). With 8 requests in flight and every turn k before any turn
 k + 1, this keeps stock's cached tokens where the horizon at one median distance did not.
-Where bundles give way, a prompt capture whose copies have not run yet gives way first
+A prompt capture whose copies have not run yet gives way before any cached block or bundle
 (``captures_yielded``): with 8 prompts ending in one step, their captures' private blocks would
-otherwise stay taken through the next step's allocations.
+otherwise stay taken through the next step's allocations. The turn that gave it up keeps its
+lineage: its response still follows the bundle it restored from.
 
 While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle
 yields to every cached block, however recently it was used; so it does to a cached block two of
@@ -39,6 +40,7 @@ from script_modules import load_script
 from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.compat import free_queue_order, get_block_hash
+from boundary_checkpoints.core.boundaries import PROMPT, RESPONSE
 from boundary_checkpoints.core.hit_balance import SHARED_WINDOW
 from boundary_checkpoints.core.reuse import PROTECTION_FACTOR
 
@@ -387,6 +389,51 @@ def test_negative_control_prompt_captures_that_keep_their_blocks_cost_cached_tok
     monkeypatch.setattr(YieldingMixin, "_yield_prompt_capture", lambda self: False)
     stock, plugin = arriving_together_workload(model_dir)
     assert sum(plugin) < sum(stock)
+
+
+def response_owners_after_a_yielded_prompt_capture(model_dir) -> tuple[set, tuple[str, str], int]:
+    """(owners of turn 1's response bundle, turn ids, captures yielded) once turn 2, which restored
+    from it, gave up its prompt capture before the copies ran and then finished (the default
+    prompt capture: at the prompt's end, copied with the next step)."""
+    scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="auto")
+    driver = Driver(scheduler, worker)
+    rng = random.Random(7)
+    first = make_request(tokens(rng, 100), salt="a", max_tokens=8)
+    driver.run([first])
+    store = scheduler.checkpoint_store
+    [response] = [c for c in store.checkpoints() if c.kind == RESPONSE]
+    history = list(first.prompt_token_ids) + list(first.output_token_ids)
+    second = make_request(history + tokens(rng, 40), salt="a", max_tokens=8)
+    scheduler.add_request(second)
+    for _ in range(100):
+        driver.step()
+        if any(p.kind == PROMPT and p.ready_seq is None for p in scheduler._pending):
+            break
+    assert store.counters.hits == 1
+    assert scheduler._yield_prompt_capture()
+    driver.finish([second])
+    return set(response.owners), (first.request_id, second.request_id), store.counters.captures_yielded
+
+
+def test_a_yielded_prompt_capture_keeps_its_turn_s_lineage(model_dir):
+    """Turn 2 kept no prompt checkpoint, so it owns the response it resumed from (a resend of its
+    prompt restores there) and turn 1 no longer does."""
+    owners, (first, second), yielded = response_owners_after_a_yielded_prompt_capture(model_dir)
+    assert yielded == 1
+    assert owners == {second}
+
+
+def test_negative_control_a_yield_that_forgets_the_lineage_leaves_turn_1_the_owner(model_dir, monkeypatch):
+    from boundary_checkpoints.core.capture import CaptureMixin
+
+    discard = CaptureMixin._discard
+
+    def forgetting(self, pending, dropped=True, keep_lineage=False):
+        discard(self, pending, dropped)
+
+    monkeypatch.setattr(CaptureMixin, "_discard", forgetting)
+    owners, (first, second), _ = response_owners_after_a_yielded_prompt_capture(model_dir)
+    assert owners == {first}
 
 
 def test_bundles_leave_a_shared_system_prompt_cached(model_dir):
