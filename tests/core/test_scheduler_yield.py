@@ -263,6 +263,17 @@ def test_nothing_yields_while_only_uncached_blocks_are_taken(model_dir, free):
     assert scheduler.checkpoint_store.counters.evictions_cached == 0
 
 
+def after_one_request(model_dir, prompt_capture: str, seed: int, num_tokens: int, salt: str):
+    """(scheduler, driver, rng, request) on a 96-block pool once one request of ``num_tokens``
+    random tokens (the ``seed``'s first draw) ran to its 8-token answer."""
+    scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture=prompt_capture)
+    driver = Driver(scheduler, worker)
+    rng = random.Random(seed)
+    request = make_request(tokens(rng, num_tokens), salt=salt, max_tokens=8)
+    driver.run([request])
+    return scheduler, driver, rng, request
+
+
 def capture_on_a_pool_of_cached_blocks(
     model_dir, reuse_distance: int | None, resend: str | None = None, elapsed: int = HORIZON_AT_DISTANCE_0
 ) -> tuple[int, int, int]:
@@ -274,11 +285,7 @@ def capture_on_a_pool_of_cached_blocks(
     it) or ``"same"`` as it was, and the reuse distance must be known after it. ``elapsed``
     publications pass before C (by default B's blocks are then past the reuse horizon of
     ``reuse_distance`` 0)."""
-    scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="end")
-    driver = Driver(scheduler, worker)
-    rng = random.Random(3)
-    b = make_request(tokens(rng, 300), salt="b", max_tokens=8)
-    driver.run([b])
+    scheduler, driver, rng, b = after_one_request(model_dir, "end", seed=3, num_tokens=300, salt="b")
     store = scheduler.checkpoint_store
     store.retire(b.request_id)
     assert len(store) == 0
@@ -395,11 +402,7 @@ def response_owners_after_a_yielded_prompt_capture(model_dir) -> tuple[set, tupl
     """(owners of turn 1's response bundle, turn ids, captures yielded) once turn 2, which restored
     from it, gave up its prompt capture before the copies ran and then finished (the default
     prompt capture: at the prompt's end, copied with the next step)."""
-    scheduler, worker = build_scheduler(model_dir, num_blocks=96, prompt_capture="auto")
-    driver = Driver(scheduler, worker)
-    rng = random.Random(7)
-    first = make_request(tokens(rng, 100), salt="a", max_tokens=8)
-    driver.run([first])
+    scheduler, driver, rng, first = after_one_request(model_dir, "auto", seed=7, num_tokens=100, salt="a")
     store = scheduler.checkpoint_store
     [response] = [c for c in store.checkpoints() if c.kind == RESPONSE]
     history = list(first.prompt_token_ids) + list(first.output_token_ids)
