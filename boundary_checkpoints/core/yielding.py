@@ -6,8 +6,8 @@ plugin's KV cache manager and block pool. ``_relieve_pressure(shortfall)``, befo
 preempt for want of ``shortfall`` blocks: a pool-grid snapshot goes first, then a prompt capture
 whose copies have not run, else one bundle whose release frees blocks, unless releasing all of
 them would still leave the shortfall. ``_yield_to_cache(n)``, before vLLM hands out ``n`` blocks
-that would include blocks of its prefix cache: every prompt capture whose copies have not run,
-then bundles in the order its docstring gives. It reads the scheduler's ``checkpoint_store``,
+that would include blocks of its prefix cache: prompt captures whose copies have not run, then
+bundles, in the order its docstring gives. It reads the scheduler's ``checkpoint_store``,
 ``_hit_balance``, ``_block_pool`` and ``_pending`` and the pool-grid and capture mixins'
 ``_release_snapshot``, ``_snapshot_blocks``, ``_cached_ahead`` and ``_discard``.
 """
@@ -48,10 +48,12 @@ class YieldingMixin:
         one least-recently-used order (a bundle is last used no earlier than the pages it borrows
         were freed, so it never outlives them). Among those
         cached blocks one that several recent requests read (``HitBalance.shared_prefix``: a
-        shared prefix) outranks every bundle, whatever its age. A prompt capture whose copies
-        have not run goes before any bundle and before any cached block (``_yield_prompt_capture``):
-        it holds its private blocks from the step that computes the prompt's end until the next
-        step's copies, while that step's allocations run, and bets them on a resend not yet seen."""
+        shared prefix) outranks every bundle, whatever its age. Where every bundle gives way, a
+        prompt capture whose copies have not run goes first (``_yield_prompt_capture``): it holds
+        its private blocks from the step that computes the prompt's end until the next step's
+        copies, while that step's allocations run. Past the horizon it stays, as a bundle used
+        now would: on a warm server the free queue is mostly old cached blocks, and a resend
+        still finds its prompt's checkpoint."""
         while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
             self._release_snapshot()
         store = self.checkpoint_store
@@ -61,12 +63,12 @@ class YieldingMixin:
             cached = self._cached_ahead(num_blocks)
             if not cached:
                 return
-            if self._yield_prompt_capture():
-                continue
             newest = max(self._block_pool.freed_at(block) for block in cached)
             yields_to_all = self._yields_to_every_cached(newest) or any(
                 self._hit_balance.shared_prefix(get_block_hash(block.block_hash)) for block in cached
             )
+            if yields_to_all and self._yield_prompt_capture():
+                continue
             used_by = None if yields_to_all else newest
             if not len(store) or not store.evict_to_free(frees_uncached, cause="cached", used_by=used_by):
                 return

@@ -13,9 +13,10 @@ blocks freed no earlier than its last use: a conversation newer than the cached 
 keeps its bundle (the same allocation with the conversations in the other order, or with no
 publication since, is its control). With 8 requests in flight and every turn k before any turn
 k + 1, this keeps stock's cached tokens where the horizon at one median distance did not.
-A prompt capture whose copies have not run yet gives way before any cached block or bundle
+Where bundles give way, a prompt capture whose copies have not run yet gives way first
 (``captures_yielded``): with 8 prompts ending in one step, their captures' private blocks would
-otherwise stay taken through the next step's allocations. The turn that gave it up keeps its
+otherwise stay taken through the next step's allocations. Past the horizon it stays, so a
+resend on a warm server still finds its prompt's checkpoint. The turn that gave it up keeps its
 lineage: its response still follows the bundle it restored from.
 
 While bundles cost more cached tokens than they served (``core/hit_balance.py``), a bundle
@@ -318,6 +319,63 @@ def test_a_capture_that_would_evict_cached_blocks_is_refused_while_the_cache_thr
 def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reuse_distance(model_dir, resend):
     refused, published, ticks = capture_on_a_pool_of_cached_blocks(model_dir, reuse_distance=None, resend=resend)
     assert refused == 1 and published == 1 and ticks == 2
+
+
+def prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen: int) -> tuple[int, int]:
+    """(captures yielded, bundles published) after conversation C's prompt capture was planned on
+    a pool whose free queue hands out B's cached blocks first, past the reuse horizon (reuse
+    distance 0), and two blocks were allocated before the next step's copies ran (another
+    request's allocation in that step), once the balance saw ``lookups_seen`` first lookups.
+    Before ``SHARED_WINDOW`` lookups every cached block counts as a shared prefix: bundles, and
+    so the pending capture, give way to it."""
+    scheduler, driver, rng, b = after_one_request(model_dir, "end", seed=3, num_tokens=300, salt="b")
+    store = scheduler.checkpoint_store
+    store.retire(b.request_id)
+    store.reuse.record_hit(store.reuse.clock)
+    for _ in range(HORIZON_AT_DISTANCE_0):
+        store.reuse.stamp()
+    for _ in range(lookups_seen):
+        scheduler._hit_balance.observe([], 16, stock_hit=0, served=0, max_tokens=0, horizon=0)
+    pool = scheduler.kv_cache_manager.block_pool
+    held = pool.get_new_blocks(sum(1 for block in free_queue_order(pool) if block.block_hash is None))
+    c = make_request(tokens(rng, 40), salt="c", max_tokens=8)
+    scheduler.add_request(c)
+    published = store.counters.published
+    for _ in range(100):
+        driver.step()
+        if any(p.kind == PROMPT and p.ready_seq is None for p in scheduler._pending):
+            break
+    else:
+        raise AssertionError("no prompt capture was planned")
+    pool.free_blocks(held[:1])  # one uncached block, then the cached ones
+    pool.free_blocks(pool.get_new_blocks(2))
+    driver.finish([c])
+    return store.counters.captures_yielded, store.counters.published - published
+
+
+def test_a_pending_prompt_capture_gives_way_where_bundles_do(model_dir):
+    yielded, published = prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen=0)
+    assert yielded == 1 and published == 1  # the response bundle only
+
+
+def test_past_the_horizon_a_pending_prompt_capture_stays_for_a_resend(model_dir):
+    yielded, published = prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen=SHARED_WINDOW)
+    assert yielded == 0 and published == 2
+
+
+def test_negative_control_a_capture_that_always_gives_way_is_lost_past_the_horizon(model_dir, monkeypatch):
+    from boundary_checkpoints.core.yielding import YieldingMixin
+
+    original = YieldingMixin._yield_to_cache
+
+    def always_first(self, num_blocks):
+        while self._cached_ahead(num_blocks) and self._yield_prompt_capture():
+            pass
+        original(self, num_blocks)
+
+    monkeypatch.setattr(YieldingMixin, "_yield_to_cache", always_first)
+    yielded, published = prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen=SHARED_WINDOW)
+    assert yielded == 1 and published == 1
 
 
 def test_negative_control_the_same_capture_is_taken_without_thrashing(model_dir):
