@@ -211,9 +211,7 @@ class CaptureMixin:
                 if adopt and pending.ready_seq is None and not pending.in_step:
                     # Its copies wait for a next step that a finished request may never get (a
                     # prompt checkpoint at P of an answer of one token): the adopted bundle replaces it.
-                    self._block_pool.free_blocks(pending.plan.copy_sources())
-                    self._discard(pending, dropped=False)
-                    self._pending.remove(pending)
+                    self._drop_before_copies(pending)
                     break
                 if kind == INSTRUCTION:
                     pending.checkpoint.kind = INSTRUCTION
@@ -396,6 +394,13 @@ class CaptureMixin:
                     )
         self._pending = still_pending
         self._ledgers.settle({p.request_id for p in self._pending})
+
+    def _drop_before_copies(self, pending: PendingCapture, keep_lineage: bool = False) -> None:
+        """Take back a pending bundle whose copies were not emitted: it leaves the pending list and
+        gives back its source pins and its references (not counted as dropped)."""
+        self._pending.remove(pending)
+        self._block_pool.free_blocks(pending.plan.copy_sources())
+        self._discard(pending, dropped=False, keep_lineage=keep_lineage)
 
     def _discard(self, pending: PendingCapture, dropped: bool = True, keep_lineage: bool = False) -> None:
         """Give a pending bundle's references back; ``dropped``: count it in ``captures_dropped``;

@@ -355,13 +355,17 @@ class CheckpointStore:
             and self.reuse.protects(victim.published_at, publications_ahead)
         )
 
-    def refuse_thrashing(self, key: CheckpointKey, counter: str = "refused_thrashing") -> None:
-        """Count a capture refused because the cache thrashes (``CaptureMixin``; ``counter``
-        ``captures_yielded``: given up before its copies ran). Its key is remembered as if
-        evicted, so a later request it would have served records a reuse distance; and the clock
-        counts it as a publication, since the cache's lifetime is measured on that clock and must
-        keep growing while refusals stand in for publications."""
-        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+    def refuse_thrashing(self, key: CheckpointKey) -> None:
+        """Count a capture refused because the cache thrashes (``CaptureMixin``) and remember its
+        key (:meth:`remember_refused`)."""
+        self.counters.refused_thrashing += 1
+        self.remember_refused(key)
+
+    def remember_refused(self, key: CheckpointKey) -> None:
+        """Remember the key of a capture not taken (refused, or given up before its copies ran)
+        as if evicted, so a later request it would have served records a reuse distance; and
+        count it on the clock as a publication, since the cache's lifetime is measured on that
+        clock and must keep growing while refusals stand in for publications."""
         self.reuse.remember_evicted(key, self.reuse.stamp())
 
     def _evict(self, victim: Checkpoint) -> None:

@@ -9,14 +9,14 @@ them would still leave the shortfall. ``_yield_to_cache(n)``, before vLLM hands 
 that would include blocks of its prefix cache: prompt captures whose copies have not run, then
 bundles, in the order its docstring gives. It reads the scheduler's ``checkpoint_store``,
 ``_hit_balance``, ``_block_pool`` and ``_pending`` and the pool-grid and capture mixins'
-``_release_snapshot``, ``_snapshot_blocks``, ``_cached_ahead`` and ``_discard``.
+``_release_snapshot``, ``_snapshot_blocks``, ``_cached_ahead`` and ``_drop_before_copies``.
 """
 
 from __future__ import annotations
 
 from boundary_checkpoints.compat import get_block_hash
 from boundary_checkpoints.core.boundaries import PROMPT
-from boundary_checkpoints.core.capture import frees_uncached
+from boundary_checkpoints.core.capture import PendingCapture, frees_uncached
 
 
 class YieldingMixin:
@@ -57,7 +57,7 @@ class YieldingMixin:
         while self._snapshot_blocks and self._cached_ahead(num_blocks):  # snapshots go first
             self._release_snapshot()
         store = self.checkpoint_store
-        if not len(store) and not self._pending:
+        if not len(store) and self._yieldable_prompt_capture() is None:
             return
         while True:
             cached = self._cached_ahead(num_blocks)
@@ -74,21 +74,25 @@ class YieldingMixin:
                 return
 
     def _yield_prompt_capture(self) -> bool:
-        """Give up the newest planned prompt capture whose copies have not run and that took
-        private blocks (not one taken inside its step, nor one adopting its request's blocks):
-        its blocks go back, its key is remembered as refused (``captures_yielded``). False when
-        there is none."""
+        """Give up :meth:`_yieldable_prompt_capture`: its blocks go back, its turn keeps its
+        lineage, its key is remembered as refused (``captures_yielded``). False when there is none."""
+        pending = self._yieldable_prompt_capture()
+        if pending is None:
+            return False
+        self._drop_before_copies(pending, keep_lineage=True)
+        self.checkpoint_store.counters.captures_yielded += 1
+        self.checkpoint_store.remember_refused(pending.key)
+        return True
+
+    def _yieldable_prompt_capture(self) -> PendingCapture | None:
+        """The newest planned prompt capture whose copies have not run and that took private
+        blocks (not one taken inside its step, nor one adopting its request's blocks), or None."""
         for pending in reversed(self._pending):
             if pending.kind != PROMPT or pending.ready_seq is not None or pending.in_step:
                 continue
-            if all(d is s for s, d in zip(pending.plan.sources, pending.destinations, strict=True)):
-                continue  # adopted: no private block to give back
-            self._pending.remove(pending)
-            self._block_pool.free_blocks(pending.plan.copy_sources())
-            self._discard(pending, dropped=False, keep_lineage=True)
-            self.checkpoint_store.refuse_thrashing(pending.key, counter="captures_yielded")
-            return True
-        return False
+            if any(d is not s for s, d in zip(pending.plan.sources, pending.destinations, strict=True)):
+                return pending  # adopted ones hold no private block to give back
+        return None
 
     def _yields_to_every_cached(self, freed_at: int) -> bool:
         """Under retention ``borrow``: whether bundles give way to any cached block rather than

@@ -321,6 +321,15 @@ def test_before_any_reuse_the_capture_is_refused_and_its_resend_teaches_the_reus
     assert refused == 1 and published == 1 and ticks == 2
 
 
+def step_until_a_prompt_capture_waits(scheduler, driver, max_steps: int = 100) -> None:
+    """Run steps until a prompt capture is planned whose copies wait for the next step."""
+    for _ in range(max_steps):
+        driver.step()
+        if any(p.kind == PROMPT and p.ready_seq is None for p in scheduler._pending):
+            return
+    raise AssertionError("no prompt capture was planned")
+
+
 def prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen: int) -> tuple[int, int]:
     """(captures yielded, bundles published) after conversation C's prompt capture was planned on
     a pool whose free queue hands out B's cached blocks first, past the reuse horizon (reuse
@@ -341,12 +350,7 @@ def prompt_capture_pending_over_cached_blocks(model_dir, lookups_seen: int) -> t
     c = make_request(tokens(rng, 40), salt="c", max_tokens=8)
     scheduler.add_request(c)
     published = store.counters.published
-    for _ in range(100):
-        driver.step()
-        if any(p.kind == PROMPT and p.ready_seq is None for p in scheduler._pending):
-            break
-    else:
-        raise AssertionError("no prompt capture was planned")
+    step_until_a_prompt_capture_waits(scheduler, driver)
     pool.free_blocks(held[:1])  # one uncached block, then the cached ones
     pool.free_blocks(pool.get_new_blocks(2))
     driver.finish([c])
@@ -466,10 +470,7 @@ def response_owners_after_a_yielded_prompt_capture(model_dir) -> tuple[set, tupl
     history = list(first.prompt_token_ids) + list(first.output_token_ids)
     second = make_request(history + tokens(rng, 40), salt="a", max_tokens=8)
     scheduler.add_request(second)
-    for _ in range(100):
-        driver.step()
-        if any(p.kind == PROMPT and p.ready_seq is None for p in scheduler._pending):
-            break
+    step_until_a_prompt_capture_waits(scheduler, driver)
     assert store.counters.hits == 1
     assert scheduler._yield_prompt_capture()
     driver.finish([second])
