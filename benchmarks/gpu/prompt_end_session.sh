@@ -69,7 +69,8 @@
 #   prompt_end_session.sh mtp24  turns24 on the 24-layer cut with its MTP layer, under MTP k = 3, stock against
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
-#                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time
+#                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time; PRESSURE24_AA=1: two
+#                                stock servers instead, how far stock's own cached tokens move from round to round
 #   prompt_end_session.sh nextturn24  the servers stop; what a step of next turns arriving at once costs, stock against
 #                                the plugin (benchmarks/step_profile.py --next-turn, in-process engines one after the
 #                                other, turns24's settings): 8,100-token prompts answered with 64 tokens, then resent
@@ -296,6 +297,7 @@ case "$stage" in
     # chains need about 110), turn k of every conversation before any turn k + 1. Read "requests
     # cached below stock" and stock's own cached-token ratio (near 0: every chain thrashed for both,
     # raise the bytes; no eviction in the logs: lower them).
+    [[ -n ${PRESSURE24_AA:-} ]] && PAIR24=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
     pair24 --server-arg="--kv-cache-memory-bytes ${PRESSURE24_BYTES:-2500000000}" \
       -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --time-budget "${PRESSURE24_BUDGET:-480}" \
       --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
