@@ -20,8 +20,10 @@ tokens fell below stock's for the same request. ``--prompt-capture`` sets the pl
 ``prompt_capture`` (default ``auto``), ``--prompt-admission`` its ``prompt_admission`` (default
 ``auto``); the line also gives the plugin's capture copies, and the tokens requests got below
 stock's hit for the same request beside the plugin's own estimate of them (``stock_tokens_lost``).
-``--without-grid-blocks`` runs the plugin with its bundles holding no block-grid hit (contract 7
-of ``docs/design.md``): the comparison that shows what those blocks are for.
+``--rounds R`` runs R rounds of new conversations on one engine (a warm pool after the first, as
+the GPU benchmark's rounds on a server that stays up). ``--without-grid-blocks`` runs the plugin
+with its bundles holding no block-grid hit (contract 7 of ``docs/design.md``): the comparison that
+shows what those blocks are for.
 
     .venv/bin/python benchmarks/superset_check.py --blocks 80,120,200,400 --seeds 6
 """
@@ -61,9 +63,9 @@ def conversation_order(rng: random.Random, args) -> list[int]:
 
 
 def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, args) -> tuple[list[int], dict]:
-    """Cached tokens of each request of the seeded workload, in the order they ran, and the plugin's
-    counters (``capture_copies``, ``captures_yielded`` and the hit balance's ``stock_tokens_lost``;
-    empty for stock)."""
+    """Cached tokens of each request of the seeded workload's ``--rounds`` rounds on one engine, in
+    the order they ran, and the plugin's counters (``capture_copies``, ``captures_yielded``,
+    restores per round (``hits``) and the hit balance's ``stock_tokens_lost``; empty for stock)."""
     rng = random.Random(seed)
     scheduler, worker = build_scheduler(
         model_dir, policy=policy, num_blocks=blocks, max_retained_fraction=args.retained_fraction,
@@ -74,6 +76,22 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
         async_scheduling=args.async_scheduling,
     )  # fmt: skip
     driver = Driver(scheduler, worker, lag=1 if args.async_scheduling else 0)
+    store = getattr(scheduler, "checkpoint_store", None)
+    cached: list[int] = []
+    hits_per_round = []
+    for _ in range(args.rounds):
+        before = store.counters.hits if store is not None else 0
+        cached += run_round(scheduler, driver, rng, args)
+        hits_per_round.append(store.counters.hits - before if store is not None else 0)
+    if store is None:
+        return cached, {}
+    names = ("capture_copies", "stock_tokens_lost", "captures_yielded")
+    return cached, {name: getattr(store.counters, name) for name in names} | {"hits": hits_per_round}
+
+
+def run_round(scheduler, driver, rng: random.Random, args) -> list[int]:
+    """One round of the workload on the scheduler as it is: new conversations (a new prefix and
+    new turns, as a GPU round's cache salt makes them), each request's cached tokens in order."""
     low, high = (int(n) for n in args.user_tokens.split(","))
     system = tokens(rng, args.system)
     history = {c: system + tokens(rng, rng.randint(low, high)) for c in range(args.conversations)}
@@ -99,11 +117,7 @@ def cached_per_request(model_dir: Path, policy: str, seed: int, blocks: int, arg
                 del running[conversation]
     else:
         raise AssertionError("requests did not finish")
-    store = getattr(scheduler, "checkpoint_store", None)
-    if store is None:
-        return cached, {}
-    names = ("capture_copies", "stock_tokens_lost", "captures_yielded")
-    return cached, {name: getattr(store.counters, name) for name in names}
+    return cached
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the plugin's shared_hits_together (default auto: apart on a CPU)",
     )
     parser.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduler, one step in flight")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of new conversations on one engine (default 1)")
     parser.add_argument("--in-flight", type=int, default=1, help="requests running at once (default 1)")
     parser.add_argument("--recurrent-groups", type=int, default=2, help="recurrent KV groups (default 2)")
     parser.add_argument("--retained-fraction", type=float, default=0.25, help="max_retained_fraction (default 0.25)")
@@ -149,11 +164,23 @@ def main(argv: list[str] | None = None) -> int:
             stock, _ = cached_per_request(model_dir, "aligned", seed, blocks, args)
             plugin, counters = cached_per_request(model_dir, "request_boundaries", seed, blocks, args)
             below = [i for i, (s, p) in enumerate(zip(stock, plugin, strict=True)) if p < s]
+            size = len(stock) // args.rounds
+            rounds = [(sum(stock[k : k + size]), sum(plugin[k : k + size])) for k in range(0, len(stock), size)]
             rows.append({
                 "blocks": blocks, "seed": seed, "stock": stock, "plugin": plugin, "below": below,
                 "copies": counters["capture_copies"], "estimated_lost": counters["stock_tokens_lost"],
+                "hits": counters["hits"], "rounds": rounds,
             })  # fmt: skip
         subset = [r for r in rows if r["blocks"] == blocks]
+        if args.rounds > 1:
+            warm = [pair for r in subset for pair in r["rounds"][1:]]
+            print(
+                f"{blocks} blocks, rounds after the first: plugin / stock "
+                f"{sum(p for _, p in warm) / sum(s for s, _ in warm):.3f}; rounds below stock "
+                f"{sum(p < s for s, p in warm)} of {len(warm)}; restores per round "
+                f"{[sum(r['hits'][k] for r in subset) for k in range(args.rounds)]}",
+                flush=True,
+            )
         stock_total = sum(sum(r["stock"]) for r in subset)
         plugin_total = sum(sum(r["plugin"]) for r in subset)
         rounds_below = sum(sum(r["plugin"]) < sum(r["stock"]) for r in subset)

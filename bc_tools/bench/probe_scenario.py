@@ -1,12 +1,13 @@
 """The probe scenario on an in-process ``vllm.LLM``, and a summary of its rows.
 
 Contract: :func:`run_probes` runs, per conversation, a cold producer of prompt ``P``, the exact
-resend, the continuation ``P + answer + NEW_TOKENS new tokens``, and two cold controls of the
-continuation under fresh salts; optionally a third, the decode-path control (``cold_decoded``:
-the answer's positions computed one token per step, as its producer computed them, instead of
-inside a prefill chunk). Every phase sends all conversations together (shared batches), greedy,
-with ``TOP_LOGPROBS`` candidates per position; the rows it returns (``probes.ProbeRow``) are what
-the criteria of ``probes`` judge. :func:`summarize` renders rows as a markdown table.
+resend, the continuation ``P + answer`` plus ``new_tokens`` new tokens (``NEW_TOKENS`` unless
+told), and two cold controls of the continuation under fresh salts; optionally a third, the
+decode-path control (``cold_decoded``: the answer's positions computed one token per step, as its
+producer computed them, instead of inside a prefill chunk). Every phase sends all conversations
+together (shared batches), greedy, with ``TOP_LOGPROBS`` candidates per position; the rows it
+returns (``probes.ProbeRow``) are what the criteria of ``probes`` judge. :func:`summarize` renders
+rows as a markdown table.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def run_probes(
     acceptance: dict[str, list[int]] | None = None,
     next_token: Callable[[list[int]], int] | None = None,
     decode_spans: MutableMapping[str, tuple[int, int]] | None = None,
+    new_tokens: int = NEW_TOKENS,
 ) -> list[ProbeRow]:
     """The scenario on ``llm``; every phase sends all conversations together (shared batches).
 
@@ -90,13 +92,13 @@ def run_probes(
     producers = send(prompts, lambda i: salt, "producer")
     resends = send(prompts, lambda i: salt, "resend")
 
-    def new_tokens(answer: list[int]) -> list[int]:
-        tokens = draw(NEW_TOKENS)
+    def next_turn(answer: list[int]) -> list[int]:
+        tokens = draw(new_tokens)
         if next_token is not None and answer:
             tokens[0] = next_token(answer)
         return tokens
 
-    continuations = [p + out.tokens + new_tokens(out.tokens) for p, out in zip(prompts, producers)]
+    continuations = [p + out.tokens + next_turn(out.tokens) for p, out in zip(prompts, producers)]
     restored = send(continuations, lambda i: salt, "restored")
     cold = send(continuations, lambda i: f"{salt}-cold-{i}", "cold")
     cold_again = send(continuations, lambda i: f"{salt}-cold-again-{i}", "cold_again")

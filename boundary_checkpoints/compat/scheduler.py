@@ -80,6 +80,16 @@ override their hooks. Names and the behaviour relied on:
   (``prefill_state_position``, for ``core/prefix_in_flight.py``); the scheduler's
   ``mamba_partial_cache_hit``: whether it also keeps one at the prompt's last hash-block boundary
   (``keeps_prompt_states_between_blocks``).
+* A restore at a mid-block ``P`` (``core/chunk_stops.py``): vLLM's ``_mamba_block_aligned_split``
+  stops a chunk that starts inside a block at the next block boundary, so that the recurrent
+  group's slot of that block holds the state after the block's last token. A restored request's
+  first chunk runs past it instead where :func:`runs_restores_past_their_block` holds: its slot
+  ``P // B`` is the copy-on-write copy of the restored state (``_partial_hit_reqs``, applied before
+  ``preprocess_mamba`` copies the previous slot into the chunk's last), which vLLM would register
+  as the state at that block's end; :func:`leave_state_slot_uncached` moves a recurrent manager's
+  ``num_cached_block`` past it, so ``cache_blocks`` starts after it, and ``last_state_block_idx``
+  frees it once the state has moved on. The shifted call (a block-aligned start, the same chunk
+  end) gives every other stop vLLM applies.
 * ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
   to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
   result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
@@ -140,8 +150,10 @@ __all__ = [
     "get_block_hash",
     "get_group_id",
     "keeps_prompt_states_between_blocks",
+    "leave_state_slot_uncached",
     "prefill_state_position",
     "request_blocks",
+    "runs_restores_past_their_block",
     "sampled_token_ids",
     "same_step_marks",
     "single_type_managers",
@@ -214,6 +226,27 @@ def prefill_state_position(scheduler, num_prompt_tokens: int) -> int:
     last block (``get_mamba_prefill_checkpoint_position``); 0 for none."""
     block_size = scheduler.cache_config.block_size
     return get_mamba_prefill_checkpoint_position(num_prompt_tokens, block_size, drops_eagle_block(scheduler))
+
+
+def runs_restores_past_their_block(scheduler) -> bool:
+    """Whether a restored request's first chunk may run past the block its restore point is in:
+    align mode, whole-block prefix matching, no in-chunk prefill checkpoints (KDA, Mamba2) and no
+    draft tokens (module docstring)."""
+    return (
+        bool(scheduler.need_mamba_block_aligned_split)
+        and not scheduler.mamba_partial_cache_hit
+        and not scheduler.mamba_has_prefill_checkpoint_blocks
+        and not scheduler.num_spec_tokens
+    )
+
+
+def leave_state_slot_uncached(managers, request_id: str, slot: int) -> None:
+    """Make every recurrent manager in align mode start caching ``request_id``'s blocks after
+    ``slot`` (its restored state's copy, which holds no block-end state)."""
+    for manager in managers:
+        if isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align":
+            cached = manager.num_cached_block
+            cached[request_id] = max(cached.get(request_id, 0), slot + 1)
 
 
 def watermark_blocks(kv_cache_manager) -> int:

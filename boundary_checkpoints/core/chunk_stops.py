@@ -1,8 +1,11 @@
 """Where the boundary scheduler ends prefill chunks: the instruction boundary, the ``P - 1`` stop
 and the indexer pool grid (contracts 1, 10, 11 and 13 in ``docs/design.md``).
 
-Contract: :class:`ChunkStopMixin` narrows vLLM's own ``_mamba_block_aligned_split`` chunk, never
-widens it; a step is cut only while it prefills (:func:`is_prefill_step`). It reads the
+Contract: :class:`ChunkStopMixin` narrows vLLM's own ``_mamba_block_aligned_split`` chunk, and
+widens it in one case: a restored request's first chunk from a restore point inside a block runs
+past that block's end to vLLM's next stop, with the slot of the restored state's copy left
+uncached (``compat.leave_state_slot_uncached``), so a next turn takes the engine steps of stock's
+from the block grid. A step is cut only while it prefills (:func:`is_prefill_step`). It reads the
 scheduler's state that ``BoundaryCheckpointMixin.__init__`` sets.
 """
 
@@ -93,18 +96,60 @@ class ChunkStopMixin:
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         if not is_prefill_step(request, start):
             return num_new_tokens  # a decode step: vLLM's split keeps it too, no stop applies, none cut
+        requested = num_new_tokens
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
         if not self.boundaries_active:
             return num_new_tokens
+        vllm_tokens = num_new_tokens
+        past_block = self._past_restore_block(request, start, requested, num_new_local_computed_tokens)
+        if past_block is not None:
+            num_new_tokens = past_block
         cut = self._boundary_split(request, start, num_new_tokens)
+        block_size = self.cache_config.block_size
+        if past_block is not None and start + cut > (start // block_size + 1) * block_size:
+            self._leave_slot_uncached(request.request_id, start // block_size)
+        else:
+            self._restores_past_block.pop(request.request_id, None)
+            num_new_tokens, cut = vllm_tokens, min(cut, vllm_tokens)
         if cut < num_new_tokens and not is_prefill_step(request, start + num_new_tokens):
             self._cut_prefill_ends[request.request_id] = start + cut  # vLLM's chunk reached the prefill's end
             count_cut_chunks(self._coordinator)  # its blocks are counted to the cut end
         else:
             self._cut_prefill_ends.pop(request.request_id, None)
         return cut
+
+    def _past_restore_block(self, request: Request, start: int, num_new_tokens: int, local: int) -> int | None:
+        """A restored request's first chunk from a restore point ``start`` inside a block: vLLM
+        stops it at the block's end, so that the recurrent slot of that block holds the state after
+        its last token, and the rest of the prompt takes one more engine step than stock's from the
+        block grid. The slot holds only the restored state's copy, which the chunk reads; so the
+        chunk runs on to vLLM's next stop from the block's start (the same end), and the slot is left
+        uncached (``compat.leave_state_slot_uncached``). Returns that chunk's tokens, or None where
+        it does not reach past the block (or the layout keeps the stop: ``compat``)."""
+        block_size = self.cache_config.block_size
+        offset = start % block_size
+        if not offset or not self._runs_restores_past_block or request.num_computed_tokens:
+            return None
+        ledger = self._ledgers.get(request.request_id)
+        if ledger is None or ledger.restored_from is None or ledger.restored_from.num_tokens != start:
+            return None
+        return self._chunk_past_block(request, start, num_new_tokens, local)
+
+    def _chunk_past_block(self, request: Request, start: int, num_new_tokens: int, local: int) -> int | None:
+        """vLLM's chunk of ``num_new_tokens`` from ``start`` with every stop but the end of the
+        block ``start`` is in (its split from that block's start, the same end): its tokens from
+        ``start``, or None where it does not reach past that block."""
+        offset = start % self.cache_config.block_size
+        tokens = super()._mamba_block_aligned_split(request, num_new_tokens + offset, local - offset, 0) - offset
+        return tokens if offset + tokens > self.cache_config.block_size else None
+
+    def _leave_slot_uncached(self, request_id: str, slot: int) -> None:
+        """The allocations of this ``schedule()`` cache the request's recurrent blocks from
+        ``slot + 1`` on (``kv_manager.counting_coordinator_class``)."""
+        self._restores_past_block[request_id] = slot
+        count_cut_chunks(self._coordinator)
 
     def _boundary_split(self, request: Request, start: int, num_new_tokens: int) -> int:
         """The plugin's chunk stops (contract 1) applied to vLLM's prefill chunk ``[start, start +

@@ -6,10 +6,11 @@ allocation when its ``prefix_in_flight`` (``core/prefix_in_flight.py``) says it 
 takes back the same-step marks ``shared_hits`` (``core/shared_hits.py``) names after an allocation;
 :class:`YieldingBlockPool` lets them yield (the scheduler's ``yield_to_cache``) before it hands out
 a block of vLLM's prefix cache; :func:`counting_coordinator_class` is a coordinator that
-remembers its last block count and counts a chunk the plugin cut short as if the prefill ended
-there. vLLM's instances are re-classed (see ``compat``): the manager for the
-engine's life, the coordinator only while its count matters (:func:`counting_blocks`), so an
-allocation that fits and was not cut runs vLLM's code alone.
+remembers its last block count, counts a chunk the plugin cut short as if the prefill ended
+there, and leaves a restored request's copied state slot uncached. vLLM's instances are
+re-classed (see ``compat``): the manager for the engine's life, the coordinator only while it
+matters (:func:`counting_blocks`, a cut chunk, a restore run past its block), so an allocation
+that fits and was neither cut nor run past runs vLLM's code alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from boundary_checkpoints.compat import (
     RequestStatus,
     get_block_hash,
     get_group_id,
+    leave_state_slot_uncached,
     reclass_instance,
     restore_class,
     watermark_blocks,
@@ -46,9 +48,14 @@ def counting_coordinator_class(cls: Any) -> type:
     worker exports it from any chunk (``compute_mamba_prefill_checkpoints`` knows no prefill end).
     A prefill cut at ``P - 1`` would leave the state of the last block boundary, which stock
     caches for the next prompt sharing the prefix, unreserved (written into the null block): the
-    cut chunk is the last one that can hold it, so it is the prefill's end for that count."""
+    cut chunk is the last one that can hold it, so it is the prefill's end for that count.
+
+    Its ``cache_blocks`` leaves uncached the recurrent slot named in ``uncached_state_slots``
+    (request id -> slot, set by the scheduler for a restored request whose first chunk runs past
+    its restore point's block: the slot holds the restored state's copy, not a block-end state)."""
     if cls not in _COUNTING_COORDINATORS:
         count_blocks = cls.get_num_blocks_to_allocate
+        cache = cls.cache_blocks
 
         def get_num_blocks_to_allocate(self, *args, **kwargs):
             cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
@@ -57,15 +64,23 @@ def counting_coordinator_class(cls: Any) -> type:
             self.last_num_blocks_to_allocate = count_blocks(self, *args, **kwargs)
             return self.last_num_blocks_to_allocate
 
+        def cache_blocks(self, request, num_computed_tokens):
+            slot = self.uncached_state_slots.get(request.request_id)
+            if slot is not None:
+                leave_state_slot_uncached(self.single_type_managers, request.request_id, slot)
+            return cache(self, request, num_computed_tokens)
+
         # Single inheritance with no new slots keeps the instance layout, so __class__ can change.
         _COUNTING_COORDINATORS[cls] = type(
             f"Counting{cls.__name__}",
             (cls,),
             {
                 "get_num_blocks_to_allocate": get_num_blocks_to_allocate,
+                "cache_blocks": cache_blocks,
                 "last_num_blocks_to_allocate": None,
                 "cut_prefill_ends": MappingProxyType({}),
-            },  # the scheduler sets its own dict
+                "uncached_state_slots": MappingProxyType({}),
+            },  # the scheduler sets its own dicts
         )
     return _COUNTING_COORDINATORS[cls]
 

@@ -26,6 +26,7 @@ from boundary_checkpoints.compat import (
     platform_is_cpu,
     reclass_instance,
     request_blocks,
+    runs_restores_past_their_block,
     single_type_managers,
 )
 from boundary_checkpoints.core.admission import PromptAdmission
@@ -138,6 +139,9 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         reclass_instance(self.kv_cache_manager, PressureRelievingKVCacheManager)
         self._coordinator = self.kv_cache_manager.coordinator
         self._coordinator.cut_prefill_ends = self._cut_prefill_ends = {}  # this schedule()'s cut chunks
+        # this schedule()'s restored requests whose first chunk runs past their restore point's block
+        self._coordinator.uncached_state_slots = self._restores_past_block = {}
+        self._runs_restores_past_block = runs_restores_past_their_block(self) and not self._kpool
         self.kv_cache_manager.relieve_pressure = self._relieve_pressure
         self.kv_cache_manager.prefix_in_flight = prefix_in_flight_for(self, self.checkpoint_store.counters)
         shared_hits = SharedHits(self.kv_cache_manager, self._count_shared_hit_release)
@@ -196,10 +200,11 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         if self.boundaries_active:
             self._cut_prefill_ends.clear()  # each schedule() splits its chunks anew
+            self._restores_past_block.clear()
         output = super().schedule(*args, **kwargs)
         if not self.boundaries_active:
             return output
-        if self._cut_prefill_ends:
+        if self._cut_prefill_ends or self._restores_past_block:
             stop_counting(self._coordinator)
         if output.total_num_scheduled_tokens > 0:
             self._sched_seq += 1

@@ -439,12 +439,12 @@ def test_negative_control_with_the_reuse_horizon_at_one_median_distance_cached_t
 def arriving_together_workload(model_dir) -> tuple[list[int], list[int]]:
     """Cached tokens per request, stock and plugin: the pressure stage's traffic as a GPU server
     runs it (async scheduling, prompts on a cached prefix started together, 1-token answers, equal
-    user turns, so each turn's requests arrive 8 at once), 210 blocks, seed 1. Eight prompts ending
+    user turns, so each turn's requests arrive 8 at once), 160 blocks, seed 5. Eight prompts ending
     in one step plan 8 prompt captures, whose private blocks stay taken until the next step's
     copies: that step's allocations evicted the chains of third turns stock still served."""
     argv = ["--conversations", "16", "--system", "30", "--user-tokens", "23,23", "--answer-tokens", "1",
             "--in-flight", "8", "--recurrent-groups", "3", "--together", "true", "--async-scheduling"]  # fmt: skip
-    return stock_and_plugin(model_dir, argv, seed=1, blocks=210)
+    return stock_and_plugin(model_dir, argv, seed=5, blocks=160)
 
 
 def test_prompt_captures_whose_copies_have_not_run_give_way_to_cached_blocks(model_dir):

@@ -9,7 +9,9 @@ was sampled, never fed). Its ordinary cold control computes those positions insi
 chunk instead: two kernel paths, two roundings. A *decode-path* cold control computes the same
 continuation cold (a fresh ``cache_salt``, no restore) with the span ``[P - 1, committed)`` of
 its prompt run one token per step, as the producer ran it, and the rest as prefill chunks:
-``[0, P - 1)``, then ``[committed, len)`` -- the chunk a restored continuation runs. (With the
+``[0, P - 1)``, then ``[committed, len)`` -- the chunks a restored continuation runs (where the
+plugin lets a restored continuation's first chunk run past its block, ``core/chunk_stops.py``, the
+control's chunk from ``committed`` does the same). (With the
 span starting at ``P`` instead, the CPU engine leaves the last prompt token on the chunk path
 and the control no longer matches the restore bit for bit: ``test_decode_path_cpu.py``.)
 
@@ -77,14 +79,23 @@ class DecodePathControl:
         num_new_local_computed_tokens: int = 0,
         num_external_computed_tokens: int = 0,
     ) -> int:
+        requested = num_new_tokens
         num_new_tokens = super()._mamba_block_aligned_split(
             request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
         )
         span = self._decode_span(request)
-        if span is None or num_new_tokens <= 1:
+        if span is None:
             return num_new_tokens
         begin, end = span
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if start == end and num_new_tokens and self._runs_restores_past_block:
+            # the rest of the prompt in the chunk a restored continuation runs: past the block
+            past = self._chunk_past_block(request, start, requested, num_new_local_computed_tokens)
+            if past is not None:
+                self._leave_slot_uncached(request.request_id, start // self.cache_config.block_size)
+                return past
+        if num_new_tokens <= 1:
+            return num_new_tokens
         if start < begin < start + num_new_tokens:
             return begin - start  # the chunk before the span ends at its start
         if begin <= start < end:
