@@ -88,8 +88,12 @@ override their hooks. Names and the behaviour relied on:
   ``preprocess_mamba`` copies the previous slot into the chunk's last), which vLLM would register
   as the state at that block's end; :func:`leave_state_slot_uncached` moves a recurrent manager's
   ``num_cached_block`` past it, so ``cache_blocks`` starts after it, and ``last_state_block_idx``
-  frees it once the state has moved on. The shifted call (a block-aligned start, the same chunk
-  end) gives every other stop vLLM applies.
+  frees it once the state has moved on. The chunk only reads that slot, so
+  :func:`read_restored_slot_in_place` drops the copy-on-write (``_partial_hit_reqs``, set by
+  ``save_new_computed_blocks`` before ``allocate_new_blocks``) and the slot keeps the restored
+  block itself; ``get_num_blocks_to_allocate`` counts one block per recurrent group for that
+  copy (:func:`recurrent_copies_on_write`), which the plugin's count takes off. The shifted
+  call (a block-aligned start, the same chunk end) gives every other stop vLLM applies.
 * ``Scheduler.make_stats`` (v1/core/sched/scheduler.py): overridden to add the plugin's counters
   to the step's ``SchedulerStats`` (v1/metrics/stats.py). Relied on: the engine core sends its
   result to the frontend inside ``EngineCoreOutputs`` (msgpack, decoded to the declared
@@ -152,6 +156,8 @@ __all__ = [
     "keeps_prompt_states_between_blocks",
     "leave_state_slot_uncached",
     "prefill_state_position",
+    "read_restored_slot_in_place",
+    "recurrent_copies_on_write",
     "request_blocks",
     "runs_restores_past_their_block",
     "sampled_token_ids",
@@ -240,11 +246,31 @@ def runs_restores_past_their_block(scheduler) -> bool:
     )
 
 
+def _align_recurrent(manager) -> bool:
+    return isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align"
+
+
+def recurrent_copies_on_write(managers) -> int:
+    """Blocks vLLM counts for the copy-on-write of a partial recurrent hit: one per recurrent
+    manager in align mode (``get_num_blocks_to_allocate``' ``has_partial_hit``)."""
+    return sum(_align_recurrent(manager) for manager in managers)
+
+
+def read_restored_slot_in_place(managers, request_id: str) -> None:
+    """Drop the copy-on-write vLLM planned for ``request_id``'s partial recurrent hit
+    (``_partial_hit_reqs``), so its slot keeps the restored block: the chunk only reads it
+    (``preprocess_mamba`` copies it into the chunk's last slot) and ``last_state_block_idx``
+    releases it."""
+    for manager in managers:
+        if _align_recurrent(manager):
+            manager._partial_hit_reqs.pop(request_id, None)
+
+
 def leave_state_slot_uncached(managers, request_id: str, slot: int) -> None:
     """Make every recurrent manager in align mode start caching ``request_id``'s blocks after
     ``slot`` (its restored state's copy, which holds no block-end state)."""
     for manager in managers:
-        if isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align":
+        if _align_recurrent(manager):
             cached = manager.num_cached_block
             cached[request_id] = max(cached.get(request_id, 0), slot + 1)
 

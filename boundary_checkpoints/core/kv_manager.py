@@ -27,7 +27,9 @@ from boundary_checkpoints.compat import (
     get_block_hash,
     get_group_id,
     leave_state_slot_uncached,
+    read_restored_slot_in_place,
     reclass_instance,
+    recurrent_copies_on_write,
     restore_class,
     watermark_blocks,
 )
@@ -50,19 +52,30 @@ def counting_coordinator_class(cls: Any) -> type:
     caches for the next prompt sharing the prefix, unreserved (written into the null block): the
     cut chunk is the last one that can hold it, so it is the prefill's end for that count.
 
-    Its ``cache_blocks`` leaves uncached the recurrent slot named in ``uncached_state_slots``
-    (request id -> slot, set by the scheduler for a restored request whose first chunk runs past
-    its restore point's block: the slot holds the restored state's copy, not a block-end state)."""
+    For a restored request whose first chunk runs past its restore point's block
+    (``uncached_state_slots``: request id -> the slot of that block, set by the scheduler) the
+    recurrent slot keeps the restored block, read in place with no copy-on-write block (nor its
+    count), and ``cache_blocks`` leaves it uncached: it holds no block-end state."""
     if cls not in _COUNTING_COORDINATORS:
         count_blocks = cls.get_num_blocks_to_allocate
         cache = cls.cache_blocks
+        allocate = cls.allocate_new_blocks
 
         def get_num_blocks_to_allocate(self, *args, **kwargs):
-            cut_end = self.cut_prefill_ends.get(kwargs.get("request_id"))
+            request_id = kwargs.get("request_id")
+            cut_end = self.cut_prefill_ends.get(request_id)
             if cut_end is not None and not kwargs.get("apply_admission_cap") and kwargs.get("prefill_end", 0) > cut_end:
                 kwargs["prefill_end"] = cut_end
-            self.last_num_blocks_to_allocate = count_blocks(self, *args, **kwargs)
-            return self.last_num_blocks_to_allocate
+            count = count_blocks(self, *args, **kwargs)
+            if request_id in self.uncached_state_slots and count <= self.block_pool.num_gpu_blocks:
+                count -= recurrent_copies_on_write(self.single_type_managers)  # read in place instead
+            self.last_num_blocks_to_allocate = count
+            return count
+
+        def allocate_new_blocks(self, request_id, *args, **kwargs):
+            if request_id in self.uncached_state_slots:
+                read_restored_slot_in_place(self.single_type_managers, request_id)
+            return allocate(self, request_id, *args, **kwargs)
 
         def cache_blocks(self, request, num_computed_tokens):
             slot = self.uncached_state_slots.get(request.request_id)
@@ -77,6 +90,7 @@ def counting_coordinator_class(cls: Any) -> type:
             {
                 "get_num_blocks_to_allocate": get_num_blocks_to_allocate,
                 "cache_blocks": cache_blocks,
+                "allocate_new_blocks": allocate_new_blocks,
                 "last_num_blocks_to_allocate": None,
                 "cut_prefill_ends": MappingProxyType({}),
                 "uncached_state_slots": MappingProxyType({}),
