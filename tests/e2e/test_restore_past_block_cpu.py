@@ -2,8 +2,8 @@
 
 vLLM stops a chunk that starts inside a block at that block's end, so a request restored at a
 mid-block ``N`` took one more engine step than stock's request from the block grid below it. The
-plugin lets that first chunk run on to vLLM's next stop and leaves the restored state's slot
-uncached (``core/chunk_stops.py``, ``compat.leave_state_slot_uncached``). Checked here, on the tiny
+plugin lets that first chunk run on to vLLM's next stop, reading the restored block in place, and
+leaves that slot uncached (``core/chunk_stops.py``, ``compat.leave_state_slot_uncached``). Checked here, on the tiny
 Qwen3-Next (block 256) with the decode-path controls of ``test_decode_path_cpu`` and next turns
 of two blocks and more (``new_tokens``), so every continuation crosses two block boundaries:
 
