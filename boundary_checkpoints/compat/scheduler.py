@@ -84,11 +84,11 @@ override their hooks. Names and the behaviour relied on:
   stops a chunk that starts inside a block at the next block boundary, so that the recurrent
   group's slot of that block holds the state after the block's last token. A restored request's
   first chunk runs past it instead where :func:`runs_restores_past_their_block` holds: its slot
-  ``P // B`` is the copy-on-write copy of the restored state (``_partial_hit_reqs``, applied before
-  ``preprocess_mamba`` copies the previous slot into the chunk's last), which vLLM would register
-  as the state at that block's end; :func:`leave_state_slot_uncached` moves a recurrent manager's
-  ``num_cached_block`` past it, so ``cache_blocks`` starts after it, and ``last_state_block_idx``
-  frees it once the state has moved on. The chunk only reads that slot, so
+  ``P // B`` holds the restored state (``preprocess_mamba`` copies the previous slot into the
+  chunk's last), which vLLM would register as the state at that block's end;
+  :func:`leave_state_slot_uncached` moves a recurrent manager's ``num_cached_block`` past it, so
+  ``cache_blocks`` starts after it, and ``last_state_block_idx`` frees it once the state has
+  moved on. The chunk only reads that slot, so
   :func:`read_restored_slot_in_place` drops the copy-on-write (``_partial_hit_reqs``, set by
   ``save_new_computed_blocks`` before ``allocate_new_blocks``) and the slot keeps the restored
   block itself; ``get_num_blocks_to_allocate`` counts one block per recurrent group for that
@@ -187,10 +187,15 @@ def single_type_managers(kv_cache_manager) -> list:
     return list(kv_cache_manager.coordinator.single_type_managers)
 
 
+def _align_recurrent(manager) -> bool:
+    """Whether ``manager`` is a recurrent group's manager in align mode."""
+    return isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align"
+
+
 def same_step_marks(manager) -> set | None:
     """The hashes a recurrent group's manager in align mode marks as written in this step
     (``cached_blocks_this_step``: a hit ending on one waits a step); None for any other manager."""
-    if isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align":
+    if _align_recurrent(manager):
         marks = getattr(manager, "cached_blocks_this_step", None)
         return marks if isinstance(marks, set) else None
     return None
@@ -246,10 +251,6 @@ def runs_restores_past_their_block(scheduler) -> bool:
     )
 
 
-def _align_recurrent(manager) -> bool:
-    return isinstance(manager, MambaManager) and getattr(manager, "mamba_cache_mode", None) == "align"
-
-
 def recurrent_copies_on_write(managers) -> int:
     """Blocks vLLM counts for the copy-on-write of a partial recurrent hit: one per recurrent
     manager in align mode (``get_num_blocks_to_allocate``' ``has_partial_hit``)."""
@@ -268,7 +269,8 @@ def read_restored_slot_in_place(managers, request_id: str) -> None:
 
 def leave_state_slot_uncached(managers, request_id: str, slot: int) -> None:
     """Make every recurrent manager in align mode start caching ``request_id``'s blocks after
-    ``slot`` (its restored state's copy, which holds no block-end state)."""
+    ``slot`` (the restored state, read in place: no block-end state, and a checkpoint's own
+    block)."""
     for manager in managers:
         if _align_recurrent(manager):
             cached = manager.num_cached_block

@@ -3,8 +3,8 @@ and the indexer pool grid (contracts 1, 10, 11 and 13 in ``docs/design.md``).
 
 Contract: :class:`ChunkStopMixin` narrows vLLM's own ``_mamba_block_aligned_split`` chunk, and
 widens it in one case: a restored request's first chunk from a restore point inside a block runs
-past that block's end to vLLM's next stop, with the slot of the restored state's copy left
-uncached (``compat.leave_state_slot_uncached``), so a next turn takes the engine steps of stock's
+past that block's end to vLLM's next stop, reading the restored state in place and leaving its
+slot uncached (``compat.leave_state_slot_uncached``), so a next turn takes the engine steps of stock's
 from the block grid. A step is cut only while it prefills (:func:`is_prefill_step`). It reads the
 scheduler's state that ``BoundaryCheckpointMixin.__init__`` sets.
 """
@@ -124,7 +124,7 @@ class ChunkStopMixin:
         """A restored request's first chunk from a restore point ``start`` inside a block: vLLM
         stops it at the block's end, so that the recurrent slot of that block holds the state after
         its last token, and the rest of the prompt takes one more engine step than stock's from the
-        block grid. The slot holds only the restored state's copy, which the chunk reads; so the
+        block grid. The slot holds only the restored state, which the chunk reads; so the
         chunk runs on to vLLM's next stop from the block's start (the same end), and the slot is left
         uncached (``compat.leave_state_slot_uncached``). Returns that chunk's tokens, or None where
         it does not reach past the block (or the layout keeps the stop: ``compat``)."""

@@ -4,7 +4,7 @@ vLLM stops a chunk that starts inside a block at that block's end. A next turn r
 previous answer's end ``N`` (inside a block) then took one more engine step than stock's next turn
 from the block grid below ``N``, and under KV pressure that step's blocks took cached ones. The
 plugin runs the first chunk on to vLLM's next stop (``core/chunk_stops.py``) and leaves the slot
-that holds the restored state's copy uncached. Checked: the next turn's prefill chunks end where
+that holds the restored state uncached. Checked: the next turn's prefill chunks end where
 stock's do, vLLM's own stop at the prompt's last block boundary included; on GLM's layout (the
 indexer's pool grid) and under speculative decoding the stop stays.
 Negative control: with the plugin's chunk left to vLLM's split, the next turn runs one chunk more.
