@@ -229,6 +229,10 @@ class StoreCounters:
         "Responses that kept no checkpoint under speculative decoding with a pooled indexer: their boundary "
         "was off the pool grid, so the next turn restores the prompt checkpoint."
     )
+    responses_within_a_pool: int = exported(
+        "Responses that kept no checkpoint with a pooled indexer: their boundary was less than a pool past the "
+        "block boundary below it, where vLLM's own cache serves the next turn in as many steps."
+    )
     vllm_hits_lowered: int = exported(
         "Hits of vLLM's own cache lowered under speculative decoding with a pooled indexer: from a hit inside a "
         "block (a prefix match unit finer than the block) vLLM would run a prefill row as short as a verify row."

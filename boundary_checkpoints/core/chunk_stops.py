@@ -196,10 +196,12 @@ class ChunkStopMixin:
         if not self._prompt_admitted(request):
             return 0
         if self._prompt_at_end and not self._is_resend(request):
-            return request.num_prompt_tokens
+            prompt = request.num_prompt_tokens
+            return prompt if self._reaches_a_pool_past(prompt, self._vllm_state_below(request, prompt)) else 0
         if self._grid_only:
             return self._grid_prompt_target(request, start)
-        return prompt_boundary(request.num_prompt_tokens)
+        target = prompt_boundary(request.num_prompt_tokens)
+        return target if self._reaches_a_pool_past(target, self._vllm_state_below(request, target)) else 0
 
     # ---- contract 13: the plugin's rows under speculative decoding -----------------------------
     def _grid_prompt_target(self, request: Request, start: int | None = None) -> int:
@@ -263,6 +265,21 @@ class ChunkStopMixin:
             if first_only:
                 break
         return ends or [prompt]
+
+    def _reaches_a_pool_past(self, num_tokens: int, vllm_hit: int) -> bool:
+        """Whether a bundle at ``num_tokens`` is worth keeping and restoring on a layout with an
+        indexer pool (outside contract 13): it reaches at least one pool past ``vllm_hit``, the
+        hit vLLM's own cache gives (or will give) that prefix. A restore off the pool grid runs its
+        open pool in steps of its own (contract 11); fewer tokens than a pool recompute faster
+        inside vLLM's own step from its hit. True on layouts without a pool."""
+        return not self._kpool or self._grid_only or num_tokens - vllm_hit >= self._kpool
+
+    def _vllm_state_below(self, request: Request, num_tokens: int) -> int:
+        """The longest prefix of at most ``num_tokens`` whose recurrent state vLLM's cache keeps
+        from ``request``: the block boundary its prompt's chunks ended at (vLLM's block-aligned
+        split), not one its decode steps crossed."""
+        block_size = self.cache_config.block_size
+        return min(num_tokens, request.num_prompt_tokens) // block_size * block_size
 
     def _on_pool_grid(self, num_tokens: int) -> int:
         """The indexer's pool boundary at or below ``num_tokens``."""

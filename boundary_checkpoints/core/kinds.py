@@ -31,4 +31,5 @@ class MissReason(StrEnum):
     CACHE_BYPASSED = "cache_bypassed"  # the request skips the prefix cache
     DRAFT_NEXT_TOKEN = "draft_next_token"  # a bundle's MTP draft row was computed from another next token
     SHORT_ROW = "short_row"  # a bundle would leave a prefill row as short as a verify row (contract 13)
+    WITHIN_A_POOL = "within_a_pool"  # off the indexer's pool grid, less than a pool past vLLM's hit (contract 11)
     UNKNOWN = "unknown"  # a miss recorded without a reason

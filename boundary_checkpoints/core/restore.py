@@ -76,6 +76,11 @@ class RestoreMixin:
         cut_short = hit is not None and self._hits_inside_blocks and self._runs_short_rows_from(request, hit.num_tokens)
         if cut_short:
             hit = None
+        short_of_a_pool = (
+            hit is not None and hit.num_tokens > num_hit and not self._reaches_a_pool_past(hit.num_tokens, num_hit)
+        )
+        if short_of_a_pool:
+            hit = None
         refused = self._guard_refusal(request, answer.refused, pending_any) if guarding else None
         if hit is None or hit.num_tokens <= num_hit:
             if counting:
@@ -83,6 +88,8 @@ class RestoreMixin:
                     reason = MissReason.DRAFT_NEXT_TOKEN
                 elif cut_short:
                     reason = MissReason.SHORT_ROW
+                elif short_of_a_pool:
+                    reason = MissReason.WITHIN_A_POOL
                 elif hit is not None:
                     reason = MissReason.BLOCK_GRID_AS_LONG
                 else:

@@ -183,13 +183,13 @@ def test_tables_come_from_the_counter_fields_and_kinds():
     from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 
     exported = [f for f in fields(StoreCounters) if "help" in f.metadata]
-    assert len(COUNTER_HELP) == len(exported) == 28
+    assert len(COUNTER_HELP) == len(exported) == 29
     assert all(help_text for help_text, _ in COUNTER_HELP.values())
     assert set(metrics.GAUGE_KEYS) == {f.name for f in fields(ReportedGauges)} and len(GAUGE_HELP) == 5
     assert [k.value for k in CheckpointKind] == ["prompt", "response", "instruction"] == list(metrics.KNOWN_KINDS)
     assert [r.value for r in MissReason] == [
         "no_checkpoint", "diverged", "evicted", "block_grid_as_long", "ineligible", "cache_bypassed",
-        "draft_next_token", "short_row", "unknown",
+        "draft_next_token", "short_row", "within_a_pool", "unknown",
     ]  # fmt: skip
     assert metrics.KNOWN_EVICTION_CAUSES == ("budget", "pressure", "borrowed", "cached")
     counters = StoreCounters()

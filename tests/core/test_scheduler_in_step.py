@@ -108,10 +108,10 @@ def test_mtp_speculative_decoding_falls_back_to_the_stop(model_dir):
 def test_an_indexer_ring_layout_falls_back_to_the_stop(model_dir):
     """The GLM indexer tail ring is copied after its step: an in-step capture would copy the ring
     after ``P``. (GLM's KDA layers are no Qwen GDN layers either; this layout is synthetic.)"""
-    scheduler, worker = build_scheduler(model_dir, ring_kpool=BLOCK)
+    scheduler, worker = build_scheduler(model_dir, ring_kpool=4)
     assert scheduler._prompt_capture.mode == "stop" and "ring" in scheduler._prompt_capture.reason
     driver = Driver(scheduler, worker)
     chunk_ends = record_chunk_ends(scheduler)
-    first = make_request(tokens(random.Random(9), 20), salt="s")
+    first = make_request(tokens(random.Random(9), 22), salt="s")
     driver.run([first])
-    assert 19 in chunk_ends[first.request_id]
+    assert 21 in chunk_ends[first.request_id]

@@ -64,18 +64,19 @@ def test_boundaries_restore_exactly_on_and_off_the_pool_grid(model_dir, lag, sna
 
 
 def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir):
-    """Prompt of 18: capture at P - 1 = 17 (off the grid) copies the producer's ring block in the
-    step that copies its recurrent state; the resend's admitting step copies that bundle block into
-    the resend's own new ring block (a fresh block vLLM never restores; the plugin's worker drops a
-    copy destination from the blocks it zeroes); the resend then computes 1 token (17 -> 18). The next turn
-    restores at the committed length 25 (18 + 8 - 1; no pool-grid snapshots), prefills 2 tokens and
-    runs the open pool's last token alone to the pool boundary 28; from there vLLM's block-aligned
-    split (block 16) runs to 32, the plugin stops at P - 1 = 37 and the last prompt token runs alone."""
+    """Prompt of 22: capture at P - 1 = 21 (off the grid, a pool or more past the block boundary
+    16) copies the producer's ring block in the step that copies its recurrent state; the resend's
+    admitting step copies that bundle block into the resend's own new ring block (a fresh block
+    vLLM never restores; the plugin's worker drops a copy destination from the blocks it zeroes);
+    the resend then computes 1 token (21 -> 22). The next turn restores at the committed length 29
+    (22 + 8 - 1; no pool-grid snapshots), prefills 2 tokens and runs the open pool's last token
+    alone to the pool boundary 32; from there the plugin stops at P - 1 = 41 and the last prompt
+    token runs alone."""
     scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
     outputs = recorded_steps(scheduler)
     driver = Driver(scheduler, worker)
     rng = random.Random(3)
-    prompt = tokens(rng, 18)
+    prompt = tokens(rng, 22)
     producer = make_request(prompt, salt="s")
     [answer] = driver.run([producer])
     captures = [getattr(o, "boundary_capture_copies", None) for o in outputs]
@@ -98,17 +99,17 @@ def test_capture_and_restore_copy_the_ring_and_steps_stay_on_the_grid(model_dir)
     steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
     steps = [step for step in steps if step]
     n = len(prompt) + len(answer) - 1
-    assert driver.cached_tokens[nxt.request_id] == n == 25
-    assert len(follow_up) == 38 and steps[:5] == [2, 1, 4, 5, 1]
+    assert driver.cached_tokens[nxt.request_id] == n == 29
+    assert len(follow_up) == 42 and steps[:4] == [2, 1, 9, 1]
 
 
 def test_without_the_ring_copy_a_restore_off_the_grid_reads_a_fresh_ring(model_dir, monkeypatch):
     scheduler, worker = ring_scheduler(model_dir)
     monkeypatch.setattr(scheduler, "_copy_restored_rings", lambda output: setattr(scheduler, "_ring_restores", {}))
     driver = Driver(scheduler, worker)
-    prompt = tokens(random.Random(5), 18)
+    prompt = tokens(random.Random(5), 22)
     driver.run([make_request(prompt, salt="s")])
-    with pytest.raises(ShadowMismatch, match="ring group 3 at 17 is wrong"):
+    with pytest.raises(ShadowMismatch, match="ring group 3 at 21 is wrong"):
         driver.run([make_request(prompt, salt="s")])
 
 
@@ -361,3 +362,59 @@ def test_a_prefix_cache_reset_gives_every_snapshot_back(model_dir):
     scheduler.reset_prefix_cache()  # vLLM refuses while a request runs; the snapshots go anyway
     assert scheduler.boundary_stats()["snapshot_blocks"] == 0
     driver.finish([decoding])
+
+
+def within_a_pool_next_turn(scheduler, driver) -> tuple[int, list[int]]:
+    """(cached tokens, step sizes) of the next turn of a conversation whose response ends 2 tokens
+    past its prompt's block boundary 32: prompt 33, answer 2 (committed 34), 12 more tokens (47)."""
+    outputs = recorded_steps(scheduler)
+    rng = random.Random(7)
+    prompt = tokens(rng, 33)
+    [answer] = driver.run([make_request(prompt, salt="s", max_tokens=2)])
+    follow_up = prompt + answer + tokens(rng, 12)
+    nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt="cold")
+    first = len(outputs)
+    assert driver.run([nxt]) == driver.run([cold])
+    steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
+    return driver.cached_tokens[nxt.request_id], [step for step in steps if step]
+
+
+def test_a_boundary_less_than_a_pool_past_vllms_state_keeps_no_bundle(model_dir, monkeypatch):
+    """Contract 11: a response ending at 34, two tokens past the block boundary 32 where vLLM's
+    cache keeps its prompt's state, keeps no bundle (``responses_within_a_pool``; nor does its
+    prompt's P - 1 = 32, vLLM's own): the next turn takes vLLM's hit at 32 and prefills from the
+    grid (the stop at P - 1 = 46, the last token), where a restore at 34 runs the open pool in two
+    steps of its own first. Negative control: with the rule taken away the bundle is kept and
+    restored, two tokens further and two steps longer."""
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
+    cached, steps = within_a_pool_next_turn(scheduler, Driver(scheduler, worker))
+    assert (cached, steps[:2]) == (32, [14, 1])
+    assert scheduler.checkpoint_store.counters.responses_within_a_pool == 1
+
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
+    monkeypatch.setattr(scheduler, "_reaches_a_pool_past", lambda num_tokens, vllm_hit: True)
+    cached, steps = within_a_pool_next_turn(scheduler, Driver(scheduler, worker))
+    assert (cached, steps[:4]) == (34, [1, 1, 10, 1])
+
+
+def test_a_lookup_less_than_a_pool_past_vllms_hit_takes_vllms(model_dir, monkeypatch):
+    """A bundle at 34 kept while the rule was away (as a policy change could leave one) is not
+    restored over vLLM's hit at 32: the lookup counts ``within_a_pool``."""
+    from boundary_checkpoints.core.kinds import MissReason
+
+    scheduler, worker = ring_scheduler(model_dir, pool_grid_snapshots=False)
+    keep_all = {"on": True}
+    rule = scheduler._reaches_a_pool_past
+    monkeypatch.setattr(
+        scheduler, "_reaches_a_pool_past", lambda num_tokens, vllm_hit: keep_all["on"] or rule(num_tokens, vllm_hit)
+    )
+    driver = Driver(scheduler, worker)
+    rng = random.Random(7)
+    prompt = tokens(rng, 33)
+    [answer] = driver.run([make_request(prompt, salt="s", max_tokens=2)])
+    keep_all["on"] = False
+    follow_up = prompt + answer + tokens(rng, 12)
+    nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt="cold")
+    assert driver.run([nxt]) == driver.run([cold])
+    assert driver.cached_tokens[nxt.request_id] == 32
+    assert scheduler.checkpoint_store.counters.misses_by_reason[MissReason.WITHIN_A_POOL] == 1
