@@ -138,12 +138,12 @@ def test_a_prefill_that_takes_the_open_pools_last_token_is_caught(model_dir, mon
         driver.run([make_request(prompt + answer + tokens(rng, 12), salt="s")])
 
 
-def next_turn_steps(scheduler, driver, rng) -> tuple[int, list[int]]:
-    """(cached tokens, step sizes) of the next turn of a conversation: prompt 18, answer 8
-    (committed 25), 12 more tokens (38)."""
+def next_turn_steps(scheduler, driver, rng, prompt_tokens: int = 18, answer_tokens: int = 8) -> tuple[int, list[int]]:
+    """(cached tokens, step sizes) of the next turn of a conversation: by default prompt 18,
+    answer 8 (committed 25), 12 more tokens (38)."""
     outputs = recorded_steps(scheduler)
-    prompt = tokens(rng, 18)
-    [answer] = driver.run([make_request(prompt, salt="s")])
+    prompt = tokens(rng, prompt_tokens)
+    [answer] = driver.run([make_request(prompt, salt="s", max_tokens=answer_tokens)])
     follow_up = prompt + answer + tokens(rng, 12)
     nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt="cold")
     first = len(outputs)
@@ -365,18 +365,9 @@ def test_a_prefix_cache_reset_gives_every_snapshot_back(model_dir):
 
 
 def within_a_pool_next_turn(scheduler, driver) -> tuple[int, list[int]]:
-    """(cached tokens, step sizes) of the next turn of a conversation whose response ends 2 tokens
-    past its prompt's block boundary 32: prompt 33, answer 2 (committed 34), 12 more tokens (47)."""
-    outputs = recorded_steps(scheduler)
-    rng = random.Random(7)
-    prompt = tokens(rng, 33)
-    [answer] = driver.run([make_request(prompt, salt="s", max_tokens=2)])
-    follow_up = prompt + answer + tokens(rng, 12)
-    nxt, cold = make_request(follow_up, salt="s"), make_request(follow_up, salt="cold")
-    first = len(outputs)
-    assert driver.run([nxt]) == driver.run([cold])
-    steps = [o.num_scheduled_tokens.get(nxt.request_id) for o in outputs[first:]]
-    return driver.cached_tokens[nxt.request_id], [step for step in steps if step]
+    """The next turn of a conversation whose response ends 2 tokens past its prompt's block
+    boundary 32: prompt 33, answer 2 (committed 34), 12 more tokens (47)."""
+    return next_turn_steps(scheduler, driver, random.Random(7), prompt_tokens=33, answer_tokens=2)
 
 
 def test_a_boundary_less_than_a_pool_past_vllms_state_keeps_no_bundle(model_dir, monkeypatch):
