@@ -70,7 +70,9 @@
 #                                the plugin with prompt_capture $MTP24_CAPTURE (auto: the checkpoint at P; stop: the P - 1 stop)
 #   prompt_end_session.sh pressure24  the pressure stage's workload on the 24-layer pair, each server on a
 #                                $PRESSURE24_BYTES KV pool (2.5 GB), one awake at a time; PRESSURE24_AA=1: two
-#                                stock servers instead, how far stock's own cached tokens move from round to round
+#                                stock servers instead, how far stock's own cached tokens move from round to round;
+#                                PRESSURE24_AAB=1: a second stock server beside the pair (labels rotate, so no
+#                                server runs two rounds back to back: every round starts on a pool just woken)
 #   prompt_end_session.sh nextturn24  the servers stop; what a step of next turns arriving at once costs, stock against
 #                                the plugin (benchmarks/step_profile.py --next-turn, in-process engines one after the
 #                                other, turns24's settings): 8,100-token prompts answered with 64 tokens, then resent
@@ -298,6 +300,7 @@ case "$stage" in
     # cached below stock" and stock's own cached-token ratio (near 0: every chain thrashed for both,
     # raise the bytes; no eviction in the logs: lower them).
     [[ -n ${PRESSURE24_AA:-} ]] && PAIR24=(--policies aligned --variant 'aligned_b={"policy": "aligned"}')
+    [[ -n ${PRESSURE24_AAB:-} ]] && PAIR24+=(--variant 'aligned_b={"policy": "aligned"}')
     pair24 --server-arg="--kv-cache-memory-bytes ${PRESSURE24_BYTES:-2500000000}" \
       -N 16 -T 3 -S 2000 -U 1500 -A 64 --in-flight 8 --turn-order rounds --time-budget "${PRESSURE24_BUDGET:-480}" \
       --out-json /tmp/r/$stage.json 2>&1 | tee /tmp/r/$stage.log | tail -60
