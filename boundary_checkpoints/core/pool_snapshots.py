@@ -168,11 +168,13 @@ class PoolGridMixin:
                 "a one-token step that completes a pool beside verify rows, and no stop or restore leaves a "
                 f"prefill row of {self.num_spec_tokens + 1} tokens or fewer (as long as a verify row)"
             )
+        within = f"; off the grid only {self._kpool} tokens or more past vLLM's own hit"
         if self._pool_snapshots is None:
-            return ", response checkpoints at the committed length (pool_grid_snapshots off)"
+            return f", response checkpoints at the committed length (pool_grid_snapshots off){within}"
         return (
             f", response checkpoints on the indexer's {self._kpool}-token pool grid (each decoding request keeps "
-            "its state at its last pool boundary in free blocks no cached page needs, given back first under pressure)"
+            "its state at its last pool boundary in free blocks no cached page needs, given back first under "
+            f"pressure){within}"
         )
 
     @property
