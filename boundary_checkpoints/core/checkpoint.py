@@ -231,7 +231,7 @@ class StoreCounters:
     )
     responses_within_a_pool: int = exported(
         "Responses that kept no checkpoint with a pooled indexer: their boundary was less than a pool past the "
-        "block boundary below it, where vLLM's own cache serves the next turn in as many steps."
+        "last block boundary of their prompt, where vLLM's own cache serves the next turn in fewer steps."
     )
     vllm_hits_lowered: int = exported(
         "Hits of vLLM's own cache lowered under speculative decoding with a pooled indexer: from a hit inside a "

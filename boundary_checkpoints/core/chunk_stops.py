@@ -197,11 +197,11 @@ class ChunkStopMixin:
             return 0
         if self._prompt_at_end and not self._is_resend(request):
             prompt = request.num_prompt_tokens
-            return prompt if self._reaches_a_pool_past(prompt, self._vllm_state_below(request, prompt)) else 0
+            return prompt if self._beats_vllm_state(request, prompt) else 0
         if self._grid_only:
             return self._grid_prompt_target(request, start)
         target = prompt_boundary(request.num_prompt_tokens)
-        return target if self._reaches_a_pool_past(target, self._vllm_state_below(request, target)) else 0
+        return target if self._beats_vllm_state(request, target) else 0
 
     # ---- contract 13: the plugin's rows under speculative decoding -----------------------------
     def _grid_prompt_target(self, request: Request, start: int | None = None) -> int:
@@ -274,12 +274,14 @@ class ChunkStopMixin:
         inside vLLM's own step from its hit. True on layouts without a pool."""
         return not self._kpool or self._grid_only or num_tokens - vllm_hit >= self._kpool
 
-    def _vllm_state_below(self, request: Request, num_tokens: int) -> int:
-        """The longest prefix of at most ``num_tokens`` whose recurrent state vLLM's cache keeps
-        from ``request``: the block boundary its prompt's chunks ended at (vLLM's block-aligned
-        split), not one its decode steps crossed."""
+    def _beats_vllm_state(self, request: Request, num_tokens: int) -> bool:
+        """Whether a bundle of ``request`` at ``num_tokens`` reaches a pool past the longest
+        prefix whose recurrent state vLLM's cache keeps from ``request`` (:meth:`_reaches_a_pool_past`):
+        the block boundary its prompt's chunks ended at (vLLM's block-aligned split), not one its
+        decode steps crossed."""
         block_size = self.cache_config.block_size
-        return min(num_tokens, request.num_prompt_tokens) // block_size * block_size
+        vllm_state = min(num_tokens, request.num_prompt_tokens) // block_size * block_size
+        return self._reaches_a_pool_past(num_tokens, vllm_state)
 
     def _on_pool_grid(self, num_tokens: int) -> int:
         """The indexer's pool boundary at or below ``num_tokens``."""

@@ -265,8 +265,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
                 if num_tokens and self._grid_only and not self._response_on_grid(num_tokens):
                     self.checkpoint_store.counters.responses_off_pool_grid += 1
                     num_tokens = 0  # contract 13: the next turn restores the prompt checkpoint
-                vllm_state = self._vllm_state_below(request, num_tokens)
-                if num_tokens and not self._reaches_a_pool_past(num_tokens, vllm_state):
+                if num_tokens and not self._beats_vllm_state(request, num_tokens):
                     self.checkpoint_store.counters.responses_within_a_pool += 1
                     num_tokens = 0  # contract 11: vLLM's own hit recomputes the rest faster
                 if num_tokens and not self._plan_response_on_pool_grid(request, num_tokens):
