@@ -122,7 +122,7 @@ pair24() {
     ${SPEC24:+--server-arg="--speculative-config '$SPEC24'"} \
     --server-arg='--gpu-memory-utilization 0.6' --server-arg='--max-model-len 16384' \
     --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager --additional-config '{"gdn_prefill_backend":"triton"}' \
-    --repeat 6 --warmup "${WARMUP24:-1}" --startup-timeout "${STARTUP24_TIMEOUT:-420}" --markdown "$@"
+    ${SERVER24_ARG:+--server-arg="$SERVER24_ARG"} --repeat 6 --warmup "${WARMUP24:-1}" --startup-timeout "${STARTUP24_TIMEOUT:-420}" --markdown "$@"
 }
 case "$stage" in
   turns)
