@@ -117,6 +117,12 @@ def _check_auto_or_flag(value: Any, name: str) -> bool | str:
     return value
 
 
+def _check_auto_or_token_count(value: Any, name: str) -> int | str:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise BoundaryConfigError(f'{name} must be "auto" or an integer >= 0 (got {type(value).__name__} {value!r})')
+    return value
+
+
 _FIELD_CHECKS = {
     "policy": _check_policy,
     "prompt_checkpoints": _check_flag,
@@ -130,6 +136,7 @@ _FIELD_CHECKS = {
     "pool_grid_snapshots": _check_flag,
     "prefix_match_unit": _one_of(MATCH_UNITS),
     "shared_hits_together": _check_auto_or_flag,
+    "graph_fit_tokens": _check_auto_or_token_count,
 }
 
 
@@ -216,6 +223,14 @@ class BoundaryConfig:
     ``docs/results/gpu-shared-hits-h100.md``) and loses median TTFT where it grows with them (the
     CPU engine: ``docs/results/cpu-shared-hits.md``). ``auto`` (default): true except on a CPU.
     False: vLLM's order. The startup log says which."""
+
+    graph_fit_tokens: int | str = "auto"
+    """A step of restored prompts that would cross this many tokens, beside the running requests,
+    admits only those that fit, and the rest start in the next step, when they fit that one
+    (``core/graph_fit.py``): two steps replayed from CUDA graphs instead of one run eagerly.
+    ``auto`` (default): the largest CUDA graph vLLM replays for batches with prefills
+    (``max_cudagraph_capture_size``; off where they run eagerly: a CPU, ``--enforce-eager``). 0:
+    off. The startup log says which."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

@@ -11,7 +11,8 @@ function that reads it, on first call. Names and the behaviour relied on:
   platform the engine runs on (the layout reads ``is_cpu()`` at startup, ``core/layout.py``).
 * Facts of the engine config that decide what the plugin may do: the GDN prefill kernel
   (:func:`gdn_prefill_backend`) and the CUDA graph mode of mixed batches
-  (:func:`mixed_batches_replay_full_graphs`); the model's tokenizer (:func:`engine_tokenizer`).
+  (:func:`mixed_batches_replay_full_graphs`), the largest CUDA graph a batch that holds prefills
+  replays (:func:`mixed_batch_graph_ceiling`); the model's tokenizer (:func:`engine_tokenizer`).
 * Instances vLLM builds (scheduler's KV cache manager and coordinator, model runner, GDN layers,
   OpenAI serving objects) get a plugin subclass by ``__class__`` assignment
   (:func:`reclass_instance`), and one re-classed only for a while gets vLLM's class back
@@ -27,6 +28,7 @@ __all__ = [
     "allowed_vllm_plugins",
     "engine_tokenizer",
     "gdn_prefill_backend",
+    "mixed_batch_graph_ceiling",
     "mixed_batches_replay_full_graphs",
     "platform_is_cpu",
     "platform_name",
@@ -87,6 +89,21 @@ def mixed_batches_replay_full_graphs(vllm_config) -> bool:
 
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     return isinstance(mode, CUDAGraphMode) and mode.mixed_mode() == CUDAGraphMode.FULL
+
+
+def mixed_batch_graph_ceiling(vllm_config) -> int:
+    """The most tokens a batch that holds prefills may schedule and still replay a CUDA graph
+    (``max_cudagraph_capture_size``); 0 where such batches run eagerly (``enforce_eager``, a CUDA
+    graph mode with no graph for mixed batches, a platform without graphs)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if getattr(vllm_config.model_config, "enforce_eager", False) or not isinstance(mode, CUDAGraphMode):
+        return 0
+    if mode.mixed_mode() == CUDAGraphMode.NONE:
+        return 0
+    return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
 
 
 def reclass_instance(obj: object, subclass: type) -> None:

@@ -213,6 +213,10 @@ class StoreCounters:
         "Allocations whose mark on the cached recurrent state their prefix hit ends on was taken back, so "
         "other prompts hitting that state start in the same engine step (vLLM would defer each a step)."
     )
+    rows_fit_to_graph: int = exported(
+        "New requests that started an engine step later so that a step of restored prompts fit the largest "
+        "CUDA graph, the rest fitting the next step's (graph_fit_tokens)."
+    )
     prompt_stops: int = exported(
         "Prefill chunks the plugin ended at P - 1: the last prompt token ran in an engine step of its own."
     )

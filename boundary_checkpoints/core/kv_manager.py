@@ -2,8 +2,9 @@
 
 Contract: :class:`PressureRelievingKVCacheManager` evicts retained checkpoints (through the
 scheduler's ``relieve_pressure``) before it refuses an allocation, and refuses a new prompt's first
-allocation when its ``prefix_in_flight`` (``core/prefix_in_flight.py``) says it waits a step, and
-takes back the same-step marks ``shared_hits`` (``core/shared_hits.py``) names after an allocation;
+allocation when its ``prefix_in_flight`` (``core/prefix_in_flight.py``) or its ``graph_fit``
+(``core/graph_fit.py``) says it waits a step, and takes back the same-step marks ``shared_hits``
+(``core/shared_hits.py``) names after an allocation;
 :class:`YieldingBlockPool` lets them yield (the scheduler's ``yield_to_cache``) before it hands out
 a block of vLLM's prefix cache; :func:`counting_coordinator_class` is a coordinator that
 remembers its last block count, counts a chunk the plugin cut short as if the prefill ended
@@ -141,6 +142,7 @@ class PressureRelievingKVCacheManager(KVCacheManager):
     relieve_pressure: Any = None  # (shortfall) -> bool (True: a bundle was evicted), set by the scheduler
     prefix_in_flight: Any = None  # core/prefix_in_flight.PrefixInFlight, set by the scheduler (or None)
     shared_hits: Any = None  # core/shared_hits.SharedHits, set by the scheduler (or None)
+    graph_fit: Any = None  # core/graph_fit.GraphFit, set by the scheduler (or None)
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
         in_flight = self.prefix_in_flight
@@ -150,10 +152,18 @@ class PressureRelievingKVCacheManager(KVCacheManager):
             start += kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
             if new and in_flight.waits(request, start):
                 return None  # vLLM's answer for "not in this step": it tries again next step
+        graph_fit = self.graph_fit
+        if graph_fit is not None:
+            begin = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
+            begin += kwargs.get("num_external_computed_tokens", 0)
+            if new and graph_fit.waits(request, begin, num_new_tokens):
+                return None
         releases = self.shared_hits.marks_to_release(request, kwargs) if self.shared_hits is not None else None
         blocks = self._allocate_relieving_pressure(request, num_new_tokens, *args, **kwargs)
         if blocks is not None and releases:
             self.shared_hits.allocated(request, releases)
+        if blocks is not None and graph_fit is not None:
+            graph_fit.allocated(request, begin, num_new_tokens)
         if blocks is not None and in_flight is not None:
             if new:
                 in_flight.admitted(request, start)
@@ -169,6 +179,8 @@ class PressureRelievingKVCacheManager(KVCacheManager):
         super().new_step_starts()
         if self.prefix_in_flight is not None:
             self.prefix_in_flight.step_starts()
+        if self.graph_fit is not None:
+            self.graph_fit.step_starts()
 
     def _allocate_relieving_pressure(self, request, num_new_tokens, *args, **kwargs):
         blocks = super().allocate_slots(request, num_new_tokens, *args, **kwargs)

@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from boundary_checkpoints.compat import (
     KVCacheBlocks,
     Request,
+    RequestStatus,
     block_grid_hit,
     drops_eagle_block,
 )
@@ -45,11 +46,7 @@ class RestoreMixin:
         if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
             self._count_lookup(request, None, MissReason.CACHE_BYPASSED)
             return blocks, num_hit, shared_boundary, diverged
-        root = self._root(request)
-
-        def parents(start: int):
-            return parent_of(start, request.block_hashes, self.hash_block_size, root)
-
+        parents = self._parents(request)
         pending = self._scheduled_pending_hit(request)
         ledger = self._ledgers[request.request_id]
         counting = not ledger.counted
@@ -129,6 +126,22 @@ class RestoreMixin:
             self._ring_restores[request.request_id] = hit
         blocks = tuple([] if g in self._ring_groups else list(group) for g, group in enumerate(hit.group_blocks))
         return KVCacheBlocks(blocks), hit.num_tokens, 0, False
+
+    def _parents(self, request: Request):
+        """``start`` -> the key parent of ``request``'s tail from ``start`` (the store's lookups)."""
+        root = self._root(request)
+        return lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root)
+
+    def _tokens_after_restore(self, request: Request) -> int | None:
+        """The tokens a waiting ``request`` would compute from the store's hit, read without a lookup
+        (nothing counted or touched); None without one."""
+        if request.status != RequestStatus.WAITING or not request_is_eligible(request):
+            return None
+        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            return None
+        limit = request.num_tokens - self._restore_tail
+        hit = self.checkpoint_store.peek(request.all_token_ids, limit, self._parents(request), self.hash_block_size)
+        return None if hit is None else request.num_tokens - hit.num_tokens
 
     def _without_short_rows(self, request: Request, blocks: KVCacheBlocks, num_hit: int) -> tuple[KVCacheBlocks, int]:
         """vLLM's hit ``num_hit`` inside a block, or where vLLM's own split from there would run a

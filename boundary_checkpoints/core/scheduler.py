@@ -23,6 +23,7 @@ from boundary_checkpoints.compat import (
     SchedulerOutput,
     caches_hash,
     keeps_prompt_states_between_blocks,
+    mixed_batch_graph_ceiling,
     platform_is_cpu,
     reclass_instance,
     request_blocks,
@@ -36,6 +37,7 @@ from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
+from boundary_checkpoints.core.graph_fit import graph_fit_for, waiting_rows
 from boundary_checkpoints.core.hit_balance import HitBalance
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
@@ -147,6 +149,12 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         shared_hits = SharedHits(self.kv_cache_manager, self._count_shared_hit_release)
         together, together_phrase = decide_together(self.boundary_config.shared_hits_together, platform_is_cpu())
         self.kv_cache_manager.shared_hits = shared_hits if together and shared_hits.active else None
+        self._graph_fit = graph_fit_for(
+            self.boundary_config.graph_fit_tokens, mixed_batch_graph_ceiling(self.vllm_config), self.num_spec_tokens,
+            is_restored=lambda request: self._ledgers[request.request_id].restored_from is not None,
+            rows_behind=self._waiting_rows_behind, counters=self.checkpoint_store.counters,
+        )  # fmt: skip
+        self.kv_cache_manager.graph_fit = self._graph_fit
         if borrow:
             block_pool.yield_to_cache = self._yield_to_cache
             block_pool.clock = self.checkpoint_store.now
@@ -176,7 +184,8 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             copy_times_reach_metrics(self.vllm_config),
             self._pool_grid_line()
             + (PrefixInFlight.STARTUP_PHRASE if self.kv_cache_manager.prefix_in_flight else "")
-            + (together_phrase if shared_hits.active else ""),
+            + (together_phrase if shared_hits.active else "")
+            + (self._graph_fit.startup_phrase() if self._graph_fit else ""),
         )
 
     def _count_shared_hit_release(self) -> None:
@@ -225,6 +234,14 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self._block_pool.free_blocks(self._lookup_pins)
             self._lookup_pins = []
         return output
+
+    def _waiting_rows_behind(self, request: Request) -> list[int | None]:
+        """The tokens of the waiting requests after ``request`` that could still start now (``core/graph_fit.py``)."""
+        waiting = iter(self.waiting)
+        if not any(queued is request for queued in waiting):
+            return [None]  # not in the queue the rule reads: unknown
+        limit = max(self.max_num_running_reqs - len(self.running) - 1, 0)
+        return waiting_rows(waiting, limit, self._tokens_after_restore)
 
     def _copy_restored_rings(self, output: SchedulerOutput) -> None:
         """Append the ring copy of every request this step admits from a checkpoint (item 11)."""

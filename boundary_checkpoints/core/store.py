@@ -163,6 +163,14 @@ class CheckpointStore:
                 reason = miss_reason(self._by_parent, self.reuse, tokens, max_tokens, parents, hash_block_size, longest)
         return StoreAnswer(hit, refused, reason)
 
+    def peek(
+        self, tokens: Sequence[int], max_tokens: int, parents: Callable[[int], Hashable | None], hash_block_size: int
+    ) -> Checkpoint | None:
+        """The longest bundle that serves ``tokens`` (``N <= max_tokens``) if it is intact, as
+        :meth:`query` would find it, with no side effect (nothing touched, evicted or counted)."""
+        hit, _ = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
+        return hit if hit is not None and hit.intact() else None
+
     def _lost_to_row_rule(
         self,
         tokens: Sequence[int],

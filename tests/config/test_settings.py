@@ -37,6 +37,7 @@ def test_defaults(additional_config):
     assert cfg.prompt_capture == "auto"
     assert cfg.prompt_admission == "auto"
     assert cfg.shared_hits_together == "auto"
+    assert cfg.graph_fit_tokens == "auto"
 
 
 @pytest.mark.parametrize("value", ["auto", True, False])
@@ -110,6 +111,9 @@ BAD_VALUES = [
     ("shared_hits_together", "on", '"auto", true or false'),
     ("shared_hits_together", 1, '"auto", true or false'),
     ("shared_hits_together", None, '"auto", true or false'),
+    ("graph_fit_tokens", -1, '"auto" or an integer >= 0'),
+    ("graph_fit_tokens", True, '"auto" or an integer >= 0'),
+    ("graph_fit_tokens", "512", '"auto" or an integer >= 0'),
 ]
 
 

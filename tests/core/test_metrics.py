@@ -183,7 +183,7 @@ def test_tables_come_from_the_counter_fields_and_kinds():
     from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 
     exported = [f for f in fields(StoreCounters) if "help" in f.metadata]
-    assert len(COUNTER_HELP) == len(exported) == 29
+    assert len(COUNTER_HELP) == len(exported) == 30
     assert all(help_text for help_text, _ in COUNTER_HELP.values())
     assert set(metrics.GAUGE_KEYS) == {f.name for f in fields(ReportedGauges)} and len(GAUGE_HELP) == 5
     assert [k.value for k in CheckpointKind] == ["prompt", "response", "instruction"] == list(metrics.KNOWN_KINDS)

@@ -73,6 +73,7 @@ def build_scheduler(
     pool_grid_snapshots: bool = True,
     shared_hits_together: bool | str = "auto",
     prefix_match_unit: int | None = None,
+    graph_fit_tokens: int | str = "auto",
 ):
     """vLLM's real Scheduler (the class vLLM would pick for ``policy``) over a synthetic layout.
 
@@ -160,6 +161,7 @@ def build_scheduler(
                 "prompt_admission": prompt_admission,
                 "pool_grid_snapshots": pool_grid_snapshots,
                 "shared_hits_together": shared_hits_together,
+                "graph_fit_tokens": graph_fit_tokens,
             }
         },
     ).create_engine_config()
