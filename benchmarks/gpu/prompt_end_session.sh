@@ -61,7 +61,10 @@
 #                                sharing a prefix, and next turns, $TURNS24_LEVELS in flight (1,8), up to 6 rounds);
 #                                every 24-layer stage waits $STARTUP24_TIMEOUT s (420) for a server: a bare
 #                                H100 without the compile caches took over 300 s; $WARMUP24 (1): warm-up
-#                                conversations per start and wake, sent at once
+#                                conversations per start and wake, sent at once; $SERVER24_ARG: one more vllm
+#                                argument for every 24-layer server ('--max-num-seqs 256': vLLM's default CUDA
+#                                graph ceiling of 512 tokens instead of the stages' 128); GRAPHFIT_AB=1 (turns24):
+#                                a third server, the plugin with graph_fit_tokens 0, labelled "nofit"
 #   prompt_end_session.sh fresh24  the servers stop; the same 24-layer pair, one awake at a time: fresh prompts
 #                                only (--turn1-only: nothing reused), $FRESH_S-token prompts (8000), $FRESH_N
 #                                conversations (32) at $FRESH_LEVELS in flight (1,8,32), 128-token answers, 6 rounds
@@ -267,6 +270,7 @@ case "$stage" in
       capture=${MTP24_CAPTURE:-auto}
       variant=(--policies aligned --variant "$capture={\"policy\": \"request_boundaries\", \"prompt_capture\": \"$capture\"}")
     fi
+    [[ -n ${GRAPHFIT_AB:-} ]] && variant+=(--variant 'nofit={"policy": "request_boundaries", "graph_fit_tokens": 0}')
     # Expected wall time about 530 s: 10 s pause, then bc-bench's --time-budget 500 (two servers
     # started one by one, about 100 s each; rounds while they fit, each slot after a switch adding a
     # sleep, a wake and a warm-up of about 1.5 s, in the JSON's servers.*.sleep_others), then the

@@ -121,13 +121,7 @@ def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_promp
     first = [make_request(tokens(rng, first_prompt), max_tokens=4) for _ in range(4)]
     answers = driver.run(first)
     turns = [make_request(r.prompt_token_ids + a + tokens(rng, 9), max_tokens=3) for r, a in zip(first, answers)]
-    for request in turns:
-        scheduler.add_request(request)
-    per_step = []
-    while sum(per_step) < len(turns):
-        output = driver.step()
-        per_step.append(sum(1 for n in output.num_scheduled_tokens.values() if n > 1))
-    outputs = driver.finish(turns)
+    per_step, outputs = driver.start_at_once(turns)
     return scheduler, per_step, [driver.cached_tokens[r.request_id] for r in turns], outputs
 
 

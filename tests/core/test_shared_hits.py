@@ -50,13 +50,7 @@ def run_siblings(
     if prefix_cached:
         driver.run([primer])
     requests = [make_request(prefix + tokens(rng, 7), max_tokens=2) for _ in range(6)]
-    for request in requests:
-        scheduler.add_request(request)
-    prefills_per_step = []
-    while sum(prefills_per_step) < len(requests):
-        output = driver.step()
-        prefills_per_step.append(sum(1 for n in output.num_scheduled_tokens.values() if n > 1))
-    outputs = driver.finish(requests)
+    prefills_per_step, outputs = driver.start_at_once(requests)
     return scheduler, prefills_per_step, [driver.cached_tokens[r.request_id] for r in requests], outputs
 
 

@@ -297,6 +297,17 @@ class Driver:
             self.scheduler.add_request(request)
         return self.finish(requests, max_steps)
 
+    def start_at_once(self, requests) -> tuple[list[int], list[list[int]]]:
+        """Add ``requests`` together and step until every one finished: (prefill rows per step
+        until all have started, their output tokens)."""
+        for request in requests:
+            self.scheduler.add_request(request)
+        prefills_per_step: list[int] = []
+        while sum(prefills_per_step) < len(requests):
+            output = self.step()
+            prefills_per_step.append(sum(1 for n in output.num_scheduled_tokens.values() if n > 1))
+        return prefills_per_step, self.finish(requests)
+
     def finish(self, requests, max_steps: int = 10_000) -> list[list[int]]:
         """Step until every request (already added) finished; returns their output tokens."""
         for _ in range(max_steps):
