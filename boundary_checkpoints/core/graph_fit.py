@@ -80,8 +80,9 @@ class GraphFit:
     def waits(self, request: Any, start: int, num_new_tokens: int) -> bool:
         """Whether the new ``request``, computing ``num_new_tokens`` from ``start`` (its hit), starts
         a step later."""
-        if self._waited_last_step or not self._is_restored(request):
-            return False
+        crosses = 0 < self._step_tokens <= self.ceiling < self._step_tokens + num_new_tokens
+        if self._waited_last_step or not crosses or not self._is_restored(request):
+            return False  # the waiting queue is read only where the step would cross the ceiling
         rest = [request.num_tokens - start, *self._rows_behind(request)]
         if not defers(self._step_tokens, num_new_tokens, self._next_tokens, rest, self.ceiling):
             return False

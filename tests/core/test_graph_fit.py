@@ -155,3 +155,17 @@ def test_auto_on_a_cpu_is_off_and_on_a_gpu_takes_vllms_ceiling(model_dir, monkey
     monkeypatch.setattr("boundary_checkpoints.core.scheduler.mixed_batch_graph_ceiling", lambda config: 24)
     scheduler, per_step, _, _ = next_turns_at_once(model_dir, "auto")
     assert scheduler._graph_fit.ceiling == 24 and per_step == [2, 2]
+
+
+def test_the_waiting_queue_is_read_only_where_the_step_would_cross_the_ceiling():
+    reads = []
+    fit = GraphFit(
+        24, 1, is_restored=lambda r: True, rows_behind=lambda r: reads.append(r) or [], on_wait=lambda n: None
+    )
+    row = SimpleNamespace(num_tokens=58)
+    fit.step_starts()
+    for _ in range(2):
+        assert not fit.waits(row, 48, 10)
+        fit.allocated(row, 48, 10)
+    assert reads == []
+    assert fit.waits(row, 48, 10) and reads == [row]
