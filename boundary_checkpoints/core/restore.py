@@ -4,7 +4,9 @@
 Contract: :class:`RestoreMixin` answers vLLM's ``_get_local_prefix_cache_hit`` with the longest of
 vLLM's own block-grid hit, the store's hit and a scheduled pending bundle, gives every KV group the
 same ``N``, pins the hit for the ``schedule()`` that looked it up, and counts each request's
-lookup once, as a hit or as a miss with a reason.
+lookup once, as a hit or as a miss with a reason. For the graph-fit rule (``core/graph_fit.py``)
+it sizes the waiting requests' restores from the store without a lookup (nothing counted or
+touched).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from boundary_checkpoints.core.boundaries import (
 )
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import request_is_eligible
+from boundary_checkpoints.core.graph_fit import waiting_rows
 from boundary_checkpoints.core.keys import parent_of
 from boundary_checkpoints.core.kinds import MissReason
 
@@ -142,6 +145,14 @@ class RestoreMixin:
         limit = request.num_tokens - self._restore_tail
         hit = self.checkpoint_store.peek(request.all_token_ids, limit, self._parents(request), self.hash_block_size)
         return None if hit is None else request.num_tokens - hit.num_tokens
+
+    def _waiting_rows_behind(self, request: Request) -> list[int | None]:
+        """The tokens of the waiting requests after ``request`` that could still start now (``core/graph_fit.py``)."""
+        waiting = iter(self.waiting)
+        if not any(queued is request for queued in waiting):
+            return [None]  # not in the queue the rule reads: unknown
+        limit = max(self.max_num_running_reqs - len(self.running) - 1, 0)
+        return waiting_rows(waiting, limit, self._tokens_after_restore)
 
     def _without_short_rows(self, request: Request, blocks: KVCacheBlocks, num_hit: int) -> tuple[KVCacheBlocks, int]:
         """vLLM's hit ``num_hit`` inside a block, or where vLLM's own split from there would run a

@@ -37,7 +37,7 @@ from boundary_checkpoints.core.chat_markers import chat_markers_for
 from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
-from boundary_checkpoints.core.graph_fit import graph_fit_for, waiting_rows
+from boundary_checkpoints.core.graph_fit import graph_fit_for
 from boundary_checkpoints.core.hit_balance import HitBalance
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
@@ -234,14 +234,6 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self._block_pool.free_blocks(self._lookup_pins)
             self._lookup_pins = []
         return output
-
-    def _waiting_rows_behind(self, request: Request) -> list[int | None]:
-        """The tokens of the waiting requests after ``request`` that could still start now (``core/graph_fit.py``)."""
-        waiting = iter(self.waiting)
-        if not any(queued is request for queued in waiting):
-            return [None]  # not in the queue the rule reads: unknown
-        limit = max(self.max_num_running_reqs - len(self.running) - 1, 0)
-        return waiting_rows(waiting, limit, self._tokens_after_restore)
 
     def _copy_restored_rings(self, output: SchedulerOutput) -> None:
         """Append the ring copy of every request this step admits from a checkpoint (item 11)."""
