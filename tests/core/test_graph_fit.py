@@ -1,7 +1,8 @@
 """Restored rows fit a CUDA graph (``core/graph_fit.py``, ``graph_fit_tokens``).
 
-The rule on its own (:func:`rows_now`, :class:`GraphFit`), then vLLM's real scheduler over the
-shadow runner (every state a row reads checked against a cold run): four conversations' next
+The rule on its own (:func:`defers`, :class:`GraphFit`), then vLLM's real scheduler over the
+shadow runner (every state a row reads checked against a cold run), on Qwen3-Next's layout and
+GLM-5.3-Flash's (indexer ring, pool grid, in-chunk states): four conversations' next
 turns, each restored with 10 tokens to compute, arrive at once. With a ceiling of 24 tokens two
 start now and two in the next step (two graph steps); with the rule off (the negative control)
 all four share one step, and with a ceiling the rest would not fit either (15) nothing is split.
@@ -106,7 +107,14 @@ def test_the_ceiling_is_vllms_largest_graph_for_batches_with_prefills():
 # ---- on vLLM's scheduler ----------------------------------------------------------------------
 
 
-def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_prompt=45):
+LAYOUTS = {
+    "qwen3_next": {},
+    # GLM-5.3-Flash's: an indexer tail ring on a 4-token pool grid, recurrent states saved inside chunks
+    "glm": {"ring_kpool": 4, "prefill_checkpoint_alignment": 4},
+}
+
+
+def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_prompt=45, layout="qwen3_next"):
     """Four first turns of ``first_prompt`` tokens answered with 4 tokens, then their next turns (9
     new tokens each) sent at once: (the scheduler, prefill rows per step until all started, cached
     tokens, answers). At 45 tokens each restores at 48, a block boundary, and computes its 10
@@ -114,7 +122,7 @@ def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_promp
     scheduler, worker = build_scheduler(
         model_dir, policy="request_boundaries", block_size=16, num_blocks=512, max_num_seqs=16,
         max_num_batched_tokens=512, max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto",
-        graph_fit_tokens=graph_fit,
+        graph_fit_tokens=graph_fit, **LAYOUTS[layout],
     )  # fmt: skip
     driver = Driver(scheduler, worker, lag=int(async_scheduling))
     rng = random.Random(5)
@@ -125,10 +133,11 @@ def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_promp
     return scheduler, per_step, [driver.cached_tokens[r.request_id] for r in turns], outputs
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_restored_next_turns_past_the_ceiling_start_in_two_graph_sized_steps(model_dir, async_scheduling):
-    scheduler, per_step, cached, outputs = next_turns_at_once(model_dir, 24, async_scheduling)
-    _, per_step_off, cached_off, outputs_off = next_turns_at_once(model_dir, 0, async_scheduling)
+def test_restored_next_turns_past_the_ceiling_start_in_two_graph_sized_steps(model_dir, async_scheduling, layout):
+    scheduler, per_step, cached, outputs = next_turns_at_once(model_dir, 24, async_scheduling, layout=layout)
+    _, per_step_off, cached_off, outputs_off = next_turns_at_once(model_dir, 0, async_scheduling, layout=layout)
     assert per_step_off == [4], "negative control: without the rule the four share one step"
     assert per_step == [2, 2]
     assert cached == cached_off == [48] * 4  # each restored at its exact boundary either way
