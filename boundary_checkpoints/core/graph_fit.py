@@ -124,3 +124,12 @@ def graph_fit_for(
         counters.rows_fit_to_graph += waiting
 
     return GraphFit(tokens, 1 + num_spec_tokens, is_restored, rows_behind, count)
+
+
+def startup_phrase(rule: GraphFit | None, setting: int | str) -> str:
+    """What the startup line says of the rule: its ceiling, or why ``auto`` left it off."""
+    if rule is not None:
+        return rule.startup_phrase()
+    if setting == "auto":
+        return ", restored prompts not fitted to CUDA graphs (auto: batches with prefills run without them)"
+    return ""

@@ -38,6 +38,7 @@ from boundary_checkpoints.core.checkpoint import Checkpoint
 from boundary_checkpoints.core.chunk_stops import ChunkStopMixin, request_is_eligible
 from boundary_checkpoints.core.drafters import reads_next_token
 from boundary_checkpoints.core.graph_fit import graph_fit_for
+from boundary_checkpoints.core.graph_fit import startup_phrase as graph_fit_phrase
 from boundary_checkpoints.core.hit_balance import HitBalance
 from boundary_checkpoints.core.keys import CheckpointKey, make_key, root_discriminator
 from boundary_checkpoints.core.kv_manager import PressureRelievingKVCacheManager, YieldingBlockPool, stop_counting
@@ -185,7 +186,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
             self._pool_grid_line()
             + (PrefixInFlight.STARTUP_PHRASE if self.kv_cache_manager.prefix_in_flight else "")
             + (together_phrase if shared_hits.active else "")
-            + (self._graph_fit.startup_phrase() if self._graph_fit else ""),
+            + graph_fit_phrase(self._graph_fit, self.boundary_config.graph_fit_tokens),
         )
 
     def _count_shared_hit_release(self) -> None:

@@ -18,7 +18,7 @@ import pytest
 from shadow_scheduler import Driver, build_scheduler, make_request, tokens
 
 from boundary_checkpoints.compat import mixed_batch_graph_ceiling
-from boundary_checkpoints.core.graph_fit import GraphFit, defers, graph_fit_for, waiting_rows
+from boundary_checkpoints.core.graph_fit import GraphFit, defers, graph_fit_for, startup_phrase, waiting_rows
 from boundary_checkpoints.settings import BoundaryConfig
 
 # ---- the rule ---------------------------------------------------------------------------------
@@ -88,6 +88,9 @@ def test_the_setting_and_the_ceiling():
     assert rule("auto", 512, 3).ceiling == 512
     assert rule(256, 512, 3).decode_tokens == 4
     assert BoundaryConfig(graph_fit_tokens=64).graph_fit_tokens == 64
+    assert "past 512 tokens" in startup_phrase(rule("auto", 512), "auto")
+    assert "(auto: batches with prefills run without them)" in startup_phrase(None, "auto")
+    assert startup_phrase(None, 0) == ""
 
 
 def test_the_ceiling_is_vllms_largest_graph_for_batches_with_prefills():
