@@ -145,26 +145,23 @@ class PressureRelievingKVCacheManager(KVCacheManager):
     graph_fit: Any = None  # core/graph_fit.GraphFit, set by the scheduler (or None)
 
     def allocate_slots(self, request, num_new_tokens, *args, **kwargs):  # type: ignore[override]
-        in_flight = self.prefix_in_flight
-        start = request.num_computed_tokens
-        new = request.status == RequestStatus.WAITING and not start
-        if in_flight is not None:
-            start += kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
-            if new and in_flight.waits(request, start):
-                return None  # vLLM's answer for "not in this step": it tries again next step
-        graph_fit = self.graph_fit
-        if graph_fit is not None:
-            begin = request.num_computed_tokens + kwargs.get("num_new_computed_tokens", 0)
-            begin += kwargs.get("num_external_computed_tokens", 0)
-            if new and graph_fit.waits(request, begin, num_new_tokens):
-                return None
+        in_flight, graph_fit = self.prefix_in_flight, self.graph_fit
+        new = request.status == RequestStatus.WAITING and not request.num_computed_tokens
+        start = request.num_computed_tokens  # where this step's tokens start: past the hit
+        start += kwargs.get("num_new_computed_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
+        if new and in_flight is not None and in_flight.waits(request, start):
+            return None  # vLLM's answer for "not in this step": it tries again next step
+        if new and graph_fit is not None and graph_fit.waits(request, start, num_new_tokens):
+            return None
         releases = self.shared_hits.marks_to_release(request, kwargs) if self.shared_hits is not None else None
         blocks = self._allocate_relieving_pressure(request, num_new_tokens, *args, **kwargs)
-        if blocks is not None and releases:
+        if blocks is None:
+            return None
+        if releases:
             self.shared_hits.allocated(request, releases)
-        if blocks is not None and graph_fit is not None:
-            graph_fit.allocated(request, begin, num_new_tokens)
-        if blocks is not None and in_flight is not None:
+        if graph_fit is not None:
+            graph_fit.allocated(request, start, num_new_tokens)
+        if in_flight is not None:
             if new:
                 in_flight.admitted(request, start)
             in_flight.computed(request, start, start + num_new_tokens)
