@@ -25,15 +25,19 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
+def crosses(step_tokens: int, row_tokens: int, ceiling: int) -> bool:
+    """Whether a row of ``row_tokens`` takes this step so far (``step_tokens``: at least one row, at
+    most ``ceiling``) past ``ceiling``."""
+    return 0 < step_tokens <= ceiling < step_tokens + row_tokens
+
+
 def defers(step_tokens: int, row_tokens: int, next_tokens: int, rest: Sequence[int | None], ceiling: int) -> bool:
     """Whether a new row of ``row_tokens`` waits for the next step: this step so far
     (``step_tokens``: at least one row, at most ``ceiling``) would cross ``ceiling`` with it, and
     the next step fits ``ceiling`` with ``next_tokens`` (from the rows in this step) and ``rest``
     (this row and the waiting rows behind it, whole; None: a row the rule cannot size, which may be
     long). Otherwise waiting would only add a step to an eager one."""
-    if not 0 < step_tokens <= ceiling or step_tokens + row_tokens <= ceiling:
-        return False
-    if any(row is None for row in rest):
+    if not crosses(step_tokens, row_tokens, ceiling) or any(row is None for row in rest):
         return False
     return next_tokens + sum(row for row in rest if row is not None) <= ceiling
 
@@ -80,8 +84,8 @@ class GraphFit:
     def waits(self, request: Any, start: int, num_new_tokens: int) -> bool:
         """Whether the new ``request``, computing ``num_new_tokens`` from ``start`` (its hit), starts
         a step later."""
-        crosses = 0 < self._step_tokens <= self.ceiling < self._step_tokens + num_new_tokens
-        if self._waited_last_step or not crosses or not self._is_restored(request):
+        past = crosses(self._step_tokens, num_new_tokens, self.ceiling)
+        if self._waited_last_step or not past or not self._is_restored(request):
             return False  # the waiting queue is read only where the step would cross the ceiling
         rest = [request.num_tokens - start, *self._rows_behind(request)]
         if not defers(self._step_tokens, num_new_tokens, self._next_tokens, rest, self.ceiling):

@@ -135,6 +135,11 @@ class RestoreMixin:
         root = self._root(request)
         return lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root)
 
+    def _is_restored(self, request: Request) -> bool:
+        """Whether this ``schedule()``'s lookup gave ``request`` a bundle's hit."""
+        ledger = self._ledgers.get(request.request_id)
+        return ledger is not None and ledger.restored_from is not None
+
     def _tokens_after_restore(self, request: Request) -> int | None:
         """The tokens a waiting ``request`` would compute from the store's hit, read without a lookup
         (nothing counted or touched); None without one."""

@@ -152,7 +152,7 @@ class BoundaryCheckpointMixin(RestoreMixin, ChunkStopMixin, CaptureMixin, PoolGr
         self.kv_cache_manager.shared_hits = shared_hits if together and shared_hits.active else None
         self._graph_fit = graph_fit_for(
             self.boundary_config.graph_fit_tokens, mixed_batch_graph_ceiling(self.vllm_config), self.num_spec_tokens,
-            is_restored=lambda request: self._ledgers[request.request_id].restored_from is not None,
+            is_restored=self._is_restored,
             rows_behind=self._waiting_rows_behind, counters=self.checkpoint_store.counters,
         )  # fmt: skip
         self.kv_cache_manager.graph_fit = self._graph_fit
