@@ -43,11 +43,9 @@ class RestoreMixin:
             return blocks, num_hit, shared_boundary, diverged
         if self._hits_inside_blocks and num_hit % self.cache_config.block_size:
             blocks, num_hit = self._without_short_rows(request, blocks, num_hit)
-        if not request_is_eligible(request):
-            self._count_lookup(request, None, MissReason.INELIGIBLE)
-            return blocks, num_hit, shared_boundary, diverged
-        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
-            self._count_lookup(request, None, MissReason.CACHE_BYPASSED)
+        barred = self._barred_from_restore(request)
+        if barred is not None:
+            self._count_lookup(request, None, barred)
             return blocks, num_hit, shared_boundary, diverged
         parents = self._parents(request)
         pending = self._scheduled_pending_hit(request)
@@ -135,6 +133,15 @@ class RestoreMixin:
         root = self._root(request)
         return lambda start: parent_of(start, request.block_hashes, self.hash_block_size, root)
 
+    def _barred_from_restore(self, request: Request) -> MissReason | None:
+        """Why no bundle may serve ``request`` (a prefix not described by token ids alone, or a request
+        that bypasses the prefix cache), or None."""
+        if not request_is_eligible(request):
+            return MissReason.INELIGIBLE
+        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            return MissReason.CACHE_BYPASSED
+        return None
+
     def _is_restored(self, request: Request) -> bool:
         """Whether this ``schedule()``'s lookup gave ``request`` a bundle's hit."""
         ledger = self._ledgers.get(request.request_id)
@@ -143,9 +150,7 @@ class RestoreMixin:
     def _tokens_after_restore(self, request: Request) -> int | None:
         """The tokens a waiting ``request`` would compute from the store's hit, read without a lookup
         (nothing counted or touched); None without one."""
-        if request.status != RequestStatus.WAITING or not request_is_eligible(request):
-            return None
-        if not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+        if request.status != RequestStatus.WAITING or self._barred_from_restore(request) is not None:
             return None
         limit = request.num_tokens - self._restore_tail
         hit = self.checkpoint_store.peek(request.all_token_ids, limit, self._parents(request), self.hash_block_size)

@@ -57,7 +57,7 @@ from boundary_checkpoints.core.eviction import LruEvictionPolicy
 from boundary_checkpoints.core.keys import CheckpointKey
 from boundary_checkpoints.core.kinds import CheckpointKind, MissReason
 from boundary_checkpoints.core.reuse import ReuseTracker
-from boundary_checkpoints.core.store_query import StoreAnswer, miss_reason, scan
+from boundary_checkpoints.core.store_query import StoreAnswer, lost_to_row_rule, miss_reason, scan
 
 
 @dataclass
@@ -157,7 +157,9 @@ class CheckpointStore:
         if classify_miss and hit is None:
             if refused is not None and refused.num_tokens > stock_hit:
                 reason = MissReason.DRAFT_NEXT_TOKEN
-            elif self._lost_to_row_rule(tokens, max_tokens, without_row_rule, parents, hash_block_size, stock_hit):
+            elif lost_to_row_rule(
+                self._by_parent, tokens, max_tokens, without_row_rule, parents, hash_block_size, stock_hit
+            ):
                 reason = MissReason.SHORT_ROW
             else:
                 reason = miss_reason(self._by_parent, self.reuse, tokens, max_tokens, parents, hash_block_size, longest)
@@ -170,21 +172,6 @@ class CheckpointStore:
         :meth:`query` would find it, with no side effect (nothing touched, evicted or counted)."""
         hit, _ = scan(self._by_parent, tokens, max_tokens, parents, hash_block_size)
         return hit if hit is not None and hit.intact() else None
-
-    def _lost_to_row_rule(
-        self,
-        tokens: Sequence[int],
-        max_tokens: int,
-        without_row_rule: int | None,
-        parents: Callable[[int], Hashable | None],
-        hash_block_size: int,
-        stock_hit: int,
-    ) -> bool:
-        """A bundle longer than ``stock_hit`` serves ``tokens`` within ``without_row_rule`` tokens."""
-        if without_row_rule is None or without_row_rule <= max_tokens:
-            return False
-        hit, _ = scan(self._by_parent, tokens, without_row_rule, parents, hash_block_size)
-        return hit is not None and hit.num_tokens > stock_hit
 
     # ---- lifecycle -----------------------------------------------------------------------
     def publish(self, checkpoint: Checkpoint) -> bool:

@@ -4,8 +4,9 @@ Contract: :func:`scan` walks the request's tails once, deepest hash block first,
 the longest retained bundle that serves the tokens and the longest one whether it serves them or
 not (the next-token guard's refusal costs no second walk); it has no side effects.
 :func:`miss_reason` classifies a lookup that found no serving bundle, from that scan's longest;
-its one side effect is the regret it records (``core/reuse.py``). ``CheckpointStore.query`` calls
-both and returns a :class:`StoreAnswer`.
+its one side effect is the regret it records (``core/reuse.py``); :func:`lost_to_row_rule` tells a
+miss the row rule caused by a second scan. ``CheckpointStore.query`` calls them and returns a
+:class:`StoreAnswer`.
 """
 
 from __future__ import annotations
@@ -95,3 +96,20 @@ def miss_reason(
         if start > 0 or any(tail[:1] == tuple(tokens[:1]) for tail in tails):
             return MissReason.DIVERGED
     return MissReason.NO_CHECKPOINT
+
+
+def lost_to_row_rule(
+    index: Index,
+    tokens: Sequence[int],
+    max_tokens: int,
+    without_row_rule: int | None,
+    parents: Callable[[int], Hashable | None],
+    hash_block_size: int,
+    stock_hit: int,
+) -> bool:
+    """A bundle longer than ``stock_hit`` serves ``tokens`` within ``without_row_rule`` tokens, the
+    limit before the row rule lowered it to ``max_tokens`` (no side effects)."""
+    if without_row_rule is None or without_row_rule <= max_tokens:
+        return False
+    hit, _ = scan(index, tokens, without_row_rule, parents, hash_block_size)
+    return hit is not None and hit.num_tokens > stock_hit
