@@ -148,6 +148,8 @@ def summary_table(result: dict, level: dict, markdown: bool = False) -> str:
         row("prompts that waited for a prefix in flight", "prompts_waited", lambda v: num(v, 0))
     if any((summ[p].get("shared_hits_released") or {}).get("median") for p in labels):
         row("prompts started beside a shared cached prefix", "shared_hits_released", lambda v: num(v, 0))
+    if any((summ[p].get("rows_fit_to_graph") or {}).get("median") for p in labels):  # graph_fit_tokens
+        row("requests started a step later to fit a CUDA graph", "rows_fit_to_graph", lambda v: num(v, 0))
     if any((summ[p].get("capture_copies") or {}).get("median") for p in labels):  # where /metrics has them
         row("capture-copy launches", "capture_copies", lambda v: num(v, 0))
         row("capture-copy time ms", "capture_copy_us", lambda v: num(None if v is None else v / 1000, 2))

@@ -4,7 +4,8 @@ Contract: ``scrape_counters`` reads vLLM's ``SLOT_COUNTERS`` from a server's ``/
 (preemptions; with speculative decoding, drafts and accepted tokens; the plugin's capture copies
 and their time in microseconds, its own estimate of the prompt tokens it served beyond
 stock's cache and short of it, the new prompts that waited for a prefix in flight, and the
-allocations whose same-step mark on a shared hit it took back), ``counter_deltas`` gives
+allocations whose same-step mark on a shared hit it took back, and the requests that started a
+step later to fit a CUDA graph), ``counter_deltas`` gives
 their growth over a slot and ``slot_counters`` the slot's summary entries from it (with the mean
 acceptance length, None without speculative decoding). ``flush_plugin_stats`` makes the engine log
 one more plugin stats line, so that the log's peak ``bytes_retained`` covers the whole slot.
@@ -32,6 +33,7 @@ SLOT_COUNTERS = {  # summary key -> vLLM's Prometheus counter, read from /metric
     "stock_tokens_lost": "vllm:boundary_checkpoint_stock_tokens_lost",
     "prompts_waited": "vllm:boundary_checkpoint_prompts_waited",  # plugin, speculative decoding
     "shared_hits_released": "vllm:boundary_checkpoint_shared_hits_released",  # plugin
+    "rows_fit_to_graph": "vllm:boundary_checkpoint_rows_fit_to_graph",  # plugin, CUDA graphs
 }
 SCALES = {"capture_copy_us": 1_000_000}  # key -> factor from the series' unit (seconds) to the key's
 PROMETHEUS_SAMPLE = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{.*\})?\s+(?P<value>\S+)")
