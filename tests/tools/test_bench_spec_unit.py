@@ -61,14 +61,14 @@ def test_parse_counters_sums_engines_and_skips_neighbouring_series():
     assert counters == {"preemptions": 5, "spec_drafts": 200, "spec_accepted_tokens": 350,
                         "capture_copies": None, "capture_copy_us": None, "tokens_beyond_stock": None,
                         "stock_tokens_lost": None, "prompts_waited": None,
-                        "shared_hits_released": None}  # fmt: skip
+                        "shared_hits_released": None, "rows_fit_to_graph": None}  # fmt: skip
 
 
 def test_parse_counters_without_speculation_or_endpoint():
     assert slot_metrics.parse_counters(COMMON, slot_metrics.SLOT_COUNTERS) == {
         "preemptions": 5, "spec_drafts": None, "spec_accepted_tokens": None, "capture_copies": None,
         "capture_copy_us": None, "tokens_beyond_stock": None, "stock_tokens_lost": None,
-        "prompts_waited": None, "shared_hits_released": None}  # fmt: skip
+        "prompts_waited": None, "shared_hits_released": None, "rows_fit_to_graph": None}  # fmt: skip
     assert slot_metrics.parse_counters("", slot_metrics.SLOT_COUNTERS) == dict.fromkeys(slot_metrics.SLOT_COUNTERS)
     # a counter exposed under its bare name (no `_total`) counts too
     bare = 'vllm:spec_decode_num_drafts{engine="0"} 7\n'
