@@ -81,7 +81,8 @@
 #                                other, turns24's settings): 8,100-token prompts answered with 64 tokens, then resent
 #                                with 100 more, $NEXT24_BATCHES rows at once (1,8), 6 rounds, the profiled call at the
 #                                largest batch; $NEXT24_KWARGS: the engine's vllm.LLM arguments (turns24's: dummy
-#                                weights, max_model_len 16384, max_num_seqs 64, so CUDA graphs up to 128 tokens)
+#                                weights, max_model_len 16384, max_num_seqs 64, so CUDA graphs up to 128 tokens);
+#                                NEXT24_NOFIT=1: a third engine, the plugin with graph_fit_tokens 0 ("nofit")
 stage=${1:?usage: prompt_end_session.sh turns|chat|chat24|kimi|glmfix|glmmtp|glmmtp2|glmdflash|bounds|specend|specend2|endfamilies|copypool|glmcrash|glmprobe|nemotronmtp|glm|glmfresh|glmunit|glmmtpunit|pressure|pressure24|turns24|mtp24|fresh24|aa24|nextturn24}
 mkdir -p /tmp/r/logs
 set -u
@@ -290,10 +291,12 @@ case "$stage" in
   nextturn24)
     bc-bench --write-model /tmp/qwen3_next_80b_24l --arch qwen3_next_80b_24l > /dev/null || exit 1
     engine='{"load_format": "dummy", "max_model_len": 16384, "max_num_seqs": 64}'
+    nofit=()  # NEXT24_NOFIT=1: a third engine, the plugin with graph_fit_tokens 0 (label "nofit")
+    [[ -n ${NEXT24_NOFIT:-} ]] && nofit=(--variant 'nofit={"policy": "request_boundaries", "prompt_capture": "in_step", "graph_fit_tokens": 0}')
     timeout 560 python3 benchmarks/step_profile.py --model /tmp/qwen3_next_80b_24l --configs aligned,in_step \
       --batch "${NEXT24_BATCHES:-1,8}" --prompt-len 8100 --answer 64 --next-turn 100 --repeat 6 \
       --llm-kwargs "${NEXT24_KWARGS:-$engine}" \
-      --additional-config '{"gdn_prefill_backend": "triton"}' --gpu-memory-utilization 0.6 \
+      --additional-config '{"gdn_prefill_backend": "triton"}' --gpu-memory-utilization 0.6 "${nofit[@]}" \
       --out /tmp/r/$stage.json --torch-profile /tmp/r/$stage-profile 2>&1 | grep -v -i warn | tee /tmp/r/$stage.log | tail -40
     ;;
   pressure24)
