@@ -23,7 +23,10 @@ stock's hit for the same request beside the plugin's own estimate of them (``sto
 ``--rounds R`` runs R rounds of new conversations on one engine (a warm pool after the first, as
 the GPU benchmark's rounds on a server that stays up). ``--without-grid-blocks`` runs the plugin
 with its bundles holding no block-grid hit (contract 7 of ``docs/design.md``): the comparison that
-shows what those blocks are for.
+shows what those blocks are for; ``--always-yield`` runs it as if its hit balance were always
+losing (``core/hit_balance.py``: bundles give way to every cached block, captures that would
+evict one are refused), the comparison that tells a loss retention causes from one the changed
+order of vLLM's free queue causes.
 
     .venv/bin/python benchmarks/superset_check.py --blocks 80,120,200,400 --seeds 6
 """
@@ -145,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--retention", default="borrow", help="the plugin's retention (default borrow)")
     parser.add_argument("--prompt-admission", default="auto", help="the plugin's prompt_admission (default auto)")
     parser.add_argument("--without-grid-blocks", action="store_true", help="bundles hold no block-grid hit")
+    parser.add_argument("--always-yield", action="store_true", help="the hit balance always losing")
     parser.add_argument("--ring-kpool", type=int, default=None,
                         help="GLM-5.3-Flash's layout: an indexer tail ring on this pool grid (tokens)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write every request's cached tokens here (JSON)")
@@ -157,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         from boundary_checkpoints.core.scheduler import BoundaryCheckpointMixin
 
         BoundaryCheckpointMixin._grid_blocks = lambda self, request, num_tokens, plan: ()
+    if args.always_yield:
+        from boundary_checkpoints.core.hit_balance import HitBalance
+
+        HitBalance.losing = lambda self: True
     model_dir = write_model_dir(Path(tempfile.mkdtemp(prefix="bc-superset-")))
     rows = []
     for blocks in (int(b) for b in args.blocks.split(",")):
