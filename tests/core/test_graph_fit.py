@@ -117,11 +117,14 @@ LAYOUTS = {
 }
 
 
-def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_prompt=45, layout="qwen3_next"):
+def next_turns_at_once(
+    model_dir, graph_fit, async_scheduling=False, first_prompt=45, layout="qwen3_next", last_bypasses_cache=False
+):
     """Four first turns of ``first_prompt`` tokens answered with 4 tokens, then their next turns (9
     new tokens each) sent at once: (the scheduler, prefill rows per step until all started, cached
     tokens, answers). At 45 tokens each restores at 48, a block boundary, and computes its 10
-    tokens in one chunk; at 40 at 43, and its first chunk ends at the block's end (5 tokens)."""
+    tokens in one chunk; at 40 at 43, and its first chunk ends at the block's end (5 tokens).
+    ``last_bypasses_cache``: the last next turn skips the prefix cache (as with prompt logprobs)."""
     scheduler, worker = build_scheduler(
         model_dir, policy="request_boundaries", block_size=16, num_blocks=512, max_num_seqs=16,
         max_num_batched_tokens=512, max_model_len=1024, async_scheduling=async_scheduling, prompt_capture="auto",
@@ -132,6 +135,7 @@ def next_turns_at_once(model_dir, graph_fit, async_scheduling=False, first_promp
     first = [make_request(tokens(rng, first_prompt), max_tokens=4) for _ in range(4)]
     answers = driver.run(first)
     turns = [make_request(r.prompt_token_ids + a + tokens(rng, 9), max_tokens=3) for r, a in zip(first, answers)]
+    turns[-1].skip_reading_prefix_cache = last_bypasses_cache
     per_step, outputs = driver.start_at_once(turns)
     return scheduler, per_step, [driver.cached_tokens[r.request_id] for r in turns], outputs
 
@@ -151,6 +155,13 @@ def test_restored_next_turns_past_the_ceiling_start_in_two_graph_sized_steps(mod
 def test_nothing_waits_where_the_rest_would_not_fit_the_next_graph(model_dir):
     scheduler, per_step, cached, _ = next_turns_at_once(model_dir, 15)
     assert per_step == [4] and cached == [48] * 4
+    assert scheduler.checkpoint_store.counters.rows_fit_to_graph == 0
+
+
+def test_a_waiting_request_that_skips_the_prefix_cache_is_not_sized_as_a_restore(model_dir):
+    """The fourth next turn computes its whole prompt: the rule cannot tell the next step fits."""
+    scheduler, per_step, cached, _ = next_turns_at_once(model_dir, 24, last_bypasses_cache=True)
+    assert per_step == [4] and cached == [48, 48, 48, 0]
     assert scheduler.checkpoint_store.counters.rows_fit_to_graph == 0
 
 
