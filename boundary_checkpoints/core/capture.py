@@ -4,13 +4,13 @@ step, publish it once that step returned, or discard it (contracts 2-5 in ``docs
 Contract: :class:`CaptureMixin` keeps the pending bundles (:class:`PendingCapture`); a pending
 bundle owns one reference per block it will hold until it is published (the store takes them
 over) or discarded (they are given back). It reads the scheduler's state that
-``BoundaryCheckpointMixin.__init__`` sets.
+``BoundaryCheckpointMixin.__init__`` sets, and asks ``core/yielding.py`` whether a capture's new
+blocks would thrash vLLM's cache (``_capture_would_thrash``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 from vllm.logger import init_logger
@@ -19,7 +19,6 @@ from boundary_checkpoints.compat import (
     Request,
     SchedulerOutput,
     block_grid_hit,
-    free_queue_order,
     sampled_token_ids,
 )
 from boundary_checkpoints.core.boundaries import (
@@ -40,12 +39,6 @@ from boundary_checkpoints.core.pool_snapshots import with_state_blocks
 from boundary_checkpoints.core.step_copies import IN_STEP_CAPTURES_ATTR, POST_FORWARD_COPIES_ATTR
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
-
-
-def frees_uncached(block) -> bool:
-    """A retained block whose release gives the pool a block no cache entry names (the store's
-    reference is the last one)."""
-    return block.ref_cnt == 1 and block.block_hash is None
 
 
 @dataclass
@@ -275,28 +268,6 @@ class CaptureMixin:
         if adopt:
             pending.ready_seq = self._sched_seq if in_flight is None else in_flight.seq
         self._pending.append(pending)
-
-    def _cached_ahead(self, num_blocks: int) -> list:
-        """The blocks of vLLM's prefix cache among the next ``num_blocks`` the pool hands out."""
-        return [
-            block for block in islice(free_queue_order(self._block_pool), num_blocks) if block.block_hash is not None
-        ]
-
-    def _capture_would_thrash(self, num_blocks: int) -> bool:
-        """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
-        vLLM's prefix cache (more than yielding every bundle gives back) while bundles yield to
-        every cached block (:meth:`_yields_to_every_cached`: before any reuse was seen, while
-        those blocks are within the bundles' reuse horizon, or while bundles cost more cached
-        tokens than they served). Such a bundle is a bet on a reuse not yet seen, or would cost
-        stock cached blocks as likely to be read again as itself, or loses on balance. The store
-        remembers a refused key, so reuse is learned all the same."""
-        store = self.checkpoint_store
-        if not store.borrow:
-            return False
-        cached = self._cached_ahead(num_blocks)
-        if len(cached) <= store.freeable_blocks(frees_uncached):
-            return False
-        return self._yields_to_every_cached(max(self._block_pool.freed_at(block) for block in cached))
 
     def _grid_blocks(self, request: Request, num_tokens: int, plan) -> tuple[tuple, ...]:
         """Per KV group, the blocks of vLLM's own block-grid hit for ``request``'s first

@@ -7,16 +7,26 @@ preempt for want of ``shortfall`` blocks: a pool-grid snapshot goes first, then 
 whose copies have not run, else one bundle whose release frees blocks, unless releasing all of
 them would still leave the shortfall. ``_yield_to_cache(n)``, before vLLM hands out ``n`` blocks
 that would include blocks of its prefix cache: prompt captures whose copies have not run, then
-bundles, in the order its docstring gives. It reads the scheduler's ``checkpoint_store``,
-``_hit_balance``, ``_block_pool`` and ``_pending`` and the pool-grid and capture mixins'
-``_release_snapshot``, ``_snapshot_blocks``, ``_cached_ahead`` and ``_drop_before_copies``.
+bundles, in the order its docstring gives. ``_capture_would_thrash(n)`` tells capture whether a
+new bundle's ``n`` blocks would cost vLLM's cache what the bundles now yield to, and
+``_cached_ahead(n)`` which cached blocks the pool hands out next. It reads the scheduler's
+``checkpoint_store``, ``_hit_balance``, ``_block_pool`` and ``_pending`` and the pool-grid and
+capture mixins' ``_release_snapshot``, ``_snapshot_blocks`` and ``_drop_before_copies``.
 """
 
 from __future__ import annotations
 
-from boundary_checkpoints.compat import get_block_hash
+from itertools import islice
+
+from boundary_checkpoints.compat import free_queue_order, get_block_hash
 from boundary_checkpoints.core.boundaries import PROMPT
-from boundary_checkpoints.core.capture import PendingCapture, frees_uncached
+from boundary_checkpoints.core.capture import PendingCapture
+
+
+def frees_uncached(block) -> bool:
+    """A retained block whose release gives the pool a block no cache entry names (the store's
+    reference is the last one)."""
+    return block.ref_cnt == 1 and block.block_hash is None
 
 
 class YieldingMixin:
@@ -102,3 +112,25 @@ class YieldingMixin:
         it serves stock's hit), and while bundles cost more cached tokens than they served
         (``core/hit_balance.py``)."""
         return self._hit_balance.losing() or self.checkpoint_store.within_reuse_horizon(freed_at)
+
+    def _cached_ahead(self, num_blocks: int) -> list:
+        """The blocks of vLLM's prefix cache among the next ``num_blocks`` the pool hands out."""
+        return [
+            block for block in islice(free_queue_order(self._block_pool), num_blocks) if block.block_hash is not None
+        ]
+
+    def _capture_would_thrash(self, num_blocks: int) -> bool:
+        """Under retention ``borrow``: whether ``num_blocks`` new blocks would evict blocks of
+        vLLM's prefix cache (more than yielding every bundle gives back) while bundles yield to
+        every cached block (:meth:`_yields_to_every_cached`: before any reuse was seen, while
+        those blocks are within the bundles' reuse horizon, or while bundles cost more cached
+        tokens than they served). Such a bundle is a bet on a reuse not yet seen, or would cost
+        stock cached blocks as likely to be read again as itself, or loses on balance. The store
+        remembers a refused key, so reuse is learned all the same."""
+        store = self.checkpoint_store
+        if not store.borrow:
+            return False
+        cached = self._cached_ahead(num_blocks)
+        if len(cached) <= store.freeable_blocks(frees_uncached):
+            return False
+        return self._yields_to_every_cached(max(self._block_pool.freed_at(block) for block in cached))
