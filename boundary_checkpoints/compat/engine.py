@@ -82,13 +82,21 @@ def gdn_prefill_backend(vllm_config) -> str:
     return _resolve_gdn_prefill_backend(vllm_config)[1]
 
 
+def _mixed_batch_graph_mode(vllm_config):
+    """The CUDA graph mode ``vllm_config`` replays batches that hold prefills with
+    (``cudagraph_mode.mixed_mode()``), or None where the config names no mode."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    return mode.mixed_mode() if isinstance(mode, CUDAGraphMode) else None
+
+
 def mixed_batches_replay_full_graphs(vllm_config) -> bool:
     """True when ``vllm_config``'s CUDA graph mode replays batches that hold prefills from FULL
     graphs (``cudagraph_mode`` FULL: a layer's Python forward then does not run on replay)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    return isinstance(mode, CUDAGraphMode) and mode.mixed_mode() == CUDAGraphMode.FULL
+    return _mixed_batch_graph_mode(vllm_config) == CUDAGraphMode.FULL
 
 
 def mixed_batch_graph_ceiling(vllm_config) -> int:
@@ -97,13 +105,10 @@ def mixed_batch_graph_ceiling(vllm_config) -> int:
     graph mode with no graph for mixed batches, a platform without graphs)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    compilation = getattr(vllm_config, "compilation_config", None)
-    mode = getattr(compilation, "cudagraph_mode", None)
-    if getattr(vllm_config.model_config, "enforce_eager", False) or not isinstance(mode, CUDAGraphMode):
+    mode = _mixed_batch_graph_mode(vllm_config)
+    if getattr(vllm_config.model_config, "enforce_eager", False) or mode in (None, CUDAGraphMode.NONE):
         return 0
-    if mode.mixed_mode() == CUDAGraphMode.NONE:
-        return 0
-    return int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
+    return int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
 
 
 def reclass_instance(obj: object, subclass: type) -> None:

@@ -101,13 +101,6 @@ class GraphFit:
         left = request.num_tokens - start - num_new_tokens
         self._next_tokens += left if left > 0 else self.decode_tokens
 
-    def startup_phrase(self) -> str:
-        """The startup line's account of the rule."""
-        return (
-            f", restored prompts that would take a step past {self.ceiling} tokens (the largest CUDA graph with "
-            "prefills, graph_fit_tokens) start in the next step when they fit its graph"
-        )
-
 
 def graph_fit_for(
     setting: int | str,
@@ -133,7 +126,10 @@ def graph_fit_for(
 def startup_phrase(rule: GraphFit | None, setting: int | str) -> str:
     """What the startup line says of the rule: its ceiling, or why ``auto`` left it off."""
     if rule is not None:
-        return rule.startup_phrase()
+        return (
+            f", restored prompts that would take a step past {rule.ceiling} tokens (the largest CUDA graph with "
+            "prefills, graph_fit_tokens) start in the next step when they fit its graph"
+        )
     if setting == "auto":
         return ", restored prompts not fitted to CUDA graphs (auto: batches with prefills run without them)"
     return ""
