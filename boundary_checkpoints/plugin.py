@@ -5,7 +5,7 @@ installs one config hook; whenever vLLM finalizes a ``VllmConfig``, :func:`apply
 ``additional_config["boundary_checkpoints"]`` (and ``VLLM_BOUNDARY_CHECKPOINTS_POLICY``), runs the
 policy gate (``gate.py``), logs the decision once, and, when boundary retention is on, selects the
 plugin's scheduler class (sync or async, matching vLLM's own choice) and the matching worker class
-(``wiring.py``). A
+(``wiring.py``), and raises the CUDA graph ceiling where the user set none (``graph_ceiling.py``). A
 ``scheduler_cls`` the user configured that subclasses ``BoundaryCheckpointMixin`` is kept instead
 (``--scheduler-cls``; the tests load a fault-injecting one this way). ``aligned`` and every
 fallback leave the config untouched, so vLLM runs exactly as stock. Bad settings raise at startup.
@@ -24,6 +24,7 @@ from vllm.logger import init_logger
 
 from boundary_checkpoints import config_hook
 from boundary_checkpoints.gate import decide_policy, log_decision_once
+from boundary_checkpoints.graph_ceiling import raise_graph_ceiling, user_set_capture_sizes
 from boundary_checkpoints.settings import ENV_POLICY, BoundaryConfig
 from boundary_checkpoints.versions import check_vllm_version, installed_vllm_version, is_supported_vllm
 from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES
@@ -31,8 +32,9 @@ from boundary_checkpoints.wiring import SCHEDULER_CLASSES, WORKER_CLASSES
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log handler prints it
 
 
-def apply_policy(vllm_config) -> None:
-    """Gate the policy for ``vllm_config`` and install the scheduler class it needs."""
+def apply_policy(vllm_config, capture_sizes_set: bool = False) -> None:
+    """Gate the policy for ``vllm_config`` and install the scheduler class it needs; where the user
+    set no CUDA graph capture size (``capture_sizes_set``), raise the graph ceiling."""
     from boundary_checkpoints.compat import interface_mismatches
 
     config = BoundaryConfig.for_engine(vllm_config)
@@ -46,6 +48,9 @@ def apply_policy(vllm_config) -> None:
         # else: a user-given subclass of the plugin's scheduler mixin (the gate accepted it): kept
         parallel_config = vllm_config.parallel_config
         parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
+        ceiling_line = raise_graph_ceiling(vllm_config, config.graph_ceiling_tokens, capture_sizes_set)
+        if ceiling_line is not None:
+            logger.info("%s", ceiling_line)
 
 
 def register() -> None:
@@ -53,7 +58,7 @@ def register() -> None:
     if not is_supported_vllm(version):
         _register_unsupported(version)
         return
-    config_hook.install_vllm_config_hook(apply_policy)
+    config_hook.install_vllm_config_hook(apply_policy, remember=user_set_capture_sizes)
 
 
 def _register_unsupported(version: str) -> None:
@@ -65,5 +70,5 @@ def _register_unsupported(version: str) -> None:
         check_vllm_version(version, BoundaryConfig.from_additional_config(None).policy, logger)
         return
     config_hook.install_vllm_config_hook(
-        lambda vllm_config: check_vllm_version(version, BoundaryConfig.for_engine(vllm_config).policy, logger)
+        lambda vllm_config, _: check_vllm_version(version, BoundaryConfig.for_engine(vllm_config).policy, logger)
     )

@@ -137,6 +137,7 @@ _FIELD_CHECKS = {
     "prefix_match_unit": _one_of(MATCH_UNITS),
     "shared_hits_together": _check_auto_or_flag,
     "graph_fit_tokens": _check_auto_or_token_count,
+    "graph_ceiling_tokens": _check_auto_or_token_count,
 }
 
 
@@ -231,6 +232,13 @@ class BoundaryConfig:
     ``auto`` (default): the largest CUDA graph vLLM replays for batches with prefills
     (``max_cudagraph_capture_size``; off where they run eagerly: a CPU, ``--enforce-eager``). 0:
     off. The startup log says which."""
+
+    graph_ceiling_tokens: int | str = "auto"
+    """The largest CUDA graph vLLM captures, where the user set no capture size
+    (``max_cudagraph_capture_size`` / ``cudagraph_capture_sizes``) and vLLM's default is smaller
+    (``graph_ceiling.py``): 8 restored next turns of about 100 tokens then replay one graph step
+    instead of two. ``auto`` (default): 1,024 (vLLM's own default on Blackwell; 512 on Hopper).
+    0: vLLM's. Not under speculative decoding. The startup log says when it raises it."""
 
     def __post_init__(self) -> None:
         for key, check in _FIELD_CHECKS.items():

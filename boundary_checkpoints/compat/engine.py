@@ -13,6 +13,8 @@ function that reads it, on first call. Names and the behaviour relied on:
   (:func:`gdn_prefill_backend`) and the CUDA graph mode of mixed batches
   (:func:`mixed_batches_replay_full_graphs`), the largest CUDA graph a batch that holds prefills
   replays (:func:`mixed_batch_graph_ceiling`); the model's tokenizer (:func:`engine_tokenizer`).
+* ``VllmConfig._set_cudagraph_sizes`` (:func:`recompute_cuda_graph_sizes`): vLLM's own sizing of
+  CUDA graph captures from ``max_cudagraph_capture_size``, run again after the plugin raises it.
 * Instances vLLM builds (scheduler's KV cache manager and coordinator, model runner, GDN layers,
   OpenAI serving objects) get a plugin subclass by ``__class__`` assignment
   (:func:`reclass_instance`), and one re-classed only for a while gets vLLM's class back
@@ -33,6 +35,7 @@ __all__ = [
     "platform_is_cpu",
     "platform_name",
     "reclass_instance",
+    "recompute_cuda_graph_sizes",
     "restore_class",
 ]
 
@@ -109,6 +112,12 @@ def mixed_batch_graph_ceiling(vllm_config) -> int:
     if getattr(vllm_config.model_config, "enforce_eager", False) or mode in (None, CUDAGraphMode.NONE):
         return 0
     return int(getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+
+
+def recompute_cuda_graph_sizes(vllm_config) -> None:
+    """Have vLLM size ``vllm_config``'s CUDA graph captures again from its compilation config's
+    ``max_cudagraph_capture_size`` / ``cudagraph_capture_sizes`` (as its ``__post_init__`` does)."""
+    vllm_config._set_cudagraph_sizes()
 
 
 def reclass_instance(obj: object, subclass: type) -> None:

@@ -2,8 +2,9 @@
 installed vLLM.
 
 Contract: :func:`interface_mismatches` (scheduler, KV cache manager, coordinator and block pool
-methods, and ``SchedulerOutput`` fields) and :func:`frontend_interface_mismatches` (the OpenAI serving methods)
-return how the installed vLLM differs, empty when it matches; they never raise for a difference.
+methods, vLLM's CUDA graph sizing, and ``SchedulerOutput`` fields) and
+:func:`frontend_interface_mismatches` (the OpenAI serving methods) return how the installed vLLM
+differs, empty when it matches; they never raise for a difference.
 The plugin asks them before it installs anything, so a different vLLM falls back at startup
 instead of failing at the first request.
 """
@@ -16,6 +17,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
+from boundary_checkpoints.compat.engine import VllmConfig
 from boundary_checkpoints.compat.frontend import openai_serving_classes
 from boundary_checkpoints.compat.scheduler import KVCacheManager, Scheduler, SchedulerOutput
 
@@ -48,6 +50,7 @@ _EXPECTED_PARAMETERS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (BlockPool, "_maybe_evict_cached_block", ("block",)),
     (BlockPool, "get_cached_block", ("block_hash", "kv_cache_group_ids")),
     (FreeKVCacheBlockQueue, "iter_blocks_after", ("cursor",)),
+    (VllmConfig, "_set_cudagraph_sizes", ()),
 )
 _EXPECTED_KEYWORDS: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (KVCacheManager, "allocate_slots", ("reserved_blocks", "has_scheduled_reqs", "num_external_computed_tokens")),

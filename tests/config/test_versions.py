@@ -9,6 +9,7 @@ import pytest
 import vllm
 
 from boundary_checkpoints import plugin, versions
+from boundary_checkpoints.graph_ceiling import user_set_capture_sizes
 from boundary_checkpoints.settings import CONFIG_KEY, ENV_POLICY
 from boundary_checkpoints.versions import (
     SUPPORTED_VLLM_VERSIONS,
@@ -139,8 +140,8 @@ def test_register_on_supported_vllm_installs_the_config_hook(monkeypatch, fresh_
     from boundary_checkpoints import config_hook
 
     installed = []
-    monkeypatch.setattr(config_hook, "install_vllm_config_hook", installed.append)
+    monkeypatch.setattr(config_hook, "install_vllm_config_hook", lambda *a, **k: installed.append((a, k)))
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")
     plugin.register()
-    assert installed == [plugin.apply_policy]
+    assert installed == [((plugin.apply_policy,), {"remember": user_set_capture_sizes})]
     assert fresh_state.lines == []

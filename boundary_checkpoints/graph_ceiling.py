@@ -1,0 +1,49 @@
+"""The CUDA graph ceiling under boundary checkpoints (``graph_ceiling_tokens``).
+
+Contract: restored requests compute few tokens (a next turn: its new message and the previous
+answer), so several arriving together make a step of a few hundred to a thousand tokens, which
+runs eagerly past vLLM's largest CUDA graph (512 tokens by default on Hopper). Where the user set
+no capture size, :func:`raise_graph_ceiling` raises that ceiling to ``graph_ceiling_tokens``
+(``auto``: 1,024, vLLM's own default on Blackwell) and has vLLM recompute its capture sizes, as
+vLLM does itself for GPT-OSS. It leaves the config as vLLM made it under speculative decoding
+(vLLM's default then adds decode sizes that an explicit ceiling would drop), without graphs for
+mixed batches, and where the ceiling already reaches the target. Returns the log line, or None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+AUTO_CEILING_TOKENS = 1024
+
+
+def user_set_capture_sizes(vllm_config: Any) -> bool:
+    """True when the config, before vLLM finalizes it, names a CUDA graph capture size or ceiling."""
+    compilation = vllm_config.compilation_config
+    return compilation.cudagraph_capture_sizes is not None or compilation.max_cudagraph_capture_size is not None
+
+
+def target_ceiling(setting: int | str) -> int:
+    """The ceiling ``graph_ceiling_tokens`` asks for (0: vLLM's own)."""
+    return AUTO_CEILING_TOKENS if setting == "auto" else int(setting)
+
+
+def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool) -> str | None:
+    """Raise ``vllm_config``'s CUDA graph ceiling to ``setting``'s target where the rules above
+    allow; the startup line that says so, or None where the config stays as vLLM made it."""
+    from boundary_checkpoints.compat import mixed_batch_graph_ceiling, recompute_cuda_graph_sizes
+
+    target = target_ceiling(setting)
+    ceiling = mixed_batch_graph_ceiling(vllm_config)
+    if user_set or target == 0 or ceiling == 0 or ceiling >= target:
+        return None
+    if int(getattr(vllm_config, "uniform_decode_query_len", 1)) > 1:
+        return None
+    vllm_config.compilation_config.max_cudagraph_capture_size = target
+    vllm_config.compilation_config.cudagraph_capture_sizes = None
+    recompute_cuda_graph_sizes(vllm_config)
+    raised = mixed_batch_graph_ceiling(vllm_config)
+    return (
+        f"boundary_checkpoints: CUDA graphs up to {raised} tokens (vLLM's default here: {ceiling}), so a step "
+        "of restored next turns arriving together replays a graph (graph_ceiling_tokens; 0 keeps vLLM's)"
+    )

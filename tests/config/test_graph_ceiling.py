@@ -1,0 +1,80 @@
+"""The CUDA graph ceiling under boundary checkpoints (``graph_ceiling.py``): raised to 1,024 tokens
+where the user set no capture size, with vLLM's own sizing (``VllmConfig._set_cudagraph_sizes``,
+run on a stand-in config that borrows it) recomputing the capture list; left as vLLM made it
+where the user set one, under speculative decoding, without graphs, or at ``graph_ceiling_tokens``
+0. A CPU engine replays no graphs, so these are the checks the CPU can run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import VllmConfig
+from vllm.config.compilation import CompilationConfig, CUDAGraphMode
+
+from boundary_checkpoints.compat import mixed_batch_graph_ceiling
+from boundary_checkpoints.graph_ceiling import raise_graph_ceiling, user_set_capture_sizes
+
+
+class StandInConfig:
+    """The fields vLLM's capture sizing reads, and that sizing itself (vLLM's method)."""
+
+    _set_cudagraph_sizes = VllmConfig._set_cudagraph_sizes
+
+    def __init__(self, *, max_num_seqs=256, max_num_batched_tokens=8192, decode_query_len=1, **compilation):
+        self.compilation_config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, **compilation)
+        self.user_set = user_set_capture_sizes(self)  # read before vLLM fills its defaults in
+        self.model_config = SimpleNamespace(enforce_eager=False)
+        self.scheduler_config = SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
+        self.speculative_config = None
+        self.performance_mode = "throughput"
+        self.uniform_decode_query_len = decode_query_len
+        self._set_cudagraph_sizes()  # vLLM's default, as its __post_init__ runs it
+
+
+def test_the_ceiling_rises_to_1024_where_the_user_set_none():
+    config = StandInConfig()
+    assert mixed_batch_graph_ceiling(config) == 512  # vLLM's default on Hopper at 256 sequences
+    line = raise_graph_ceiling(config, "auto", config.user_set)
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert mixed_batch_graph_ceiling(config) == 1024
+    assert sizes[-1] == 1024 and 512 in sizes and 808 not in sizes and 816 in sizes
+    assert line is not None and "up to 1024 tokens (vLLM's default here: 512)" in line
+
+
+def test_the_ceiling_follows_the_setting_and_vllms_batch_limit():
+    config = StandInConfig()
+    raise_graph_ceiling(config, 768, config.user_set)
+    assert mixed_batch_graph_ceiling(config) == 768
+    small_batches = StandInConfig(max_num_batched_tokens=600)
+    raise_graph_ceiling(small_batches, "auto", small_batches.user_set)
+    assert mixed_batch_graph_ceiling(small_batches) == 600  # vLLM caps graphs at a step's tokens
+
+
+@pytest.mark.parametrize(
+    ("config", "setting"),
+    [
+        (StandInConfig(max_cudagraph_capture_size=512), "auto"),  # the user's ceiling
+        (StandInConfig(cudagraph_capture_sizes=[1, 2, 4, 8]), "auto"),  # the user's sizes
+        (StandInConfig(), 0),  # vLLM's ceiling asked for
+        (StandInConfig(max_num_seqs=1024, max_num_batched_tokens=2048, max_cudagraph_capture_size=1024), "auto"),
+        (StandInConfig(decode_query_len=4), "auto"),  # speculative decoding: vLLM's decode sizes stay
+    ],
+    ids=["user_ceiling", "user_sizes", "setting_0", "already_1024", "speculative"],
+)
+def test_the_config_stays_as_vllm_made_it(config, setting):
+    before = list(config.compilation_config.cudagraph_capture_sizes)
+    assert raise_graph_ceiling(config, setting, config.user_set) is None
+    assert config.compilation_config.cudagraph_capture_sizes == before
+
+
+def test_no_graphs_for_mixed_batches_no_ceiling_to_raise():
+    eager = StandInConfig()
+    eager.model_config.enforce_eager = True
+    decode_only = StandInConfig()
+    decode_only.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    for config in (eager, decode_only):
+        assert raise_graph_ceiling(config, "auto", False) is None
+        assert config.compilation_config.max_cudagraph_capture_size == 512
