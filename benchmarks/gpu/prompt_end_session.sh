@@ -244,9 +244,9 @@ case "$stage" in
     fi
     timeout 560 bc-bench --write-model /tmp/glm --arch ${GLM_ARCH:-glm5_next_flash_dense} --launch /tmp/glm \
       --log-dir /tmp/r/logs "${policies[@]}" "${glm_pair[@]}" --server-arg='--load-format dummy' \
-      ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
+      ${GLM_SPEC:+--server-arg="--speculative-config '$GLM_SPEC'"} \
       --server-arg='--max-model-len 20000' \
-      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager \
+      --server-arg='--max-num-seqs 64' --server-arg=--no-enforce-eager ${GLM_SERVER_ARG:+--server-arg="$GLM_SERVER_ARG"} \
       "${workload[@]}" "${THINK_ARGS[@]}" --repeat 6 --time-budget ${GLM_BUDGET:-520} --startup-timeout "${GLM_STARTUP_TIMEOUT:-420}" \
       --out-json /tmp/r/$stage.json --markdown 2>&1 | tee /tmp/r/$stage.log | tail -60
     ;;
