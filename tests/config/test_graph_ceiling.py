@@ -9,11 +9,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from gate_fakes import supported_fake
 from vllm.config import VllmConfig
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 
 from boundary_checkpoints.compat import mixed_batch_graph_ceiling
 from boundary_checkpoints.graph_ceiling import raise_graph_ceiling, user_set_capture_sizes
+from boundary_checkpoints.settings import CONFIG_KEY
 
 
 class StandInConfig:
@@ -78,3 +80,27 @@ def test_no_graphs_for_mixed_batches_no_ceiling_to_raise():
     for config in (eager, decode_only):
         assert raise_graph_ceiling(config, "auto", False) is None
         assert config.compilation_config.max_cudagraph_capture_size == 512
+
+
+def _engine_config(policy: str) -> StandInConfig:
+    """A stand-in the plugin's policy gate accepts (``gate_fakes``), with vLLM's capture sizing."""
+    config = StandInConfig()
+    gate_view = supported_fake()
+    for section in ("cache_config", "parallel_config", "kv_transfer_config", "lora_config"):
+        setattr(config, section, getattr(gate_view, section))
+    config.model_config = SimpleNamespace(**vars(gate_view.model_config), enforce_eager=False)
+    config.scheduler_config.scheduler_cls, config.scheduler_config.async_scheduling = None, False
+    config.parallel_config.worker_cls = "vllm.v1.worker.cpu_worker.CPUWorker"
+    config.additional_config = {CONFIG_KEY: {"policy": policy}}
+    return config
+
+
+def test_the_plugin_raises_the_ceiling_only_where_it_turns_boundaries_on_and_no_size_was_set():
+    from boundary_checkpoints import plugin
+
+    enabled, user_sized, stock = _engine_config("auto"), _engine_config("auto"), _engine_config("aligned")
+    plugin.apply_policy(enabled, False)
+    plugin.apply_policy(user_sized, True)
+    plugin.apply_policy(stock, False)
+    assert enabled.scheduler_config.scheduler_cls is not None  # boundary retention is on
+    assert [mixed_batch_graph_ceiling(c) for c in (enabled, user_sized, stock)] == [1024, 512, 512]
