@@ -7,7 +7,8 @@ no capture size, :func:`raise_graph_ceiling` raises that ceiling to ``graph_ceil
 (``auto``: 1,024, vLLM's own default on Blackwell) and has vLLM recompute its capture sizes, as
 vLLM does itself for GPT-OSS. It leaves the config as vLLM made it under speculative decoding
 (vLLM's default then adds decode sizes that an explicit ceiling would drop), without graphs for
-mixed batches, and where the ceiling already reaches the target. Returns the log line, or None.
+mixed batches, where the ceiling already reaches the target, and where no step has more tokens
+than it (``max_num_batched_tokens``). Returns the log line, or None.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool) ->
         return None
     if int(getattr(vllm_config, "uniform_decode_query_len", 1)) > 1:
         return None
+    step_limit = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
+    if step_limit is not None and step_limit <= ceiling:
+        return None  # no step is larger than vLLM's graphs already
     vllm_config.compilation_config.max_cudagraph_capture_size = target
     vllm_config.compilation_config.cudagraph_capture_sizes = None
     recompute_cuda_graph_sizes(vllm_config)

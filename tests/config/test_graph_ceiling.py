@@ -63,8 +63,9 @@ def test_the_ceiling_follows_the_setting_and_vllms_batch_limit():
         (StandInConfig(), 0),  # vLLM's ceiling asked for
         (StandInConfig(max_num_seqs=1024, max_num_batched_tokens=2048, max_cudagraph_capture_size=1024), "auto"),
         (StandInConfig(decode_query_len=4), "auto"),  # speculative decoding: vLLM's decode sizes stay
+        (StandInConfig(max_num_batched_tokens=512), "auto"),  # no step past vLLM's graphs
     ],
-    ids=["user_ceiling", "user_sizes", "setting_0", "already_1024", "speculative"],
+    ids=["user_ceiling", "user_sizes", "setting_0", "already_1024", "speculative", "small_steps"],
 )
 def test_the_config_stays_as_vllm_made_it(config, setting):
     before = list(config.compilation_config.cudagraph_capture_sizes)
