@@ -8,7 +8,8 @@ no capture size, :func:`raise_graph_ceiling` raises that ceiling to ``graph_ceil
 vLLM does itself for GPT-OSS. It leaves the config as vLLM made it under speculative decoding
 (vLLM's default then adds decode sizes that an explicit ceiling would drop), without graphs for
 mixed batches, where the ceiling already reaches the target, and where no step has more tokens
-than it (``max_num_batched_tokens``). Returns the log line, or None.
+than it (``max_num_batched_tokens``). Where vLLM's sizing raises, vLLM's own sizes are put back.
+Returns the log line, or None.
 """
 
 from __future__ import annotations
@@ -43,9 +44,14 @@ def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool) ->
     step_limit = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
     if step_limit is not None and step_limit <= ceiling:
         return None  # no step is larger than vLLM's graphs already
-    vllm_config.compilation_config.max_cudagraph_capture_size = target
-    vllm_config.compilation_config.cudagraph_capture_sizes = None
-    recompute_cuda_graph_sizes(vllm_config)
+    compilation = vllm_config.compilation_config
+    vllms = (compilation.max_cudagraph_capture_size, list(compilation.cudagraph_capture_sizes))
+    compilation.max_cudagraph_capture_size, compilation.cudagraph_capture_sizes = target, None
+    try:
+        recompute_cuda_graph_sizes(vllm_config)
+    except Exception as error:  # vLLM refused the ceiling: its own sizes stand
+        compilation.max_cudagraph_capture_size, compilation.cudagraph_capture_sizes = vllms
+        return f"boundary_checkpoints: CUDA graphs left at vLLM's {ceiling} tokens: raising them failed ({error!r})"
     raised = mixed_batch_graph_ceiling(vllm_config)
     return (
         f"boundary_checkpoints: CUDA graphs up to {raised} tokens (vLLM's default here: {ceiling}), so a step "

@@ -105,3 +105,18 @@ def test_the_plugin_raises_the_ceiling_only_where_it_turns_boundaries_on_and_no_
     plugin.apply_policy(stock, False)
     assert enabled.scheduler_config.scheduler_cls is not None  # boundary retention is on
     assert [mixed_batch_graph_ceiling(c) for c in (enabled, user_sized, stock)] == [1024, 512, 512]
+
+
+def test_where_vllms_sizing_refuses_the_ceiling_its_own_sizes_stand(monkeypatch):
+    config = StandInConfig()
+    before = list(config.compilation_config.cudagraph_capture_sizes)
+
+    def refuse(self):
+        self.compilation_config.cudagraph_capture_sizes = [1]  # a half-done sizing, then the error
+        raise ValueError("no such size")
+
+    monkeypatch.setattr(StandInConfig, "_set_cudagraph_sizes", refuse)
+    line = raise_graph_ceiling(config, "auto", False)
+    assert line is not None and "left at vLLM's 512 tokens" in line and "no such size" in line
+    assert config.compilation_config.cudagraph_capture_sizes == before
+    assert mixed_batch_graph_ceiling(config) == 512
