@@ -9,7 +9,7 @@ vLLM does itself for GPT-OSS. It leaves the config as vLLM made it under specula
 (vLLM's default then adds decode sizes that an explicit ceiling would drop), without graphs for
 mixed batches, where the ceiling already reaches the target, and where no step has more tokens
 than it (``max_num_batched_tokens``). Where vLLM's sizing raises, vLLM's own sizes are put back.
-Returns the log line, or None.
+The log says what it did.
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ def target_ceiling(setting: int | str) -> int:
     return AUTO_CEILING_TOKENS if setting == "auto" else int(setting)
 
 
-def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool) -> str | None:
+def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool, logger: Any) -> None:
     """Raise ``vllm_config``'s CUDA graph ceiling to ``setting``'s target where the rules above
-    allow; the startup line that says so, or None where the config stays as vLLM made it."""
+    allow, and say so on ``logger`` (INFO; WARNING where vLLM refused it)."""
     from boundary_checkpoints.compat import mixed_batch_graph_ceiling, recompute_cuda_graph_sizes
 
     target = target_ceiling(setting)
     ceiling = mixed_batch_graph_ceiling(vllm_config)
     if user_set or target == 0 or ceiling == 0 or ceiling >= target:
-        return None
+        return
     if int(getattr(vllm_config, "uniform_decode_query_len", 1)) > 1:
-        return None
+        return
     step_limit = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
     if step_limit is not None and step_limit <= ceiling:
-        return None  # no step is larger than vLLM's graphs already
+        return  # no step is larger than vLLM's graphs already
     compilation = vllm_config.compilation_config
     vllms = (compilation.max_cudagraph_capture_size, list(compilation.cudagraph_capture_sizes))
     compilation.max_cudagraph_capture_size, compilation.cudagraph_capture_sizes = target, None
@@ -51,9 +51,13 @@ def raise_graph_ceiling(vllm_config: Any, setting: int | str, user_set: bool) ->
         recompute_cuda_graph_sizes(vllm_config)
     except Exception as error:  # vLLM refused the ceiling: its own sizes stand
         compilation.max_cudagraph_capture_size, compilation.cudagraph_capture_sizes = vllms
-        return f"boundary_checkpoints: CUDA graphs left at vLLM's {ceiling} tokens: raising them failed ({error!r})"
-    raised = mixed_batch_graph_ceiling(vllm_config)
-    return (
-        f"boundary_checkpoints: CUDA graphs up to {raised} tokens (vLLM's default here: {ceiling}), so a step "
-        "of restored next turns arriving together replays a graph (graph_ceiling_tokens; 0 keeps vLLM's)"
+        logger.warning(
+            "boundary_checkpoints: CUDA graphs left at vLLM's %d tokens: raising them failed (%r)", ceiling, error
+        )
+        return
+    logger.info(
+        "boundary_checkpoints: CUDA graphs up to %d tokens (vLLM's default here: %d), so a step of restored next "
+        "turns arriving together replays a graph (graph_ceiling_tokens; 0 keeps vLLM's)",
+        mixed_batch_graph_ceiling(vllm_config),
+        ceiling,
     )

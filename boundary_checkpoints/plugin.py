@@ -48,9 +48,7 @@ def apply_policy(vllm_config, capture_sizes_set: bool = False) -> None:
         # else: a user-given subclass of the plugin's scheduler mixin (the gate accepted it): kept
         parallel_config = vllm_config.parallel_config
         parallel_config.worker_cls = WORKER_CLASSES.get(parallel_config.worker_cls, parallel_config.worker_cls)
-        ceiling_line = raise_graph_ceiling(vllm_config, config.graph_ceiling_tokens, capture_sizes_set)
-        if ceiling_line is not None:
-            logger.info("%s", ceiling_line)
+        raise_graph_ceiling(vllm_config, config.graph_ceiling_tokens, capture_sizes_set, logger)
 
 
 def register() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from gate_fakes import supported_fake
+from gate_fakes import RecordingLogger, supported_fake
 from vllm.config import VllmConfig
 from vllm.config.compilation import CompilationConfig, CUDAGraphMode
 
@@ -39,19 +39,21 @@ class StandInConfig:
 def test_the_ceiling_rises_to_1024_where_the_user_set_none():
     config = StandInConfig()
     assert mixed_batch_graph_ceiling(config) == 512  # vLLM's default on Hopper at 256 sequences
-    line = raise_graph_ceiling(config, "auto", config.user_set)
+    logger = RecordingLogger()
+    raise_graph_ceiling(config, "auto", config.user_set, logger)
     sizes = config.compilation_config.cudagraph_capture_sizes
     assert mixed_batch_graph_ceiling(config) == 1024
     assert sizes[-1] == 1024 and 512 in sizes and 808 not in sizes and 816 in sizes
-    assert line is not None and "up to 1024 tokens (vLLM's default here: 512)" in line
+    [(level, line)] = logger.calls
+    assert level == "info" and "up to 1024 tokens (vLLM's default here: 512)" in line
 
 
 def test_the_ceiling_follows_the_setting_and_vllms_batch_limit():
     config = StandInConfig()
-    raise_graph_ceiling(config, 768, config.user_set)
+    raise_graph_ceiling(config, 768, config.user_set, RecordingLogger())
     assert mixed_batch_graph_ceiling(config) == 768
     small_batches = StandInConfig(max_num_batched_tokens=600)
-    raise_graph_ceiling(small_batches, "auto", small_batches.user_set)
+    raise_graph_ceiling(small_batches, "auto", small_batches.user_set, RecordingLogger())
     assert mixed_batch_graph_ceiling(small_batches) == 600  # vLLM caps graphs at a step's tokens
 
 
@@ -69,8 +71,9 @@ def test_the_ceiling_follows_the_setting_and_vllms_batch_limit():
 )
 def test_the_config_stays_as_vllm_made_it(config, setting):
     before = list(config.compilation_config.cudagraph_capture_sizes)
-    assert raise_graph_ceiling(config, setting, config.user_set) is None
-    assert config.compilation_config.cudagraph_capture_sizes == before
+    logger = RecordingLogger()
+    raise_graph_ceiling(config, setting, config.user_set, logger)
+    assert config.compilation_config.cudagraph_capture_sizes == before and logger.calls == []
 
 
 def test_no_graphs_for_mixed_batches_no_ceiling_to_raise():
@@ -79,8 +82,9 @@ def test_no_graphs_for_mixed_batches_no_ceiling_to_raise():
     decode_only = StandInConfig()
     decode_only.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     for config in (eager, decode_only):
-        assert raise_graph_ceiling(config, "auto", False) is None
-        assert config.compilation_config.max_cudagraph_capture_size == 512
+        logger = RecordingLogger()
+        raise_graph_ceiling(config, "auto", False, logger)
+        assert config.compilation_config.max_cudagraph_capture_size == 512 and logger.calls == []
 
 
 def _engine_config(policy: str) -> StandInConfig:
@@ -116,7 +120,9 @@ def test_where_vllms_sizing_refuses_the_ceiling_its_own_sizes_stand(monkeypatch)
         raise ValueError("no such size")
 
     monkeypatch.setattr(StandInConfig, "_set_cudagraph_sizes", refuse)
-    line = raise_graph_ceiling(config, "auto", False)
-    assert line is not None and "left at vLLM's 512 tokens" in line and "no such size" in line
+    logger = RecordingLogger()
+    raise_graph_ceiling(config, "auto", False, logger)
+    [(level, line)] = logger.calls
+    assert level == "warning" and "left at vLLM's 512 tokens" in line and "no such size" in line
     assert config.compilation_config.cudagraph_capture_sizes == before
     assert mixed_batch_graph_ceiling(config) == 512
