@@ -7,6 +7,8 @@ Contract (pure functions except ``read_text``):
   ``bytes_retained`` of every such line in a piece of log (None when there is none).
 - ``kv_pool_bytes``: the KV cache pool vLLM allotted ("Available KV cache memory: X GiB"), the
   denominator of the retained share the report gives.
+- ``graph_capture``: what vLLM's CUDA graph capture took at startup ("Graph capturing finished in
+  S secs, took G GiB"), the startup and memory cost of the graphs a server captures.
 - ``parse_block_size``: the attention block size vLLM chose for a hybrid ("Setting attention block
   size to N tokens"); ``resolve_block_size`` picks the block size from the command line, that log
   line or a ``--block-size`` server flag, in that order, and says where it came from.
@@ -26,6 +28,7 @@ _STATS_RE = re.compile(r"boundary_checkpoints: ((?:\w+=-?\d+(?:, )?)+)\s*$")
 _BYTES_RE = re.compile(r"boundary_checkpoints:.*\bbytes_retained=(\d+)")
 _BLOCK_SIZE_RE = re.compile(r"Setting attention block size to (\d+) tokens")
 _KV_POOL_RE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+_GRAPH_CAPTURE_RE = re.compile(r"Graph capturing finished in ([0-9.]+) secs, took (-?[0-9.]+) GiB")
 
 
 def parse_boundary_stats(log_text: str) -> dict[str, int] | None:
@@ -56,6 +59,15 @@ def kv_pool_bytes(log_text: str) -> int | None:
     """The KV cache memory vLLM allotted (the last such line of the log), in bytes, or None."""
     found = _KV_POOL_RE.findall(log_text)
     return int(float(found[-1]) * 2**30) if found else None
+
+
+def graph_capture(log_text: str) -> dict[str, float] | None:
+    """The last CUDA graph capture vLLM logged: ``{"seconds": S, "gib": G}``, or None."""
+    found = _GRAPH_CAPTURE_RE.findall(log_text)
+    if not found:
+        return None
+    seconds, gib = found[-1]
+    return {"seconds": float(seconds), "gib": float(gib)}
 
 
 def parse_block_size(log_text: str) -> int | None:

@@ -18,7 +18,8 @@ is known to be awake, and warms it up again after each wake (its KV cache was di
 before the next starts (the last stays awake). ``info[label]["sleep_others"]`` holds one entry per
 slot of that label: the seconds to wake it (None: it was awake), to put each other server to
 sleep (with the GPU memory the sleep freed, from the server log when known) and to warm it up;
-``info[label]["startup_sleep"]`` the sleep after its start. A server without the endpoints (404)
+``info[label]["startup_sleep"]`` the sleep after its start; ``info[label]["graph_capture"]`` what
+its CUDA graph capture took (``logs.graph_capture``). A server without the endpoints (404)
 or one that does not switch raises ``sleep_mode.SleepModeError``. With ``spec.keep_file`` as well,
 launched servers outlive the run (``kept_servers``' contract): the next run of the same launch
 adopts the live ones (``info[label]["kept"]``) instead of starting them and puts each to sleep, so
@@ -221,6 +222,7 @@ class LaunchedServers(ServerSet):
                 raise BudgetEndedDuringStart(label) from err
             raise SystemExit(f"[{label}] server failed to start: {err}") from err
         self.info[label]["ready_s"].append(round(ready, 1))
+        self.info[label]["graph_capture"] = logs.graph_capture(logs.read_text(server.log_path))
         progress.write(f"[{label}] ready in {ready:.1f} s")
         s = self.settings
         if s.block_size is None:

@@ -1,7 +1,7 @@
 """Fast tests of the bench exactness criteria (``bench.probes``: logprob deviations, divergence,
 bound calibration per prompt length, reference pairs, probe failures, ``ProbeRow`` JSON form) on
-hand-built answers, plus two readers of recorded results: ``runner.answer_variety`` and
-``logs.kv_pool_bytes``. No server, no vLLM engine."""
+hand-built answers, plus readers of recorded results: ``runner.answer_variety``,
+``logs.kv_pool_bytes`` and ``logs.graph_capture``. No server, no vLLM engine."""
 
 from __future__ import annotations
 
@@ -277,6 +277,15 @@ def test_kv_pool_bytes_reads_the_last_allotment():
            "(EngineCore pid=2569) INFO [gpu_worker.py:759] Available KV cache memory: 28.04 GiB\n")  # fmt: skip
     assert kv_pool_bytes(log) == int(28.04 * 2**30)
     assert kv_pool_bytes("no such line") is None
+
+
+def test_graph_capture_reads_the_last_capture():
+    from bc_tools.bench.logs import graph_capture
+
+    log = ("INFO [gpu_model_runner.py:6582] Graph capturing finished in 9 secs, took 0.31 GiB\n"
+           "INFO [gpu_model_runner.py:6582] Graph capturing finished in 14 secs, took 0.52 GiB\n")  # fmt: skip
+    assert graph_capture(log) == {"seconds": 14.0, "gib": 0.52}
+    assert graph_capture("Available KV cache memory: 28.04 GiB") is None
 
 
 def test_continuations_are_judged_against_decode_path_rounding_resends_are_not():
