@@ -28,8 +28,10 @@ HELPERS_DIR = str(Path(__file__).resolve().parent)  # a script's argument: it pu
 # for a GLM target): the Triton stand-in, vLLM's V2 model runner, and the imports every such
 # script uses.
 DRAFTER_SCRIPT_OPENING = r"""
-import json, math, os, sys
+import json, math, os, sys, tempfile
 sys.path.insert(0, sys.argv[1])  # tests/helpers/: the Triton stand-in
+# one process's distributed group, on a file store in a fresh directory: no port another run holds
+DIST_INIT = "file://" + os.path.join(tempfile.mkdtemp(prefix="bc-dist-"), "store")
 import fake_triton_cpu
 fake_triton_cpu.install()
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # after install(), which selects V1

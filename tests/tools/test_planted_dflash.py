@@ -139,7 +139,7 @@ for position, (name, drafter) in enumerate(sorted(drafters.items())):
     cls, _ = ModelRegistry.resolve_model_cls(drafter_config.architectures, model_config=drafter_config)
     with set_current_vllm_config(config), torch.inference_mode():
         if position == 0:
-            init_distributed_environment(1, 0, "tcp://127.0.0.1:29558", 0, backend="gloo")
+            init_distributed_environment(1, 0, DIST_INIT, 0, backend="gloo")
             initialize_model_parallel(1, 1)
         with set_default_torch_dtype(drafter_config.dtype):  # as vLLM's loader builds it
             model = cls(vllm_config=config, prefix="")
