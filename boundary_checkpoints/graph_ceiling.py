@@ -17,12 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 AUTO_CEILING_TOKENS = 1024
+CAPTURE_SIZE_FIELDS = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
 
 
 def user_set_capture_sizes(vllm_config: Any) -> bool:
     """True when the config, before vLLM finalizes it, names a CUDA graph capture size or ceiling."""
-    compilation = vllm_config.compilation_config
-    return compilation.cudagraph_capture_sizes is not None or compilation.max_cudagraph_capture_size is not None
+    compilation = getattr(vllm_config, "compilation_config", None)
+    return any(getattr(compilation, name, None) is not None for name in CAPTURE_SIZE_FIELDS)
 
 
 def target_ceiling(setting: int | str) -> int:
